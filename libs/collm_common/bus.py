@@ -1,0 +1,375 @@
+"""The NATS layer every service talks through.
+
+`Bus` owns one nats-py connection and gives services four things, each carrying W3C trace context
+in headers and msgpack wire messages in payloads:
+
+* `publish` / `subscribe` for events (telemetry, routing weights, publications);
+* `request` for one reply (control commands), raising `BusError` on an error reply;
+* `stream` for a request answered by many messages on an inbox (token streaming);
+* `service` to register a NATS micro service (`$SRV.PING|INFO|STATS`, so `nats micro ls` sees it)
+  whose endpoints decode their request, answer with a wire message, and turn refusals into error
+  replies (`Nats-Service-Error-Code` header plus an `ErrorReply` body) instead of crashing.
+
+The first connection is retried until `nats_connect_timeout_s` (nats-py does not retry it), later
+disconnects reconnect forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import nats
+import nats.micro
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.micro.request import Request, ServiceError
+from nats.micro.service import Service
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from pydantic import BaseModel, TypeAdapter
+
+from collm_common import tracing
+from collm_common.settings import CommonSettings
+from collm_common.wire import WireError, decode, encode
+from collm_common.wire.control import ErrorReply
+
+log = logging.getLogger(__name__)
+
+ERROR_HEADER = "Nats-Service-Error"
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+STATUS_HEADER = "Status"
+
+T = TypeVar("T")
+R = TypeVar("R", bound=BaseModel)
+
+
+class BusError(Exception):
+    """An error reply, a missing responder (503) or a timeout (504), with an HTTP-like code."""
+
+    def __init__(self, code: int, message: str, type_: str = "server_error") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.type = type_
+
+
+class NoResponders(BusError):
+    def __init__(self, subject: str) -> None:
+        super().__init__(503, f"no service is listening on {subject}", "service_unavailable")
+
+
+class ServiceFailure(Exception):
+    """Raise inside an endpoint handler to answer with an error reply of `code`."""
+
+    def __init__(self, code: int, message: str, type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.type = type_
+
+
+def error_of(msg: Msg, subject: str) -> BusError | None:
+    """The error a reply message carries, if any (micro error headers or a 503 status)."""
+    headers = msg.headers or {}
+    if headers.get(STATUS_HEADER) == "503" and not msg.data:
+        return NoResponders(subject)
+    if ERROR_CODE_HEADER in headers:
+        code_s = headers.get(ERROR_CODE_HEADER, "500")
+        code = int(code_s) if code_s.isdigit() else 500
+        text = headers.get(ERROR_HEADER, "error")
+        type_ = "server_error"
+        if msg.data:
+            with contextlib.suppress(WireError):
+                body = decode(ErrorReply, msg.data)
+                text, type_ = body.message, body.type
+        return BusError(code, text, type_)
+    return None
+
+
+Handler = Callable[[Any, Mapping[str, str]], Awaitable[BaseModel | None]]
+
+
+class MicroService:
+    """A NATS micro service; endpoints decode their request type and reply with a wire message."""
+
+    def __init__(self, bus: Bus, svc: Service) -> None:
+        self.bus = bus
+        self.svc = svc
+
+    @property
+    def id(self) -> str:
+        return self.svc.id
+
+    async def endpoint(
+        self,
+        name: str,
+        subject: str,
+        request_type: type[Any] | TypeAdapter[Any],
+        handler: Handler,
+        metadata: dict[str, str] | None = None,
+        queue_group: str | None = None,
+    ) -> None:
+        """Serve `subject`. `handler(request, headers)` returns the reply (or None: it replies itself)."""
+        tracer = tracing.tracer("collm.bus")
+
+        async def on_request(req: Request) -> None:
+            headers = req.headers or {}
+            with tracer.start_as_current_span(
+                f"{name} process",
+                context=tracing.extract(headers),
+                kind=SpanKind.SERVER,
+                attributes={"messaging.system": "nats", "messaging.destination.name": req.subject},
+            ) as span:
+                try:
+                    parsed = decode(request_type, req.data)
+                    reply = await handler(parsed, headers)
+                except (WireError, ServiceFailure) as exc:
+                    span.set_status(Status(StatusCode.ERROR, str(exc)))
+                    # Raised as micro's ServiceError so the reply carries the error headers and
+                    # `nats micro stats` counts it in num_errors.
+                    raise ServiceError(str(exc.code), _header_safe(str(exc))) from None
+                if reply is not None:
+                    await req.respond(encode(reply))
+
+        await self.svc.add_endpoint(
+            name=name, subject=subject, handler=on_request, metadata=metadata, queue_group=queue_group
+        )
+
+    async def stop(self) -> None:
+        await self.svc.stop()
+
+
+def _header_safe(text: str) -> str:
+    return text.replace("\r", " ").replace("\n", " ")[:512]
+
+
+async def respond_error(req: Request | Msg, code: int, message: str, type_: str = "server_error") -> None:
+    """Answer a request with an error reply: micro's error headers plus an `ErrorReply` body."""
+    body = encode(ErrorReply(code=code, type=type_, message=message))
+    headers = {ERROR_HEADER: _header_safe(message), ERROR_CODE_HEADER: str(code)}
+    if isinstance(req, Request):
+        await req.respond(body, headers=headers)
+    elif req.reply:
+        await req._client.publish(req.reply, body, headers=headers)
+
+
+class Bus:
+    """One NATS connection with CoLLM's conventions (see module docstring)."""
+
+    def __init__(self, nc: Client, name: str) -> None:
+        self.nc = nc
+        self.name = name
+        self._js: JetStreamContext | None = None
+        self._services: list[MicroService] = []
+        self._subs: list[Any] = []
+
+    @classmethod
+    async def connect(cls, settings: CommonSettings, name: str) -> Bus:
+        """Connect, retrying the first connection for `nats_connect_timeout_s` (then ConnectionError)."""
+        servers = [s.strip() for s in settings.nats_url.split(",")]
+
+        async def on_error(exc: Exception) -> None:
+            log.info("nats: %s", exc)
+
+        async def on_disconnect() -> None:
+            log.warning("nats disconnected")
+
+        async def on_reconnect() -> None:
+            log.info("nats reconnected")
+
+        # With max_reconnect_attempts=-1 nats-py also retries the *first* connection forever
+        # (every reconnect_time_wait), so the deadline is what bounds it.
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    servers=servers,
+                    name=name,
+                    user=settings.nats_user,
+                    password=settings.nats_password,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    ping_interval=5,
+                    max_outstanding_pings=2,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                ),
+                timeout=settings.nats_connect_timeout_s,
+            )
+        except TimeoutError:
+            raise ConnectionError(
+                f"cannot reach NATS at {settings.nats_url} within {settings.nats_connect_timeout_s:.0f}s"
+            ) from None
+        return cls(nc, name)
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    @property
+    def js(self) -> JetStreamContext:
+        if self._js is None:
+            self._js = self.nc.jetstream()
+        return self._js
+
+    async def close(self) -> None:
+        """Stop services, then drain (flushes pending publishes)."""
+        for svc in reversed(self._services):
+            with contextlib.suppress(Exception):
+                await svc.stop()
+        self._services.clear()
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- events ------------------------------------------------------------------------------------
+    async def publish(self, subject: str, msg: BaseModel, headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, encode(msg), headers=tracing.inject(headers))
+
+    async def subscribe(
+        self,
+        subject: str,
+        message_type: type[T] | TypeAdapter[T],
+        handler: Callable[[T, Msg], Awaitable[None]],
+        queue: str = "",
+    ) -> Any:
+        """Subscribe; malformed messages are counted (wire metrics) and dropped, never raised."""
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                parsed = decode(message_type, raw.data)
+            except WireError as exc:
+                log.warning("dropped malformed message on %s: %s", raw.subject, exc)
+                if raw.reply:
+                    await respond_error(raw, exc.code, str(exc), "invalid_request_error")
+                return
+            token = otel_context.attach(tracing.extract(raw.headers))
+            try:
+                await handler(parsed, raw)
+            except Exception:
+                log.exception("handler failed for %s", raw.subject)
+            finally:
+                otel_context.detach(token)
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        self._subs.append(sub)
+        return sub
+
+    # --- request / reply ---------------------------------------------------------------------------
+    async def request(
+        self,
+        subject: str,
+        msg: BaseModel,
+        reply_type: type[T] | TypeAdapter[T],
+        timeout_s: float = 5.0,
+        headers: dict[str, str] | None = None,
+    ) -> T:
+        """One request, one reply. Raises BusError (error reply), NoResponders (503) or BusError 504."""
+        span_name = f"{subject} request"
+        with tracing.tracer("collm.bus").start_as_current_span(
+            span_name,
+            kind=SpanKind.CLIENT,
+            attributes={"messaging.system": "nats", "messaging.destination.name": subject},
+        ):
+            try:
+                raw = await self.nc.request(
+                    subject, encode(msg), timeout=timeout_s, headers=tracing.inject(headers)
+                )
+            except nats.errors.NoRespondersError:
+                raise NoResponders(subject) from None
+            except nats.errors.TimeoutError:
+                raise BusError(504, f"no reply from {subject} within {timeout_s:.1f}s", "timeout") from None
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+                raise BusError(
+                    503, f"NATS unavailable: {type(exc).__name__}", "service_unavailable"
+                ) from None
+            err = error_of(raw, subject)
+            if err is not None:
+                raise err
+            try:
+                return decode(reply_type, raw.data)
+            except WireError as exc:
+                raise BusError(502, f"bad reply from {subject}: {exc}", "bad_gateway") from None
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        subject: str,
+        msg: BaseModel,
+        headers: dict[str, str] | None = None,
+        max_pending: int = 4096,
+    ) -> AsyncIterator[StreamReplies]:
+        """Send `msg` with a fresh inbox as reply subject and receive the replies until closed."""
+        inbox = self.nc.new_inbox()
+        queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=max_pending)
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                queue.put_nowait(raw)
+            except asyncio.QueueFull:
+                log.warning("stream %s overflowed; dropping a reply", inbox)
+
+        try:
+            sub = await self.nc.subscribe(inbox, cb=on_msg)
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+            raise BusError(503, f"NATS unavailable: {type(exc).__name__}", "service_unavailable") from None
+        try:
+            try:
+                await self.nc.publish(subject, encode(msg), reply=inbox, headers=tracing.inject(headers))
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+                raise BusError(
+                    503, f"NATS unavailable: {type(exc).__name__}", "service_unavailable"
+                ) from None
+            yield StreamReplies(subject, queue)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # --- micro services ----------------------------------------------------------------------------
+    async def service(
+        self, name: str, version: str, description: str, metadata: dict[str, str] | None = None
+    ) -> MicroService:
+        svc = await nats.micro.add_service(
+            self.nc, name=name, version=version, description=description, metadata=metadata or {}
+        )
+        micro = MicroService(self, svc)
+        self._services.append(micro)
+        return micro
+
+
+class StreamReplies:
+    """Replies of one `Bus.stream` call, in arrival order."""
+
+    def __init__(self, subject: str, queue: asyncio.Queue[Msg]) -> None:
+        self.subject = subject
+        self._queue = queue
+
+    async def next(self, timeout_s: float) -> Msg:
+        """The next reply; raises NoResponders, BusError (error reply) or BusError 504 on timeout."""
+        try:
+            raw = await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
+            raise BusError(504, f"{self.subject} did not answer within {timeout_s:.1f}s", "timeout") from None
+        err = error_of(raw, self.subject)
+        if err is not None:
+            raise err
+        return raw
+
+
+def span_error(span: trace.Span, exc: BaseException) -> None:
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, str(exc)))

@@ -1,0 +1,101 @@
+"""One way to start a service.
+
+    def main() -> None:
+        run_service("collm-replica", ReplicaSettings(), serve)
+
+    async def serve(ctx: ServiceContext) -> None:
+        bus = await ctx.stack.enter_async_context(await Bus.connect(ctx.settings, ctx.name))
+        ...                      # enter store, engine, endpoints in order
+        await ctx.stopping.wait()  # returns on SIGINT/SIGTERM
+
+`run_service` sets up logging, tracing and the metrics endpoint, turns SIGINT/SIGTERM into the
+`stopping` event, and unwinds everything `serve` entered on the exit stack in reverse order, whatever
+happened. Exit codes: 0 clean stop, 1 failure during start or run, 2 invalid settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from prometheus_client import start_http_server
+
+from collm_common.clock import Clock, WallClock
+from collm_common.logs import setup_logging
+from collm_common.settings import CommonSettings
+from collm_common.tracing import setup_tracing, shutdown_tracing
+
+S = TypeVar("S", bound=CommonSettings)
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_SETTINGS = 2
+
+
+@dataclass
+class ServiceContext(Generic[S]):
+    name: str
+    settings: S
+    stack: contextlib.AsyncExitStack
+    stopping: asyncio.Event
+    clock: Clock = field(default_factory=WallClock)
+    instance_id: str | None = None
+
+
+async def serve_until_stopped(
+    name: str,
+    settings: S,
+    serve: Callable[[ServiceContext[S]], Awaitable[None]],
+    stopping: asyncio.Event | None = None,
+    clock: Clock | None = None,
+    instance_id: str | None = None,
+) -> None:
+    """Run `serve` inside an exit stack; tests call this directly with their own `stopping` event."""
+    stopping = stopping or asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        ctx = ServiceContext(name, settings, stack, stopping, clock or WallClock(), instance_id)
+        await serve(ctx)
+
+
+def run_service(
+    name: str,
+    settings_factory: Callable[[], S],
+    serve: Callable[[ServiceContext[S]], Awaitable[None]],
+    instance_id: Callable[[S], str | None] | None = None,
+) -> None:
+    """Process entrypoint of a service (see module docstring). Never returns."""
+    try:
+        settings = settings_factory()
+    except Exception as exc:  # pydantic ValidationError: print what to change, exit 2
+        sys.stderr.write(f"{name}: invalid settings:\n{exc}\n")
+        sys.exit(EXIT_BAD_SETTINGS)
+    setup_logging(name, settings.log_level, settings.log_json)
+    iid = instance_id(settings) if instance_id else None
+    setup_tracing(name, iid)
+    if settings.metrics_port is not None:
+        start_http_server(settings.metrics_port, addr="0.0.0.0")
+
+    async def main() -> None:
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopping.set)
+        await serve_until_stopped(name, settings, serve, stopping, instance_id=iid)
+
+    code = EXIT_OK
+    try:
+        asyncio.run(main())
+        log.info("%s stopped", name)
+    except Exception:
+        log.exception("%s failed", name)
+        code = EXIT_FAILED
+    finally:
+        shutdown_tracing()
+    sys.exit(code)

@@ -1,0 +1,53 @@
+"""Settings shared by every service.
+
+Every service reads its configuration through a subclass of `CommonSettings`; nothing else in CoLLM reads
+the environment. Environment variables carry the `COLLM_` prefix (`COLLM_NATS_URL`, ...), values are
+validated when the settings object is built, and every field documents itself so the README table and the
+compose checks can be generated from the classes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CommonSettings(BaseSettings):
+    """Connection and observability settings that every service has."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="COLLM_", env_file=None, extra="ignore", validate_default=True, frozen=True
+    )
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated.")
+    nats_user: str | None = Field(None, description="NATS user name (when the server requires auth).")
+    nats_password: str | None = Field(None, description="NATS password for `nats_user`.")
+    nats_connect_timeout_s: float = Field(
+        30.0, gt=0, description="How long a service keeps retrying its first NATS connection."
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL of the adapter store.")
+    redis_prefix: str = Field(
+        "collm", pattern=r"^[A-Za-z0-9_.-]+$", description="Namespace of every Redis key CoLLM writes."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    log_json: bool = Field(True, description="Structured JSON logs (one object per line, with trace ids).")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Port of the Prometheus /metrics endpoint (None: off, 0: any)."
+    )
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_scheme(cls, v: str) -> str:
+        for url in v.split(","):
+            if not url.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError(f"COLLM_NATS_URL must be nats://host:port (got {url!r})")
+        return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"COLLM_REDIS_URL must be redis://host:port/db (got {v!r})")
+        return v

@@ -1,0 +1,116 @@
+"""Commands to replicas (`subjects.replica(id, "control")`) and the coordinator's published decisions.
+
+Every control command gets a `ControlReply`. Commands carry a `ttl_s` where a stale value would be
+unsafe: a replica that stops hearing from the coordinator falls back to its local default share.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from collm_common.wire.base import WireModel
+
+
+class SetFineTuneShare(WireModel):
+    op: Literal["set_share"] = "set_share"
+    share: float = Field(ge=0.0, le=1.0)
+    ttl_s: float = Field(10.0, gt=0)
+    reason: str = ""
+
+
+class StartTraining(WireModel):
+    """Start (or restart) the local training job of `adapter`, from `base_version` (None: current)."""
+
+    op: Literal["start_training"] = "start_training"
+    adapter: str
+    token_budget: int = Field(ge=1)
+    learning_rate: float = Field(2e-4, gt=0)
+    base_version: int | None = None
+    round_id: int | None = None
+    deadline_unix_s: float | None = None
+
+
+class StopTraining(WireModel):
+    op: Literal["stop_training"] = "stop_training"
+    adapter: str
+
+
+class PauseTraining(WireModel):
+    op: Literal["pause"] = "pause"
+
+
+class ResumeTraining(WireModel):
+    op: Literal["resume"] = "resume"
+
+
+class PublishNow(WireModel):
+    """Publish the live copy of `adapter` into its shadow now (a replica-local refresh)."""
+
+    op: Literal["publish_now"] = "publish_now"
+    adapter: str
+
+
+class SyncAdapter(WireModel):
+    """Load (or refresh to the current version of) `adapter` from the store."""
+
+    op: Literal["sync_adapter"] = "sync_adapter"
+    adapter: str
+    version: int | None = None
+
+
+ControlCommand = Annotated[
+    SetFineTuneShare
+    | StartTraining
+    | StopTraining
+    | PauseTraining
+    | ResumeTraining
+    | PublishNow
+    | SyncAdapter,
+    Field(discriminator="op"),
+]
+CONTROL_COMMAND = TypeAdapter(ControlCommand)
+CONTROL_COMMAND.schema_name = "collm.v1.ControlCommand"  # type: ignore[attr-defined]
+
+
+class ControlReply(WireModel):
+    ok: bool
+    message: str = ""
+    detail: dict[str, str] = Field(default_factory=dict)
+
+
+class RoutingWeights(WireModel):
+    """Fast-loop routing decision: a weight per replica, optionally per adapter (affinity)."""
+
+    ts_unix_s: float
+    ttl_s: float
+    weights: dict[str, float]
+    adapter_weights: dict[str, dict[str, float]] = Field(default_factory=dict)
+    policy: str = "collm"
+
+
+class ReplicaDecision(WireModel):
+    replica_id: str
+    ft_share: float
+    routing_weight: float
+    reason: str
+
+
+class CoordinatorDecisions(WireModel):
+    """What the coordinator decided at one tick and why (for `collm status` and metrics)."""
+
+    ts_unix_s: float
+    policy: str
+    loop: Literal["fast", "slow"]
+    replicas: list[ReplicaDecision] = Field(default_factory=list)
+    virtual_queue: float | None = None
+    note: str = ""
+
+
+class ErrorReply(WireModel):
+    """Body of an error reply on any request/reply endpoint (the code also travels in headers)."""
+
+    code: int
+    type: str
+    message: str

@@ -1,0 +1,111 @@
+"""The request path: gateway -> replica `generate`, and the streamed events back.
+
+Protocol. The gateway subscribes to a fresh inbox, then publishes a `GenerateRequest` to
+`subjects.replica(id, "generate")` with that inbox as the reply subject and W3C trace context in the
+headers. The replica answers on the inbox with a sequence of `GenerateEvent`s: exactly one `Accepted`
+or `GenerateError` first, then `TokenChunk`s numbered from 0 without gaps, then one `Finished` (or a
+`GenerateError` if generation fails midway). A gap in `seq` means a lost chunk and the gateway fails
+the stream with a clear error rather than return text with a hole. `CancelRequest` on
+`subjects.replica(id, "cancel")` stops a generation (client disconnect).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from collm_common.wire.base import WireModel
+
+
+class ChatMessage(WireModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class SamplingParams(WireModel):
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=8)
+    ignore_eos: bool = False
+
+
+class SloTargets(WireModel):
+    """Per-request latency targets; the gateway fills per-model defaults when the client sends none."""
+
+    ttft_ms: float | None = Field(None, gt=0)
+    tpot_ms: float | None = Field(None, gt=0)
+
+
+class GenerateRequest(WireModel):
+    request_id: str = Field(min_length=1, max_length=128)
+    # Exactly one of prompt / messages / prompt_token_ids is set; the replica tokenizes.
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    # Adapter addressed by name; `adapter_version` pins `name@vN`, None means the current version.
+    adapter: str | None = None
+    adapter_version: int | None = Field(None, ge=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    slo: SloTargets = Field(default_factory=SloTargets)
+    tenant: str | None = None
+    arrival_unix_s: float = 0.0
+    # The replica drops the request if it has not started by then (the gateway already gave up).
+    deadline_unix_s: float | None = None
+    # How long the replica may wait to batch a first token (0 = no pacing); reserved.
+    priority: int = 0
+
+
+class Accepted(WireModel):
+    kind: Literal["accepted"] = "accepted"
+    request_id: str
+    replica_id: str
+    # Exact version that will serve every token of this request, e.g. "medical@v3" or "base".
+    adapter_version_id: str
+    prompt_tokens: int
+    queue_position: int = 0
+
+
+class TokenChunk(WireModel):
+    kind: Literal["token"] = "token"
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    text: str
+
+
+class Finished(WireModel):
+    kind: Literal["finished"] = "finished"
+    request_id: str
+    seq: int
+    finish_reason: Literal["stop", "length", "cancelled", "deadline"]
+    prompt_tokens: int
+    completion_tokens: int
+    adapter_version_id: str
+    replica_id: str
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    e2e_ms: float = 0.0
+
+
+class GenerateError(WireModel):
+    kind: Literal["error"] = "error"
+    request_id: str
+    # HTTP-like status: 400 bad input, 404 unknown adapter, 429 queue full, 503 unavailable, 500 internal.
+    code: int
+    type: str = "server_error"
+    message: str
+    param: str | None = None
+
+
+GenerateEvent = Annotated[Accepted | TokenChunk | Finished | GenerateError, Field(discriminator="kind")]
+GENERATE_EVENT = TypeAdapter(GenerateEvent)
+GENERATE_EVENT.schema_name = "collm.v1.GenerateEvent"  # type: ignore[attr-defined]
+
+
+class CancelRequest(WireModel):
+    request_id: str
+    reason: str = "client_disconnected"

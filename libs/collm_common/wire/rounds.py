@@ -1,0 +1,73 @@
+"""Federated rounds: plans, local updates and round outcomes.
+
+A round is planned by the coordinator and run by the aggregator: `RoundPlan` -> participants train and
+send `LocalUpdate`s (JetStream, `subjects.update(round, replica)`) -> the aggregator publishes
+`RoundOutcome` events on `subjects.round_event(round, event)`. Updates carry a reference to a blob in
+the adapter store, never the tensors (NATS payloads stay small).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from collm_common.wire.base import WireModel
+
+
+class ParticipantPlan(WireModel):
+    replica_id: str
+    token_budget: int = Field(ge=1)
+    learning_rate: float = Field(2e-4, gt=0)
+
+
+class RoundPlan(WireModel):
+    round_id: int = Field(ge=1)
+    adapter: str
+    base_version: int = Field(ge=1)
+    participants: list[ParticipantPlan] = Field(min_length=1)
+    quorum: int = Field(ge=1)
+    opened_unix_s: float
+    deadline_unix_s: float
+    policy: str = "collm"
+    reason: str = ""
+
+
+class LocalUpdate(WireModel):
+    round_id: int
+    adapter: str
+    replica_id: str
+    base_version: int
+    # Store reference of the trained LoRA weights (safetensors blob) and its sha256.
+    blob_key: str
+    sha256: str
+    num_samples: int = Field(ge=0)
+    num_tokens: int = Field(ge=0)
+    train_loss: float | None = None
+    eval_loss_before: float | None = None
+    eval_loss_after: float | None = None
+    created_unix_s: float = 0.0
+
+
+class RejectedUpdate(WireModel):
+    replica_id: str
+    reason: str
+
+
+RoundState = Literal["opened", "collecting", "aggregating", "published", "held_back", "aborted"]
+
+
+class RoundOutcome(WireModel):
+    round_id: int
+    adapter: str
+    state: RoundState
+    base_version: int
+    new_version: int | None = None
+    accepted: list[str] = Field(default_factory=list)
+    rejected: list[RejectedUpdate] = Field(default_factory=list)
+    late: list[str] = Field(default_factory=list)
+    eval_loss_before: float | None = None
+    eval_loss_after: float | None = None
+    strategy: str = ""
+    reason: str = ""
+    ts_unix_s: float = 0.0

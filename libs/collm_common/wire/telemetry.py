@@ -1,0 +1,72 @@
+"""Replica telemetry, published every interval on `subjects.telemetry(replica_id)`.
+
+One message is a complete snapshot (no deltas), so a late subscriber or a coordinator that restarted
+has the full picture after one interval, and a lost message costs nothing but freshness.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from collm_common.wire.base import WireModel
+
+
+class ResidentAdapter(WireModel):
+    name: str
+    version_id: str
+    version: int
+    in_flight: int = 0
+    training: bool = False
+
+
+class TrainingJobStatus(WireModel):
+    adapter: str
+    state: Literal["running", "paused", "done", "stopped", "failed"]
+    base_version_id: str
+    round_id: int | None = None
+    tokens_done: int = 0
+    token_budget: int = 0
+    steps_done: int = 0
+    train_loss: float | None = None
+    eval_loss: float | None = None
+
+
+class ReplicaTelemetry(WireModel):
+    replica_id: str
+    ts_unix_s: float
+    interval_s: float
+    model: str
+    # Load.
+    queue_len: int = 0
+    running: int = 0
+    max_batch: int = 0
+    kv_used_frac: float = 0.0
+    tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    arrivals_per_s: float = 0.0
+    # Latency over the telemetry window (ms; None when nothing finished in the window).
+    ttft_ms_p50: float | None = None
+    ttft_ms_p99: float | None = None
+    tpot_ms_p50: float | None = None
+    tpot_ms_p99: float | None = None
+    finished: int = 0
+    good: int = 0
+    slo_attainment: float | None = None
+    # Cost model observed by the engine (for the coordinator and the simulator).
+    decode_step_ms: float | None = None
+    prefill_ms_per_token: float | None = None
+    train_step_ms: float | None = None
+    # Fine-tuning.
+    ft_share: float = 0.0
+    ft_share_source: Literal["coordinator", "local_default"] = "local_default"
+    ft_tokens_per_s: float = 0.0
+    ft_loss: float | None = None
+    training_jobs: list[TrainingJobStatus] = Field(default_factory=list)
+    # Adapters and rounds.
+    adapters: list[ResidentAdapter] = Field(default_factory=list)
+    round_role: Literal["idle", "participant", "done"] = "idle"
+    round_id: int | None = None
+    local_samples: int = 0
+    domains: list[str] = Field(default_factory=list)

@@ -1,0 +1,142 @@
+"""The bus against a real nats-server: micro services, errors, streams, trace context."""
+
+import asyncio
+import json
+
+import pytest
+from collm_common import subjects
+from collm_common.bus import Bus, BusError, NoResponders, ServiceFailure
+from collm_common.settings import CommonSettings
+from collm_common.wire import encode
+from collm_common.wire.control import CONTROL_COMMAND, ControlReply, SetFineTuneShare
+from collm_common.wire.inference import CancelRequest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+pytestmark = pytest.mark.integration
+
+
+def settings(url: str) -> CommonSettings:
+    return CommonSettings(nats_url=url, nats_connect_timeout_s=5)
+
+
+async def test_micro_service_ping_info_stats_and_errors(nats_server) -> None:
+    bus = await Bus.connect(settings(nats_server.url), "t")
+    try:
+        svc = await bus.service(subjects.SERVICE_REPLICA, "0.1.0", "test", {"replica_id": "r9"})
+
+        async def control(cmd, _headers):
+            if cmd.share > 0.9:
+                raise ServiceFailure(409, "share too high\nfor test")
+            return ControlReply(ok=True, message=f"share={cmd.share}")
+
+        await svc.endpoint("control", subjects.replica("r9", "control"), CONTROL_COMMAND, control)
+        reply = await bus.request(
+            subjects.replica("r9", "control"), SetFineTuneShare(share=0.5), ControlReply
+        )
+        assert reply.ok and reply.message == "share=0.5"
+        with pytest.raises(BusError) as err:
+            await bus.request(subjects.replica("r9", "control"), SetFineTuneShare(share=0.95), ControlReply)
+        assert err.value.code == 409 and "share too high" in err.value.message
+        # malformed request -> 400 error reply, service keeps running
+        raw = await bus.nc.request(subjects.replica("r9", "control"), b"\xc1", timeout=2)
+        assert raw.headers["Nats-Service-Error-Code"] == "400"
+        ping = json.loads((await bus.nc.request("$SRV.PING.collm-replica", b"", timeout=2)).data)
+        assert ping["name"] == "collm-replica" and ping["metadata"]["replica_id"] == "r9"
+        info = json.loads((await bus.nc.request("$SRV.INFO.collm-replica", b"", timeout=2)).data)
+        assert info["endpoints"][0]["subject"] == "collm.v1.replica.r9.control"
+        stats = json.loads((await bus.nc.request("$SRV.STATS.collm-replica", b"", timeout=2)).data)
+        assert stats["endpoints"][0]["num_requests"] == 3
+        assert stats["endpoints"][0]["num_errors"] == 2
+    finally:
+        await bus.close()
+
+
+async def test_no_responders_is_503(nats_server) -> None:
+    bus = await Bus.connect(settings(nats_server.url), "t")
+    try:
+        with pytest.raises(NoResponders) as err:
+            await bus.request(
+                subjects.replica("nobody", "control"), SetFineTuneShare(share=0.1), ControlReply
+            )
+        assert err.value.code == 503
+        async with bus.stream(
+            subjects.replica("nobody", "generate"), CancelRequest(request_id="x")
+        ) as replies:
+            with pytest.raises(NoResponders):
+                await replies.next(2.0)
+    finally:
+        await bus.close()
+
+
+async def test_stream_many_replies_and_timeout(nats_server) -> None:
+    bus = await Bus.connect(settings(nats_server.url), "t")
+    try:
+
+        async def on_req(msg):
+            for i in range(5):
+                await bus.nc.publish(msg.reply, str(i).encode())
+
+        await bus.nc.subscribe("collm.v1.test.stream", cb=on_req)
+        async with bus.stream("collm.v1.test.stream", CancelRequest(request_id="x")) as replies:
+            got = [(await replies.next(2.0)).data for _ in range(5)]
+            assert got == [b"0", b"1", b"2", b"3", b"4"]
+            with pytest.raises(BusError) as err:
+                await replies.next(0.2)
+            assert err.value.code == 504
+    finally:
+        await bus.close()
+
+
+async def test_trace_context_crosses_nats(nats_server) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    tracer = trace.get_tracer("test")
+    bus = await Bus.connect(settings(nats_server.url), "t")
+    seen: list[str | None] = []
+    try:
+        svc = await bus.service(subjects.SERVICE_REPLICA, "0.1.0", "test")
+
+        async def control(_cmd, headers):
+            seen.append(headers.get("traceparent"))
+            return ControlReply(ok=True)
+
+        await svc.endpoint("control", subjects.replica("r1", "control"), CONTROL_COMMAND, control)
+        with tracer.start_as_current_span("client-root") as root:
+            await bus.request(subjects.replica("r1", "control"), SetFineTuneShare(share=0.1), ControlReply)
+            trace_id = format(root.get_span_context().trace_id, "032x")
+        assert seen and seen[0] and trace_id in seen[0]
+        spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == int(trace_id, 16)]
+        names = {s.name for s in spans}
+        assert "control process" in names and "client-root" in names
+    finally:
+        await bus.close()
+
+
+async def test_subscribe_drops_malformed_and_keeps_going(nats_server) -> None:
+    bus = await Bus.connect(settings(nats_server.url), "t")
+    got: list[str] = []
+    try:
+
+        async def handler(msg, _raw):
+            got.append(msg.request_id)
+
+        await bus.subscribe("collm.v1.test.events", CancelRequest, handler)
+        await bus.nc.publish("collm.v1.test.events", b"garbage")
+        await bus.nc.publish("collm.v1.test.events", encode(CancelRequest(request_id="ok")))
+        for _ in range(50):
+            if got:
+                break
+            await asyncio.sleep(0.02)
+        assert got == ["ok"]
+    finally:
+        await bus.close()
+
+
+async def test_connect_gives_up_with_a_clear_error() -> None:
+    with pytest.raises(ConnectionError, match="cannot reach NATS"):
+        await Bus.connect(CommonSettings(nats_url="nats://127.0.0.1:1", nats_connect_timeout_s=0.5), "t")

@@ -1,0 +1,1 @@
+"""Load generation and goodput measurement against any OpenAI-compatible endpoint."""

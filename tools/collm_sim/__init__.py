@@ -1,0 +1,1 @@
+"""Discrete-event cluster simulator reusing the coordinator core, the co-scheduler and the routing policy."""
