@@ -44,11 +44,11 @@ def subject(*tokens: str) -> str:
 
 
 # --- replica (request path and control) -------------------------------------------------------------
-REPLICA_VERBS = ("generate", "cancel", "control", "status")
+REPLICA_VERBS = ("generate", "cancel", "control", "status", "evaluate")
 
 
 def replica(replica_id: str, verb: str) -> str:
-    """Endpoint of one replica: generate, cancel, control, status."""
+    """Endpoint of one replica: generate, cancel, control, status, evaluate."""
     if verb not in REPLICA_VERBS:
         raise ValueError(f"unknown replica verb {verb!r}")
     return subject("replica", check_token(replica_id, "replica id"), verb)

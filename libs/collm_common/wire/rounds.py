@@ -22,7 +22,10 @@ class ParticipantPlan(WireModel):
 
 
 class RoundPlan(WireModel):
-    round_id: int = Field(ge=1)
+    """Sent by the coordinator to `subjects.aggregator("open_round")`; `round_id=0` lets the aggregator
+    assign the next id (the reply is a `RoundOutcome` with state "opened")."""
+
+    round_id: int = Field(0, ge=0)
     adapter: str
     base_version: int = Field(ge=1)
     participants: list[ParticipantPlan] = Field(min_length=1)
@@ -71,3 +74,33 @@ class RoundOutcome(WireModel):
     strategy: str = ""
     reason: str = ""
     ts_unix_s: float = 0.0
+
+
+class EvaluateCandidate(WireModel):
+    """Ask a replica (`subjects.replica(id, "evaluate")`) for the held-out loss of a candidate adapter.
+
+    Evaluation is federated like training: held-out data never leaves the replica, only losses do.
+    `candidate_key`/`candidate_sha256` reference a blob in the store (an update or an aggregate);
+    `current_version` is evaluated beside it (None: the base model) so the gate compares like with like.
+    """
+
+    adapter: str
+    candidate_key: str
+    candidate_sha256: str
+    current_version: int | None = None
+    round_id: int | None = None
+    max_examples: int = Field(64, ge=1)
+
+
+class DomainLoss(WireModel):
+    domain: str
+    num_examples: int
+    num_tokens: int
+    current_loss: float | None
+    candidate_loss: float
+
+
+class EvalReport(WireModel):
+    replica_id: str
+    adapter: str
+    losses: list[DomainLoss] = Field(default_factory=list)

@@ -1,0 +1,79 @@
+"""Calibration of the cluster simulator, measured on the real engine.
+
+The engine benchmark writes this file (`bench/calibration/<model>.json`); the simulator and the
+coordinator's cost estimates read it. Nothing in it is typed in by hand: every number is a measurement,
+and `command` says which run produced it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+
+class CostModel(BaseModel):
+    """Per-iteration costs of one replica (milliseconds)."""
+
+    prefill_fixed_ms: float = Field(ge=0)
+    prefill_ms_per_token: float = Field(ge=0)
+    # Decode step time by running batch size, measured at several sizes; interpolated between them.
+    decode_step_ms: dict[int, float]
+    # Extra cost of one distinct adapter in a batch, as a fraction of the base step.
+    lora_overhead_frac_per_adapter: float = Field(0.0, ge=0)
+    # Fine-tuning micro-step: forward+backward+optimizer share, per training token.
+    train_fixed_ms: float = Field(ge=0)
+    train_ms_per_token: float = Field(ge=0)
+    max_batch: int = Field(ge=1)
+
+    def decode_ms(self, batch: int) -> float:
+        if batch <= 0:
+            return 0.0
+        sizes = sorted(self.decode_step_ms)
+        if batch <= sizes[0]:
+            return self.decode_step_ms[sizes[0]]
+        if batch >= sizes[-1]:  # extrapolate linearly from the last two points
+            if len(sizes) == 1:
+                return self.decode_step_ms[sizes[0]] * batch / sizes[0]
+            a, b = sizes[-2], sizes[-1]
+            slope = (self.decode_step_ms[b] - self.decode_step_ms[a]) / (b - a)
+            return self.decode_step_ms[b] + slope * (batch - b)
+        i = bisect.bisect_left(sizes, batch)
+        a, b = sizes[i - 1], sizes[i]
+        t = (batch - a) / (b - a)
+        return self.decode_step_ms[a] * (1 - t) + self.decode_step_ms[b] * t
+
+    def prefill_ms(self, tokens: int) -> float:
+        return self.prefill_fixed_ms + self.prefill_ms_per_token * tokens if tokens > 0 else 0.0
+
+    def train_ms(self, tokens: int) -> float:
+        return self.train_fixed_ms + self.train_ms_per_token * tokens if tokens > 0 else 0.0
+
+
+class QualityCurve(BaseModel):
+    """Held-out eval loss of one domain's adapter against the training tokens it has seen."""
+
+    domain: str
+    base_loss: float
+    points: list[tuple[int, float]]  # (training tokens, eval loss), increasing tokens
+
+
+class Calibration(BaseModel):
+    model: str
+    device: str
+    torch_threads: int
+    measured_unix_s: float
+    command: str
+    cost: CostModel
+    quality: list[QualityCurve] = Field(default_factory=list)
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        return cls.model_validate_json(Path(path).read_text())
