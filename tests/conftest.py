@@ -52,3 +52,16 @@ def shared_data() -> Path:
     if not d.is_dir():
         pytest.skip("../shared/data is not present")
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The replica's `tiny` model (seed 0) saved as a Hugging Face directory: usable as `COLLM_MODEL=<dir>`
+    or with `AutoTokenizer.from_pretrained(dir)` (offline, seconds)."""
+    from collm_replica.models import build_tiny_model
+
+    d = tmp_path_factory.mktemp("tiny-model")
+    model, tokenizer = build_tiny_model(0)
+    model.save_pretrained(str(d))
+    tokenizer.save_pretrained(str(d))
+    return d

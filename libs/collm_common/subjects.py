@@ -84,6 +84,12 @@ def coordinator(verb: str) -> str:
     return subject("coordinator", verb)
 
 
+# --- gateway ----------------------------------------------------------------------------------------
+def gateway(verb: str) -> str:
+    """Gateway endpoints: status (its view of the cluster)."""
+    return subject("gateway", verb)
+
+
 # --- aggregator and rounds -------------------------------------------------------------------------
 def aggregator(verb: str) -> str:
     """Aggregator endpoints: open_round, status, rounds, round, rollback, import."""
@@ -91,7 +97,8 @@ def aggregator(verb: str) -> str:
 
 
 def round_event(round_id: int, event: str) -> str:
-    """Round lifecycle events: opened, closed, published, held, aborted."""
+    """Round lifecycle events, one per state the round enters (a `RoundOutcome` each): opened,
+    collecting, aggregating, evaluating, published, held_back, aborted."""
     return subject("rounds", str(int(round_id)), check_token(event, "round event"))
 
 

@@ -95,6 +95,8 @@ class ReplicaDecision(WireModel):
     ft_share: float
     routing_weight: float
     reason: str
+    # Additive (v1): a short stable code of the reason (`slack`, `burst`, `slo_risk`, `stale`, ...).
+    reason_code: str = ""
 
 
 class CoordinatorDecisions(WireModel):
@@ -106,6 +108,60 @@ class CoordinatorDecisions(WireModel):
     replicas: list[ReplicaDecision] = Field(default_factory=list)
     virtual_queue: float | None = None
     note: str = ""
+
+
+class CoordinatorStatusRequest(WireModel):
+    """Ask the coordinator (`subjects.coordinator("status")`) for its last decisions and reasons."""
+
+
+class PlannedParticipant(WireModel):
+    replica_id: str
+    token_budget: int
+    share: float
+    reason: str = ""
+
+
+class PlannedRound(WireModel):
+    """A round the coordinator planned and has not seen finish."""
+
+    adapter: str
+    round_id: int | None = None
+    state: str
+    base_version: int
+    deadline_unix_s: float
+    expected_gain: float = 0.0
+    participants: list[PlannedParticipant] = Field(default_factory=list)
+    reason: str = ""
+
+
+class CoordinatorStatus(WireModel):
+    """Reply of the coordinator's `status` endpoint."""
+
+    ts_unix_s: float
+    policy: str
+    live: list[str] = Field(default_factory=list)
+    stale: list[str] = Field(default_factory=list)
+    virtual_queue: float = 0.0
+    attainment: float | None = None
+    demand: float = 0.0
+    fast: CoordinatorDecisions | None = None
+    slow: CoordinatorDecisions | None = None
+    rounds: list[PlannedRound] = Field(default_factory=list)
+    routing: RoutingWeights | None = None
+    aggregator_available: bool | None = None
+    notes: list[str] = Field(default_factory=list)
+
+
+class SetPolicy(WireModel):
+    """Read (`policy=None`) or set the coordinator's policy (`subjects.coordinator("policy")`)."""
+
+    policy: str | None = None
+
+
+class PolicyReply(WireModel):
+    policy: str
+    previous: str
+    policies: list[str] = Field(default_factory=list)
 
 
 class ErrorReply(WireModel):

@@ -55,9 +55,11 @@ class LocalUpdate(WireModel):
 class RejectedUpdate(WireModel):
     replica_id: str
     reason: str
+    # Stable label of the reason (`collm_aggregator.validation` codes: not_finite, wrong_base_version, ...).
+    code: str = ""
 
 
-RoundState = Literal["opened", "collecting", "aggregating", "published", "held_back", "aborted"]
+RoundState = Literal["opened", "collecting", "aggregating", "evaluating", "published", "held_back", "aborted"]
 
 
 class RoundOutcome(WireModel):
@@ -74,6 +76,15 @@ class RoundOutcome(WireModel):
     strategy: str = ""
     reason: str = ""
     ts_unix_s: float = 0.0
+    # Additive (v1): the plan's participants, held-out losses per domain (example-weighted, before =
+    # current version, after = candidate), when each phase began, and the round's trace id.
+    participants: list[str] = Field(default_factory=list)
+    domain_losses_before: dict[str, float] = Field(default_factory=dict)
+    domain_losses_after: dict[str, float] = Field(default_factory=dict)
+    timeline: dict[str, float] = Field(default_factory=dict)
+    deadline_unix_s: float | None = None
+    trace_id: str | None = None
+    policy: str = ""
 
 
 class EvaluateCandidate(WireModel):

@@ -58,6 +58,11 @@ class ReplicaTelemetry(WireModel):
     decode_step_ms: float | None = None
     prefill_ms_per_token: float | None = None
     train_step_ms: float | None = None
+    # Fractions of the last interval the engine spent on inference iterations and on training
+    # micro-steps (additive in v1; None: not measured). The coordinator learns each replica's training
+    # speed from train_busy_frac (ft_tokens_per_s / train_busy_frac); without it, from ft_share.
+    infer_busy_frac: float | None = None
+    train_busy_frac: float | None = None
     # Fine-tuning.
     ft_share: float = 0.0
     ft_share_source: Literal["coordinator", "local_default"] = "local_default"

@@ -1,0 +1,717 @@
+"""Engine benchmarks on SmolLM2-135M-Instruct (CPU, one torch thread). Each prints its ratios against a
+baseline measured in the same run and writes bench/results/engine_<name>.json (plus a PNG where useful).
+
+    flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/run.py batching
+    ... multilora | swap | coexec | memory | calibrate | all
+
+`all` runs each one in its own process (so `memory` measures a clean peak RSS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from collm_common.calibration import Calibration, CostModel, QualityCurve  # noqa: E402
+from collm_common.data import LocalDataset  # noqa: E402
+from collm_common.lora import LoraSpec, decode_adapter, encode_adapter  # noqa: E402
+from collm_replica.batching import BatchConfig  # noqa: E402
+from collm_replica.cosched import (  # noqa: E402
+    CoScheduler,
+    FixedRatioCoScheduler,
+    NoTraining,
+    SloAwareCoScheduler,
+)
+from collm_replica.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from collm_replica.executor import Executor, ForwardItem  # noqa: E402
+from collm_replica.lora_bank import MODULE_PATHS, LiveLora, parse_adapter  # noqa: E402
+from collm_replica.training import EvalRun, JobConfig, JobSpec, render_example  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    ROOT,
+    Trace,
+    command_line,
+    domain_examples,
+    greedy,
+    load_smollm2,
+    peak_rss_mb,
+    percentile,
+    random_adapter,
+    save_result,
+    submit,
+    token_prompts,
+    wait_all,
+)
+
+CFG16 = BatchConfig(max_batch=16, max_batch_tokens=256, prefill_chunk_tokens=128, kv_budget_tokens=32768)
+
+
+def plot(path: Path, draw: Any) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        draw(ax)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        print(f"wrote {path.relative_to(ROOT)}")
+    except Exception as exc:  # noqa: BLE001 - a plot is optional
+        print(f"(no plot: {exc})")
+
+
+def run_batch(engine: Engine, reqs: list[EngineRequest]) -> tuple[list[Trace], float]:
+    t0 = time.perf_counter()
+    traces = [submit(engine, r) for r in reqs]
+    wait_all(traces)
+    return traces, time.perf_counter() - t0
+
+
+# ======================================================================================== 1. batching
+def bench_batching(args: argparse.Namespace) -> None:
+    loaded = load_smollm2()
+    prompts = token_prompts(loaded, 16, 128)
+    n_new = 64
+    model = loaded.model
+    with torch.no_grad():  # warm-up
+        model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    base_n = args.baseline_requests
+    t0 = time.perf_counter()
+    hf_out = []
+    with torch.no_grad():
+        for p in prompts[:base_n]:
+            out = model.generate(
+                torch.tensor([p]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0
+            )
+            hf_out.append(out[0, len(p) :].tolist())
+    base_s = time.perf_counter() - t0
+    base_tps = base_n * n_new / base_s
+    print(f"baseline: {base_n} requests one at a time with HF generate: {base_s:.1f}s, {base_tps:.1f} tok/s")
+
+    with Engine(loaded, EngineConfig(batch=CFG16), NoTraining()) as eng:
+        run_batch(eng, [greedy("warm", prompts[0][:16], 4)])
+        traces, eng_s = run_batch(eng, [greedy(f"r{i}", p, n_new) for i, p in enumerate(prompts)])
+    eng_tps = 16 * n_new / eng_s
+    same = sum(1 for t, h in zip(traces, hf_out, strict=False) if t.token_ids == h)
+    ratio = eng_tps / base_tps
+    print(f"engine: 16 concurrent requests: {eng_s:.1f}s, {eng_tps:.1f} tok/s")
+    print(
+        f"RATIO continuous batching / one-at-a-time = {ratio:.2f}x (goal >= 3x); "
+        f"greedy outputs identical to HF for {same}/{base_n}"
+    )
+    save_result(
+        "batching",
+        {
+            "prompt_tokens": 128,
+            "new_tokens": n_new,
+            "requests": 16,
+            "baseline_requests": base_n,
+            "baseline_s": base_s,
+            "baseline_tokens_per_s": base_tps,
+            "engine_s": eng_s,
+            "engine_tokens_per_s": eng_tps,
+            "ratio": ratio,
+            "goal": 3.0,
+            "greedy_identical": same,
+            "ttft_s_p50": percentile([t.ttft_s or 0 for t in traces], 50),
+            "tpot_ms_p50": 1e3 * percentile([t.tpot_s or 0 for t in traces], 50),
+        },
+    )
+    plot(
+        RESULTS / "engine_batching.png",
+        lambda ax: (
+            ax.bar(["HF generate, one at a time", "CoLLM engine, 16 concurrent"], [base_tps, eng_tps]),
+            ax.set_ylabel("output tokens/s"),
+            ax.set_title(f"Continuous batching: {ratio:.2f}x (SmolLM2, CPU, 1 thread)"),
+        ),
+    )
+
+
+# ======================================================================================== 2. multi-LoRA
+def merge(loaded: Any, parsed: dict, scaling: float, sign: float) -> None:
+    layers = loaded.model.model.layers
+    with torch.no_grad():
+        for (layer, mod), (a, b) in parsed.items():
+            parent, attr = MODULE_PATHS[mod].split(".")
+            lin = getattr(getattr(layers[layer], parent), attr)
+            lin.weight.add_(sign * scaling * (b @ a))
+
+
+def bench_multilora(args: argparse.Namespace) -> None:  # noqa: ARG001
+    loaded = load_smollm2()
+    prompts = token_prompts(loaded, 16, 128, seed=1)
+    n_new = 64
+    adapters = {f"a{i}": random_adapter(loaded, seed=i) for i in range(8)}
+    cfg = EngineConfig(batch=CFG16, max_resident_adapters=8)
+    with Engine(loaded, cfg, NoTraining()) as eng:
+        for name, w in adapters.items():
+            eng.install_version(f"{name}@v1", w).result(60)
+        run_batch(eng, [greedy("warm", prompts[0][:16], 4, adapter="a0")])
+        base_traces, base_s = run_batch(eng, [greedy(f"b{i}", p, n_new) for i, p in enumerate(prompts)])
+        lora_traces, lora_s = run_batch(
+            eng, [greedy(f"l{i}", p, n_new, adapter=f"a{i % 8}") for i, p in enumerate(prompts)]
+        )
+        # Adapter by adapter: merge into the base weights, run its requests, unmerge.
+        t0 = time.perf_counter()
+        merged_traces = []
+        for k, (_name, w) in enumerate(adapters.items()):
+            parsed = parse_adapter(w, eng.executor.n_layers, eng.executor.shapes, cfg.lora_targets)
+            merge(loaded, parsed, w.spec.scaling, +1.0)
+            mine = [greedy(f"m{i}", p, n_new) for i, p in enumerate(prompts) if i % 8 == k]
+            traces, _ = run_batch(eng, mine)
+            merged_traces += traces
+            merge(loaded, parsed, w.spec.scaling, -1.0)
+        merged_s = time.perf_counter() - t0
+    tps = {k: 16 * n_new / s for k, s in (("base", base_s), ("lora", lora_s), ("merged", merged_s))}
+    r_base, r_merged = tps["lora"] / tps["base"], tps["lora"] / tps["merged"]
+    print(f"16 base requests in one batch: {base_s:.1f}s ({tps['base']:.1f} tok/s)")
+    print(f"16 requests over 8 adapters in one batch (unmerged): {lora_s:.1f}s ({tps['lora']:.1f} tok/s)")
+    print(
+        f"adapter by adapter (merge, run 2 requests, unmerge) x8: {merged_s:.1f}s ({tps['merged']:.1f} tok/s)"
+    )
+    print(f"RATIO unmerged multi-LoRA / base = {r_base:.2f} (goal >= 0.85)")
+    print(f"RATIO unmerged multi-LoRA / merge-run-unmerge = {r_merged:.2f}x (goal >= 2x)")
+    save_result(
+        "multilora",
+        {
+            "prompt_tokens": 128,
+            "new_tokens": n_new,
+            "requests": 16,
+            "adapters": 8,
+            "lora": LoraSpec().to_json(),
+            "seconds": {"base": base_s, "lora": lora_s, "merged": merged_s},
+            "tokens_per_s": tps,
+            "ratio_vs_base": r_base,
+            "goal_vs_base": 0.85,
+            "ratio_vs_merged": r_merged,
+            "goal_vs_merged": 2.0,
+        },
+    )
+
+
+# ======================================================================================== 3. shadow swap
+def bench_swap(args: argparse.Namespace) -> None:  # noqa: ARG001
+    loaded = load_smollm2()
+    prompts = token_prompts(loaded, 16, 128, seed=2)
+    n_new, swap_after = 96, 32
+    v1, v2 = random_adapter(loaded, 1), random_adapter(loaded, 2)
+    with Engine(loaded, EngineConfig(batch=CFG16), NoTraining()) as eng:
+        eng.install_version("med@v1", v1).result(60)
+        run_batch(eng, [greedy("warm", prompts[0][:16], 4, adapter="med")])
+        # Run 1: no swap.
+        calm, _ = run_batch(eng, [greedy(f"c{i}", p, n_new, adapter="med") for i, p in enumerate(prompts)])
+        steady = [g for t in calm for g in t.gaps()[swap_after:]]
+        p99 = percentile(steady, 99)
+        # Run 2: publish v2 while the 16 requests stream.
+        traces = [submit(eng, greedy(f"s{i}", p, n_new, adapter="med")) for i, p in enumerate(prompts)]
+        while min(len(t.token_ids) for t in traces) < swap_after:
+            time.sleep(0.005)
+        t_swap0 = time.perf_counter()
+        blob = encode_adapter(v2)  # what the store holds; the replica decodes it and copies it into a slot
+        eng.install_version("med@v2", decode_adapter(blob)).result(60)
+        t_swap1 = time.perf_counter()
+        wait_all(traces)
+        probe = run_batch(eng, [greedy("after", prompts[0][:16], 4, adapter="med")])[0][0]
+    during, outside = [], []
+    for t in traces:
+        for k, (a, b) in enumerate(zip(t.token_times, t.token_times[1:], strict=False)):
+            if b >= t_swap0 and a <= t_swap1:
+                during.append(b - a)
+            elif k >= swap_after - 8:  # steady decoding around the swap, same run
+                outside.append(b - a)
+    p99_same_run = percentile(outside, 99)
+    # The iteration boundary at which the swap took effect: the gap that contains t_swap1 and the next one.
+    worst = max(during) if during else float("nan")
+    failures = sum(1 for t in traces if t.error is not None or t.finished is None)
+    versions_ok = all(
+        t.accepted_version == "med@v1" and t.finished.adapter_version_id == "med@v1" for t in traces
+    )
+    ratio = worst / p99
+    print(f"p99 inter-token gap without a swap: {p99 * 1e3:.1f} ms (max {max(steady) * 1e3:.1f} ms)")
+    print(f"swap took {(t_swap1 - t_swap0) * 1e3:.1f} ms wall (decode blob + copy at an iteration boundary)")
+    print(
+        f"largest inter-token gap during the swap: {worst * 1e3:.1f} ms over {len(during)} gaps; "
+        f"p99 gap of the same run outside the swap {p99_same_run * 1e3:.1f} ms ({worst / p99_same_run:.2f}x)"
+    )
+    print(
+        f"RATIO max gap during swap / p99 gap without = {ratio:.2f} (goal <= 1.2); failures {failures}; "
+        f"every token on its start version: {versions_ok}; new request after swap -> {probe.accepted_version}"
+    )
+    save_result(
+        "swap",
+        {
+            "requests": 16,
+            "new_tokens": n_new,
+            "swap_after_tokens": swap_after,
+            "p99_gap_ms_no_swap": p99 * 1e3,
+            "max_gap_ms_no_swap": max(steady) * 1e3,
+            "max_gap_ms_during_swap": worst * 1e3,
+            "gaps_during_swap": len(during),
+            "p99_gap_ms_same_run_outside_swap": p99_same_run * 1e3,
+            "ratio_vs_same_run_p99": worst / p99_same_run,
+            "swap_wall_ms": (t_swap1 - t_swap0) * 1e3,
+            "ratio": ratio,
+            "goal": 1.2,
+            "failures": failures,
+            "versions_consistent": versions_ok,
+            "new_request_version": probe.accepted_version,
+        },
+    )
+    t0 = min(t.submitted_s for t in traces)
+
+    def draw(ax: Any) -> None:
+        for t in traces:
+            ax.plot([x - t0 for x in t.token_times[1:]], [g * 1e3 for g in t.gaps()], ".", ms=2)
+        ax.axvspan(t_swap0 - t0, t_swap1 - t0, color="red", alpha=0.3, label="swap")
+        ax.axhline(p99 * 1e3, color="k", ls="--", lw=0.8, label="p99 gap, no swap")
+        ax.set_xlabel("s since submission")
+        ax.set_ylabel("inter-token gap (ms)")
+        ax.set_title("Shadow swap under load (16 streams, SmolLM2, CPU)")
+        ax.legend()
+
+    plot(RESULTS / "engine_swap.png", draw)
+
+
+# ======================================================================================== 4. co-execution
+def chat_ids(loaded: Any, question: str) -> list[int]:
+    text = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+    return loaded.tokenizer.encode(text, add_special_tokens=False)
+
+
+def coexec_engine(
+    loaded: Any, policy: CoScheduler, ds: LocalDataset, job_cfg: JobConfig, share: float
+) -> Engine:
+    cfg = EngineConfig(batch=CFG16, ft_share_default=share, job=job_cfg)
+    return Engine(loaded, cfg, policy, dataset=ds)
+
+
+def start_job(eng: Engine, loaded: Any, lr: float) -> LiveLora:
+    ex = eng.executor
+    live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, loaded.name, seed=0)
+    eng.start_job(JobSpec("medical", "medical@v1", 1, live, token_budget=10**9, learning_rate=lr)).result(60)
+    end = time.perf_counter() + 120
+    while eng.snapshot().jobs[0].steps_done == 0 and eng.jobs["medical"].eval_loss_before is None:
+        if time.perf_counter() > end:  # the baseline evaluation runs before training; wait it out
+            break
+        time.sleep(0.1)
+    return live
+
+
+def open_loop(eng: Engine, reqs: list[EngineRequest], arrivals_s: list[float]) -> tuple[list[Trace], float]:
+    traces: list[Trace] = []
+    t0 = time.perf_counter()
+    for r, at in zip(reqs, arrivals_s, strict=True):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        traces.append(submit(eng, r))
+    wait_all(traces)
+    return traces, time.perf_counter() - t0
+
+
+def slo_stats(
+    traces: list[Trace], ttft_slo_s: float, tpot_slo_s: float, duration_s: float
+) -> dict[str, float]:
+    good = 0
+    for t in traces:
+        ok = t.error is None and t.finished is not None and t.ttft_s is not None and t.ttft_s <= ttft_slo_s
+        if ok and t.tpot_s is not None and t.tpot_s > tpot_slo_s:
+            ok = False
+        good += ok
+    return {
+        "submitted": len(traces),
+        "good": good,
+        "attainment": good / len(traces),
+        "goodput_rps": good / duration_s,
+        "ttft_ms_p50": 1e3 * percentile([t.ttft_s or 0 for t in traces], 50),
+        "ttft_ms_p99": 1e3 * percentile([t.ttft_s or 0 for t in traces], 99),
+        "tpot_ms_p50": 1e3 * percentile([t.tpot_s or 0 for t in traces if t.tpot_s], 50),
+        "tpot_ms_p99": 1e3 * percentile([t.tpot_s or 0 for t in traces if t.tpot_s], 99),
+    }
+
+
+def eval_loss(eng: Engine, live: LiveLora | None) -> float | None:
+    runs = eng.evaluate([("x", live.to_weights() if live is not None else None)], max_examples=16).result(600)
+    return runs["x"].mean()
+
+
+def bench_coexec(args: argparse.Namespace) -> None:
+    examples = domain_examples("medical", 600)
+    if not examples:
+        print("SKIP: ../shared/data/domains/medical is absent")
+        return
+    loaded = load_smollm2()
+    ds = LocalDataset([], [])
+    for e in examples:
+        ds.add(e, 0.1)
+    job_cfg = JobConfig(
+        micro_tokens=args.micro_tokens,
+        batch_tokens=256,
+        max_seq_len=128,
+        publish_every_steps=10**6,
+        eval_max_examples=16,
+    )
+    questions = [chat_ids(loaded, e.prompt) for e in ds.eval + ds.train][: args.requests + 40]
+    n_new = args.new_tokens
+
+    # Unloaded latency and capacity, fine-tuning off.
+    with coexec_engine(loaded, NoTraining(), ds, job_cfg, 0.0) as eng:
+        run_batch(eng, [greedy("warm", questions[0], 4)])
+        singles = [run_batch(eng, [greedy(f"u{i}", questions[i], n_new)])[0][0] for i in range(3)]
+        ttft0 = percentile([t.ttft_s for t in singles], 50)  # type: ignore[misc]
+        tpot0 = percentile([t.tpot_s for t in singles], 50)  # type: ignore[misc]
+        cap_traces, cap_s = run_batch(eng, [greedy(f"c{i}", q, n_new) for i, q in enumerate(questions[3:19])])
+        base_eval = eval_loss(eng, None)
+    capacity_rps = len(cap_traces) / cap_s
+    rate = args.load * capacity_rps
+    ttft_slo, tpot_slo = args.ttft_scale * ttft0, args.tpot_scale * tpot0
+    print(
+        f"unloaded TTFT {ttft0 * 1e3:.0f} ms, TPOT {tpot0 * 1e3:.0f} ms; capacity {capacity_rps:.2f} req/s "
+        f"(16 concurrent); offered load {rate:.2f} req/s; "
+        f"SLOs TTFT {ttft_slo * 1e3:.0f} ms, TPOT {tpot_slo * 1e3:.0f} ms"
+    )
+    rnd = random.Random(7)
+    arrivals, t = [], 0.0
+    for _ in range(args.requests):
+        t += rnd.expovariate(rate)
+        arrivals.append(t)
+    qs = questions[19 : 19 + args.requests]
+
+    def reqs(tag: str) -> list[EngineRequest]:
+        return [
+            greedy(f"{tag}{i}", q, n_new, ttft_slo_ms=ttft_slo * 1e3, tpot_slo_ms=tpot_slo * 1e3)
+            for i, q in enumerate(qs)
+        ]
+
+    # Train only: the reference fine-tuning throughput.
+    with coexec_engine(loaded, SloAwareCoScheduler(), ds, job_cfg, 1.0) as eng:
+        start_job(eng, loaded, args.lr)
+        s0, t0 = eng.snapshot().ft_tokens_total, time.perf_counter()
+        time.sleep(args.train_only_s)
+        train_only_tps = (eng.snapshot().ft_tokens_total - s0) / (time.perf_counter() - t0)
+    print(f"train only: {train_only_tps:.1f} training tokens/s")
+
+    results: dict[str, Any] = {}
+    for name, policy, train in (
+        ("a_ft_off", NoTraining(), False),
+        ("b_fixed_ratio", FixedRatioCoScheduler(args.fixed_every), True),
+        ("c_slo_aware", SloAwareCoScheduler(), True),
+    ):
+        with coexec_engine(loaded, policy, ds, job_cfg, 1.0 if train else 0.0) as eng:
+            live = start_job(eng, loaded, args.lr) if train else None
+            f0 = eng.snapshot().ft_tokens_total
+            traces, dur = open_loop(eng, reqs(name[:1]), arrivals)
+            ft_tokens = eng.snapshot().ft_tokens_total - f0
+            eng.pause_training()
+            stats = slo_stats(traces, ttft_slo, tpot_slo, dur)
+            stats.update(
+                {
+                    "duration_s": dur,
+                    "ft_tokens": ft_tokens,
+                    "ft_tokens_per_s": ft_tokens / dur,
+                    "ft_frac_of_train_only": (ft_tokens / dur) / train_only_tps,
+                    "eval_loss_after": eval_loss(eng, live) if live is not None else base_eval,
+                    "optimizer_steps": eng.snapshot().jobs[0].steps_done if train else 0,
+                }
+            )
+            results[name] = stats
+            print(
+                f"{name}: attainment {stats['attainment']:.3f} ({stats['good']}/{stats['submitted']}), "
+                f"goodput {stats['goodput_rps']:.2f} req/s, TTFT p50 {stats['ttft_ms_p50']:.0f} ms, "
+                f"TPOT p50 {stats['tpot_ms_p50']:.0f} ms, FT {stats['ft_tokens_per_s']:.1f} tok/s "
+                f"({100 * stats['ft_frac_of_train_only']:.0f}% of train-only), "
+                f"eval loss {stats['eval_loss_after']:.4f}"
+            )
+    a, c = results["a_ft_off"], results["c_slo_aware"]
+    att_ratio = c["attainment"] / a["attainment"] if a["attainment"] else float("nan")
+    print(
+        f"RATIO (c)/(a) SLO attainment = {att_ratio:.3f} (goal >= 0.95); (c) fine-tuning throughput = "
+        f"{100 * c['ft_frac_of_train_only']:.0f}% of train-only (goal >= 40%); base eval loss {base_eval:.4f}"
+    )
+    save_result(
+        "coexec",
+        {
+            "dataset": "medical (MedQuAD subset) from ../shared/data/domains, converted on the fly",
+            "unloaded_ttft_ms": ttft0 * 1e3,
+            "unloaded_tpot_ms": tpot0 * 1e3,
+            "capacity_rps": capacity_rps,
+            "offered_rps": rate,
+            "load": args.load,
+            "requests": args.requests,
+            "new_tokens": n_new,
+            "ttft_slo_ms": ttft_slo * 1e3,
+            "tpot_slo_ms": tpot_slo * 1e3,
+            "ttft_scale": args.ttft_scale,
+            "tpot_scale": args.tpot_scale,
+            "micro_tokens": args.micro_tokens,
+            "fixed_every": args.fixed_every,
+            "learning_rate": args.lr,
+            "train_only_tokens_per_s": train_only_tps,
+            "base_eval_loss": base_eval,
+            "runs": results,
+            "attainment_ratio_c_over_a": att_ratio,
+            "goal_attainment_ratio": 0.95,
+            "goal_ft_frac": 0.4,
+        },
+    )
+    names = list(results)
+    plot(
+        RESULTS / "engine_coexec.png",
+        lambda ax: (
+            ax.bar(
+                [n.replace("_", " ") for n in names],
+                [results[n]["attainment"] for n in names],
+                label="SLO attainment",
+            ),
+            ax.plot(
+                [n.replace("_", " ") for n in names],
+                [results[n]["ft_frac_of_train_only"] for n in names],
+                "ro-",
+                label="FT throughput / train-only",
+            ),
+            ax.set_ylim(0, 1.1),
+            ax.legend(),
+            ax.set_title("Co-execution at 60% load (SmolLM2, CPU)"),
+        ),
+    )
+
+
+# ======================================================================================== 5. memory
+def bench_memory(args: argparse.Namespace) -> None:
+    loaded = load_smollm2()
+    examples = domain_examples("medical", 300)
+    ds = LocalDataset([], [])
+    for e in examples or [
+        __import__("collm_common.data").data.Example(f"x{i}", "hello", "world") for i in range(50)
+    ]:
+        ds.add(e, 0.1)
+    cfg = EngineConfig(
+        batch=CFG16,
+        max_resident_adapters=8,
+        ft_share_default=1.0,
+        job=JobConfig(micro_tokens=64, batch_tokens=256, max_seq_len=128, eval_max_examples=8),
+    )
+    prompts = token_prompts(loaded, 16, 128, seed=3)
+    with Engine(loaded, cfg, SloAwareCoScheduler(), dataset=ds) as eng:
+        for i in range(8):
+            eng.install_version(f"a{i}@v1", random_adapter(loaded, i)).result(60)
+        start_job(eng, loaded, 1e-3)
+        t_end = time.perf_counter() + args.seconds
+        n = 0
+        while time.perf_counter() < t_end:
+            run_batch(eng, [greedy(f"m{n}-{i}", p, 32, adapter=f"a{i % 8}") for i, p in enumerate(prompts)])
+            n += 1
+        snap = eng.snapshot()
+    rss = peak_rss_mb()
+    print(
+        f"peak RSS with SmolLM2, 8 resident adapters, one training job and 16 concurrent requests: "
+        f"{rss:.0f} MB (goal <= 2048 MB); {snap.ft_tokens_total} training tokens, "
+        f"{len(snap.adapters)} adapters"
+    )
+    save_result(
+        "memory",
+        {
+            "peak_rss_mb": rss,
+            "goal_mb": 2048,
+            "resident_adapters": len(snap.adapters),
+            "ft_tokens": snap.ft_tokens_total,
+            "batches": n,
+            "seconds": args.seconds,
+        },
+    )
+
+
+# ======================================================================================== calibration
+def bench_calibrate(args: argparse.Namespace) -> None:
+    loaded = load_smollm2()
+    ex = Executor(loaded)
+    prompts = token_prompts(loaded, 32, 256, seed=5)
+
+    def best_ms(fn: Any, reps: int = 3) -> float:
+        fn()
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return min(out)
+
+    # Prefill: one sequence of n tokens.
+    pre = {
+        n: best_ms(lambda n=n: ex.forward([ForwardItem(prompts[0][:n], 0, ex.new_kv(n + 1))]))
+        for n in (16, 64, 128, 256)
+    }
+    xs, ys = list(pre), list(pre.values())
+    slope = (ys[-1] - ys[1]) / (xs[-1] - xs[1])
+    fixed = max(0.0, ys[1] - slope * xs[1])
+    # Decode: batch b at context 128.
+    decode = {}
+    for b in (1, 2, 4, 8, 12, 16, 24):
+        kvs = [ex.new_kv(160) for _ in range(b)]
+        for kv, p in zip(kvs, prompts, strict=False):
+            ex.forward([ForwardItem(p[:128], 0, kv)])
+        decode[b] = best_ms(
+            lambda kvs=kvs: (
+                [setattr(kv, "length", 128) for kv in kvs]
+                and ex.forward([ForwardItem([5], 128, kv) for kv in kvs])
+            )
+        )
+    # LoRA overhead: batch 16 spread over k distinct adapters.
+    from collm_replica.lora_bank import LoraBank
+
+    bank = LoraBank(
+        8, ex.n_layers, ex.shapes, ("q_proj", "k_proj", "v_proj", "o_proj"), 16, ex.dtype, ex.device
+    )
+    for i in range(8):
+        bank.write(i, random_adapter(loaded, i))
+    ex.bank = bank
+    kvs = [ex.new_kv(160) for _ in range(16)]
+    for kv, p in zip(kvs, prompts, strict=False):
+        ex.forward([ForwardItem(p[:128], 0, kv)])
+    lora_ms = {}
+    for k in (0, 1, 2, 4, 8):
+        slots = [(i % k) if k else -1 for i in range(16)]
+        order = sorted(range(16), key=lambda i: slots[i])
+        lora_ms[k] = best_ms(
+            lambda order=order, slots=slots: ex.forward(
+                [ForwardItem([5], 128, kvs[i], slot=slots[i]) for i in order]
+            )
+        )
+    ex.bank = None
+    per_adapter = max(0.0, (lora_ms[8] - lora_ms[0]) / lora_ms[0] / 8)
+    # Training: micro-steps of n tokens (one sequence).
+    live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, loaded.name)
+
+    def train(n: int) -> None:
+        ids = torch.tensor([prompts[1][:n]])
+        with torch.enable_grad():
+            loss, _ = ex.response_loss(ids, torch.ones_like(ids), ids, live)
+            loss.backward()
+
+    tr = {n: best_ms(lambda n=n: train(n), reps=2) for n in (32, 64, 128)}
+    t_slope = (tr[128] - tr[32]) / 96
+    t_fixed = max(0.0, tr[32] - t_slope * 32)
+    print(f"prefill ms {pre}; decode ms {decode}; lora ms by #adapters {lora_ms}; train ms {tr}")
+    # Quality: eval loss against training tokens, per domain.
+    curves = []
+    for domain in args.domains:
+        exs = domain_examples(domain, 400)
+        if not exs:
+            print(f"(no data for {domain}: skipped)")
+            continue
+        ds = LocalDataset([], [])
+        for e in exs:
+            ds.add(e, 0.1)
+        items_eval = [r for e in ds.eval[:16] if (r := render_example(loaded.tokenizer, e, 128))]
+        live_q = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, loaded.name, seed=1)
+        from collm_replica.training import TrainingJob
+
+        job = TrainingJob(
+            JobSpec(
+                domain, f"{domain}@v1", 1, live_q, token_budget=max(args.quality_tokens), learning_rate=1e-3
+            ),
+            ex,
+            loaded.tokenizer,
+            ds.train,
+            [],
+            JobConfig(micro_tokens=128, batch_tokens=256, max_seq_len=128),
+        )
+        pad = int(loaded.tokenizer.pad_token_id or 0)
+        base_loss = EvalRun(items_eval, None, 256).run_all(ex, pad).mean()
+        points = [(0, EvalRun(items_eval, live_q, 256).run_all(ex, pad).mean())]
+        for target in sorted(args.quality_tokens):
+            with torch.enable_grad():
+                while job.tokens_done < target and job.active:
+                    job.step(128)
+            points.append((job.tokens_done, EvalRun(items_eval, live_q, 256).run_all(ex, pad).mean()))
+            print(f"{domain}: {job.tokens_done} training tokens -> eval loss {points[-1][1]:.4f}")
+        curves.append(QualityCurve(domain=domain, base_loss=base_loss, points=points))  # type: ignore[arg-type]
+    cal = Calibration(
+        model="SmolLM2-135M-Instruct",
+        device="cpu",
+        torch_threads=torch.get_num_threads(),
+        measured_unix_s=time.time(),
+        command=command_line(),
+        cost=CostModel(
+            prefill_fixed_ms=fixed,
+            prefill_ms_per_token=slope,
+            decode_step_ms=decode,
+            lora_overhead_frac_per_adapter=per_adapter,
+            train_fixed_ms=t_fixed,
+            train_ms_per_token=t_slope,
+            max_batch=16,
+        ),
+        quality=curves,
+    )
+    out = ROOT / "bench" / "calibration" / "smollm2.json"
+    cal.save(out)
+    print(f"wrote {out.relative_to(ROOT)}")
+    save_result(
+        "calibration",
+        {
+            "prefill_ms": pre,
+            "decode_ms": decode,
+            "lora_ms_by_adapters": lora_ms,
+            "train_ms": tr,
+            "calibration": cal.model_dump(mode="json"),
+        },
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("batching")
+    b.add_argument("--baseline-requests", type=int, default=16)
+    sub.add_parser("multilora")
+    sub.add_parser("swap")
+    c = sub.add_parser("coexec")
+    c.add_argument("--requests", type=int, default=48)
+    c.add_argument("--new-tokens", type=int, default=32)
+    c.add_argument("--load", type=float, default=0.6)
+    c.add_argument("--ttft-scale", type=float, default=5.0)
+    c.add_argument("--tpot-scale", type=float, default=3.0)
+    c.add_argument("--micro-tokens", type=int, default=64)
+    c.add_argument("--fixed-every", type=int, default=8)
+    c.add_argument("--lr", type=float, default=1e-3)
+    c.add_argument("--train-only-s", type=float, default=20.0)
+    m = sub.add_parser("memory")
+    m.add_argument("--seconds", type=float, default=20.0)
+    k = sub.add_parser("calibrate")
+    k.add_argument("--domains", nargs="*", default=["medical", "math"])
+    k.add_argument("--quality-tokens", nargs="*", type=int, default=[1024, 2048, 4096])
+    sub.add_parser("all")
+    args = ap.parse_args()
+    if args.cmd == "all":
+        for name in ("batching", "multilora", "swap", "coexec", "memory", "calibrate"):
+            print(f"\n=== {name} ===", flush=True)
+            subprocess.run([sys.executable, __file__, name], check=False)
+        return
+    threading.current_thread().name = "bench"
+    {
+        "batching": bench_batching,
+        "multilora": bench_multilora,
+        "swap": bench_swap,
+        "coexec": bench_coexec,
+        "memory": bench_memory,
+        "calibrate": bench_calibrate,
+    }[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""`POST /v1/chat/completions`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from collm_gateway.api.deps import PrincipalDep, StateDep
+from collm_gateway.protocol import ChatCompletionRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep, principal: PrincipalDep
+) -> Response:
+    return await state.serving.chat(body, request, principal)

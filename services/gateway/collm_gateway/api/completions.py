@@ -1,0 +1,17 @@
+"""`POST /v1/completions`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from collm_gateway.api.deps import PrincipalDep, StateDep
+from collm_gateway.protocol import CompletionRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(
+    body: CompletionRequest, request: Request, state: StateDep, principal: PrincipalDep
+) -> Response:
+    return await state.serving.completion(body, request, principal)

@@ -1,0 +1,35 @@
+"""`GET /healthz` (the process is up), `GET /readyz` (a replica can serve), `GET /metrics` (Prometheus)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from collm_gateway.api.deps import StateDep
+from collm_gateway.errors import no_replica
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(state: StateDep) -> dict[str, Any]:
+    """200 only when NATS is connected and at least one replica reported fresh telemetry."""
+    if not state.bus.connected:
+        raise no_replica(state.settings.retry_after_s, "not ready: NATS is unreachable")
+    fresh = state.cluster.fresh_replicas()
+    if not fresh:
+        raise no_replica(state.settings.retry_after_s, "not ready: no replica has reported fresh telemetry")
+    return {"status": "ready", "replicas": fresh}
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

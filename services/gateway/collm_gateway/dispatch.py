@@ -1,0 +1,383 @@
+"""Sending one request to a replica over NATS and following its stream (the request path's I/O shell).
+
+`Dispatcher.start` ranks the replicas (pure policy in `routing.py`), publishes the `GenerateRequest` to
+the first one with `Bus.stream`, and waits for its first answer. A refusal before acceptance (no
+responders, 429, 503, or silence past `first_event_timeout_s`, after which a cancel is sent so a late
+acceptance cannot run twice) moves on to the next ranked replica, at most `max_retries` times. Once a
+replica has accepted, the request stays there: `Generation.events` yields its token chunks, checks that
+`seq` runs 0, 1, 2, ... without a gap (a gap is a lost chunk: the stream fails with a clear error rather
+than return text with a hole), enforces the first-token, inter-token and overall deadlines, and
+`Generation.aclose` cancels the generation on the replica unless it already ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from collm_common import subjects
+from collm_common.bus import Bus, BusError, NoResponders, StreamReplies
+from collm_common.clock import Clock
+from collm_common.tracing import tracer
+from collm_common.wire import WireError, decode
+from collm_common.wire.inference import (
+    GENERATE_EVENT,
+    Accepted,
+    CancelRequest,
+    Finished,
+    GenerateError,
+    GenerateRequest,
+    TokenChunk,
+)
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from collm_gateway import errors, metrics
+from collm_gateway.cluster import ClusterView
+from collm_gateway.errors import APIError
+from collm_gateway.routing import Choice, RoutingConfig, rank_replicas
+from collm_gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+# `StreamReplies.next` gets this as its own timeout; the real limits are enforced around it.
+_NO_LIMIT_S = 1e9
+# While a stream is silent, how often the replica's liveness (fresh telemetry) is checked.
+LIVENESS_CHECK_S = 0.5
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """A replica said no (or nothing) before accepting: try the next one."""
+
+    reason: str
+    error: APIError
+
+
+class Generation:
+    """One request accepted by one replica: its events, its timing, and its cancellation."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        request: GenerateRequest,
+        choice: Choice,
+        accepted: Accepted,
+        replies: StreamReplies,
+        stack: contextlib.AsyncExitStack,
+        span: trace.Span,
+        deadline_s: float,
+        attempts: int,
+    ) -> None:
+        self._d = dispatcher
+        self.request = request
+        self.choice = choice
+        self.accepted = accepted
+        self._replies = replies
+        self._stack = stack
+        self.span = span
+        self.deadline_s = deadline_s
+        self.attempts = attempts
+        self.first_token_s: float | None = None
+        self.end_s: float | None = None
+        self.finished: Finished | None = None
+        self.completion_tokens = 0
+        self._next_seq = 0
+        self._last_event_s = dispatcher.clock.monotonic()
+        self._replica_done = False  # finished or failed on the replica's side: no cancel needed
+        self._closed = False
+
+    @property
+    def replica_id(self) -> str:
+        return self.accepted.replica_id or self.choice.replica_id
+
+    @property
+    def adapter_version_id(self) -> str:
+        return self.finished.adapter_version_id if self.finished else self.accepted.adapter_version_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.finished.prompt_tokens if self.finished else self.accepted.prompt_tokens
+
+    async def events(self, heartbeat_s: float | None = None) -> AsyncIterator[TokenChunk | Finished | None]:
+        """Token chunks then one `Finished`; `None` every `heartbeat_s` of silence (for SSE pings).
+
+        Raises APIError on a timeout (504), a lost chunk or a malformed event (502), a replica whose
+        telemetry went stale mid-request (503 `replica_lost`), or the replica's own error (mapped by
+        `errors.from_replica`).
+        """
+        clock = self._d.clock
+        s = self._d.settings
+        last_beat_s = clock.monotonic()
+        while self.finished is None:
+            now = clock.monotonic()
+            waiting_first = self.first_token_s is None
+            stage_s = s.first_token_timeout_s if waiting_first else s.inter_token_timeout_s
+            limit_s = min(self._last_event_s + stage_s, self.deadline_s)
+            wait_s = limit_s - now
+            if wait_s <= 0:
+                raise self._fail(self._timeout_error(waiting_first, stage_s))
+            # Wake up at least every LIVENESS_CHECK_S (and every heartbeat) while waiting.
+            step_s = min(wait_s, LIVENESS_CHECK_S, heartbeat_s or LIVENESS_CHECK_S)
+            try:
+                async with asyncio.timeout(step_s):
+                    raw = await self._replies.next(_NO_LIMIT_S)
+            except TimeoutError:
+                if step_s >= wait_s:
+                    raise self._fail(self._timeout_error(waiting_first, stage_s)) from None
+                if not self._d.cluster.is_fresh(self.replica_id):
+                    # A replica that died mid-request stops publishing telemetry: fail now rather
+                    # than wait out the token timeouts (its in-flight work is gone with it).
+                    raise self._fail(
+                        errors.APIError(
+                            503,
+                            f"replica {self.replica_id} stopped reporting telemetry while generating",
+                            code="replica_lost",
+                            headers={"Retry-After": str(s.retry_after_s)},
+                        )
+                    ) from None
+                if heartbeat_s and clock.monotonic() - last_beat_s >= heartbeat_s:
+                    last_beat_s = clock.monotonic()
+                    yield None
+                continue
+            except BusError as exc:
+                self._replica_done = True
+                raise self._fail(errors.from_replica(exc.code, exc.message, exc.type)) from None
+            try:
+                event = decode(GENERATE_EVENT, raw.data)
+            except WireError as exc:
+                raise self._fail(
+                    errors.protocol_error(f"replica {self.replica_id} sent a bad event: {exc}")
+                ) from None
+            self._last_event_s = clock.monotonic()
+            if isinstance(event, TokenChunk):
+                self._check_seq(event.seq)
+                if event.token_ids and self.first_token_s is None:
+                    self.first_token_s = self._last_event_s
+                self.completion_tokens += len(event.token_ids)
+                yield event
+            elif isinstance(event, Finished):
+                self._check_seq(event.seq)
+                self._replica_done = True
+                self.end_s = self._last_event_s
+                if event.finish_reason == "deadline":
+                    raise self._fail(errors.timeout("the replica dropped the request at its deadline"))
+                if event.finish_reason == "cancelled":
+                    raise self._fail(
+                        errors.APIError(
+                            503, "the replica cancelled the generation", code="generation_cancelled"
+                        )
+                    )
+                self.finished = event
+                self.completion_tokens = event.completion_tokens
+                yield event
+            elif isinstance(event, GenerateError):
+                self._replica_done = True
+                raise self._fail(
+                    errors.from_replica(event.code, event.message, event.type, event.param, s.retry_after_s)
+                )
+            else:
+                raise self._fail(errors.protocol_error(f"replica {self.replica_id} sent a second Accepted"))
+
+    def _check_seq(self, seq: int) -> None:
+        if seq != self._next_seq:
+            lost = "lost" if seq > self._next_seq else "repeated"
+            raise self._fail(
+                errors.protocol_error(
+                    f"token stream from replica {self.replica_id} broke: expected chunk seq {self._next_seq},"
+                    f" got {seq} ({lost} chunk); the answer would have a hole, so it is not returned"
+                )
+            )
+        self._next_seq += 1
+
+    def _timeout_error(self, waiting_first: bool, stage_s: float) -> APIError:
+        now = self._d.clock.monotonic()
+        if now >= self.deadline_s:
+            return errors.timeout(f"request deadline of {self._d.settings.request_deadline_s:.0f} s exceeded")
+        if waiting_first:
+            return errors.timeout(f"replica {self.replica_id} produced no token within {stage_s:.1f} s")
+        return errors.timeout(f"replica {self.replica_id} went silent for {stage_s:.1f} s mid-stream")
+
+    def _fail(self, err: APIError) -> APIError:
+        self.end_s = self._d.clock.monotonic()
+        self.span.set_status(Status(StatusCode.ERROR, err.message))
+        return err
+
+    async def aclose(self, reason: str = "client_disconnected") -> None:
+        """Release the stream; cancel on the replica if it is still generating. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self._replica_done:
+                await self._d.cancel(self.replica_id, self.request.request_id, reason)
+        finally:
+            if self.end_s is None:
+                self.end_s = self._d.clock.monotonic()
+            self.span.set_attribute("collm.adapter_version", self.adapter_version_id)
+            await self._stack.aclose()
+
+
+def routing_config(settings: GatewaySettings) -> RoutingConfig:
+    return RoutingConfig(
+        telemetry_stale_s=settings.telemetry_stale_s,
+        telemetry_stale_intervals=settings.telemetry_stale_intervals,
+        weights_hold_frac=settings.weights_hold_frac,
+        adapter_miss_penalty=settings.adapter_miss_penalty,
+    )
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        bus: Bus,
+        cluster: ClusterView,
+        clock: Clock,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.cluster = cluster
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.routing = cluster.routing
+        self._tracer = tracer("collm.gateway")
+
+    async def start(self, req: GenerateRequest, deadline_s: float) -> Generation:
+        """Get `req` accepted by a replica (retrying refusals), or raise APIError."""
+        s = self.settings
+        if not self.bus.connected:
+            raise errors.no_replica(s.retry_after_s, "NATS is unreachable")
+        decision = rank_replicas(
+            self.cluster.snapshots(), self.cluster.weights(), req.adapter, self.rng.random(), self.routing,
+            req.adapter_version,
+        )  # fmt: skip
+        metrics.WEIGHTS_FACTOR.set(decision.weights_factor)
+        if not decision.ranked:
+            raise errors.no_replica(s.retry_after_s, "no replica has reported fresh telemetry")
+        refusals: list[_Refusal] = []
+        for attempt, choice in enumerate(decision.ranked[: s.max_retries + 1]):
+            if attempt > 0:
+                metrics.RETRIES.labels(refusals[-1].reason).inc()
+            remaining_s = deadline_s - self.clock.monotonic()
+            if remaining_s <= 0:
+                raise errors.timeout("request deadline passed while looking for a replica")
+            outcome = await self._attempt(
+                req, choice, min(s.first_event_timeout_s, remaining_s), deadline_s, attempt
+            )
+            if isinstance(outcome, Generation):
+                metrics.REPLICA_CHOICE.labels(outcome.replica_id, outcome.choice.source).inc()
+                return outcome
+            log.info(
+                "replica refused before accepting",
+                extra={"request_id": req.request_id, "replica": choice.replica_id, "reason": outcome.reason},
+            )
+            refusals.append(outcome)
+        raise self._exhausted(refusals)
+
+    def _exhausted(self, refusals: list[_Refusal]) -> APIError:
+        s = self.settings
+        statuses = {r.error.status for r in refusals}
+        if statuses == {429}:
+            return errors.queues_full(s.retry_after_s, len(refusals))
+        if statuses == {504}:
+            return errors.timeout(
+                f"no replica answered within {s.first_event_timeout_s:.1f} s ({len(refusals)} tried)"
+            )
+        detail = "; ".join(f"{r.reason}: {r.error.message}" for r in refusals)
+        return errors.no_replica(s.retry_after_s, f"no replica could take the request ({detail})")
+
+    async def _attempt(
+        self, req: GenerateRequest, choice: Choice, timeout_s: float, deadline_s: float, attempt: int
+    ) -> Generation | _Refusal:
+        rid = choice.replica_id
+        subject = subjects.replica(rid, "generate")
+        stack = contextlib.AsyncExitStack()
+        span = self._tracer.start_span(
+            f"generate {rid}",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "messaging.system": "nats",
+                "messaging.destination.name": subject,
+                "collm.request_id": req.request_id,
+                "collm.replica": rid,
+                "collm.adapter": req.adapter or "",
+                "collm.attempt": attempt,
+                "collm.routing_source": choice.source,
+            },
+        )
+        stack.callback(span.end)
+        self.cluster.begin(rid)
+        stack.callback(self.cluster.end, rid)
+        try:
+            try:
+                with trace.use_span(span, end_on_exit=False):
+                    replies = await stack.enter_async_context(self.bus.stream(subject, req))
+                async with asyncio.timeout(timeout_s):
+                    raw = await replies.next(_NO_LIMIT_S)
+            except TimeoutError:
+                await self.cancel(rid, req.request_id, "accept_timeout")
+                return await self._refused(
+                    stack,
+                    span,
+                    "accept_timeout",
+                    errors.timeout(f"replica {rid} did not answer within {timeout_s:.1f} s"),
+                )
+            except NoResponders as exc:
+                return await self._refused(
+                    stack, span, "no_responders", errors.from_replica(503, exc.message)
+                )
+            except BusError as exc:
+                err = errors.from_replica(
+                    exc.code, exc.message, exc.type, retry_after_s=self.settings.retry_after_s
+                )
+                if exc.code in errors.RETRYABLE_REFUSALS:
+                    return await self._refused(stack, span, f"refused_{exc.code}", err)
+                raise err from None
+            try:
+                event = decode(GENERATE_EVENT, raw.data)
+            except WireError as exc:
+                await self.cancel(rid, req.request_id, "protocol_error")
+                raise errors.protocol_error(f"replica {rid} sent a bad first event: {exc}") from None
+            if isinstance(event, GenerateError):
+                err = errors.from_replica(
+                    event.code, event.message, event.type, event.param, self.settings.retry_after_s
+                )
+                if event.code in errors.RETRYABLE_REFUSALS:
+                    return await self._refused(stack, span, f"refused_{event.code}", err)
+                raise err
+            if not isinstance(event, Accepted):
+                await self.cancel(rid, req.request_id, "protocol_error")
+                raise errors.protocol_error(
+                    f"replica {rid} streamed {event.kind!r} before accepting the request"
+                )
+            span.set_attribute("collm.adapter_version", event.adapter_version_id)
+            span.set_attribute("collm.queue_position", event.queue_position)
+            return Generation(self, req, choice, event, replies, stack, span, deadline_s, attempt + 1)
+        except BaseException as exc:
+            if isinstance(exc, APIError):
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+            await stack.aclose()
+            raise
+
+    async def _refused(
+        self, stack: contextlib.AsyncExitStack, span: trace.Span, reason: str, err: APIError
+    ) -> _Refusal:
+        span.set_status(Status(StatusCode.ERROR, f"{reason}: {err.message}"))
+        await stack.aclose()
+        return _Refusal(reason, err)
+
+    async def cancel(self, replica_id: str, request_id: str, reason: str) -> None:
+        """Tell a replica to stop `request_id` (best effort: a lost cancel only wastes its time)."""
+        metrics.CANCELS.labels(reason).inc()
+        try:
+            await self.bus.publish(
+                subjects.replica(replica_id, "cancel"), CancelRequest(request_id=request_id, reason=reason)
+            )
+        except Exception as exc:  # NATS down: the replica's own deadline still bounds the work
+            log.warning("cancel of %s on %s not sent: %s", request_id, replica_id, exc)

@@ -1,0 +1,69 @@
+"""Request body size limit as pure ASGI middleware, refusing with 413 in the OpenAI envelope.
+
+A declared `Content-Length` over the limit is refused before any byte is read; a chunked body is
+counted as it arrives and refused as soon as it passes the limit. (Starlette's own limiter answers in
+plain text, which OpenAI clients cannot parse.)
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from collm_gateway.errors import from_http_status
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await self._refuse(send, declared)
+            return
+        seen = 0
+        limit = self.max_body_bytes
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    # FastAPI re-raises HTTPException from reading the body; our handler writes the envelope.
+                    raise HTTPException(413, f"more than {limit} bytes")
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    async def _refuse(self, send: Send, declared: int) -> None:
+        err = from_http_status(413, f"{declared} bytes declared, the limit is {self.max_body_bytes}")
+        body = json.dumps(err.body()).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for key, value in scope.get("headers", ()):
+        if key == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

@@ -1,0 +1,233 @@
+"""OpenAI request schemas at the HTTP edge (pydantic), and their translation to the wire request.
+
+Unknown OpenAI fields are accepted and ignored, like vLLM (they are logged at debug level), so clients
+that send newer fields keep working. Fields whose silent omission would change the answer (`n > 1`,
+`echo`, `logprobs`, `best_of`, `suffix`, non-text content parts) are refused with a 400 that says so.
+CoLLM's extension: `slo: {"ttft_ms", "tpot_ms"}` in the body (or the `x-collm-slo-ttft-ms` /
+`x-collm-slo-tpot-ms` headers; the body wins), per-model defaults otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from collm_common.wire.inference import ChatMessage, SamplingParams, SloTargets
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from collm_gateway.errors import bad_request
+from collm_gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_SEQUENCES = 8
+SLO_TTFT_HEADER = "x-collm-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-collm-slo-tpot-ms"
+
+
+class OpenAIModel(BaseModel):
+    """Base of request bodies: unknown fields allowed (ignored), known ones validated."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _log_ignored(self) -> OpenAIModel:
+        if self.model_extra:
+            log.debug("ignoring unsupported fields %s", sorted(self.model_extra))
+        return self
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SloIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float | None = Field(None, gt=0, le=3_600_000)
+    tpot_ms: float | None = Field(None, gt=0, le=3_600_000)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(OpenAIModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"content part of type {part.type!r} is not supported (text only)",
+                    param=f"messages.{index}.content.{j}",
+                    code="unsupported_value",
+                )
+            pieces.append(part.text)
+        return "".join(pieces)
+
+
+class SamplingIn(OpenAIModel):
+    """Fields shared by chat and text completions."""
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    ignore_eos: bool = False  # vLLM's extension, useful for fixed-length benchmarks
+    slo: SloIn | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise bad_request(
+                f"n={self.n} is not supported: CoLLM returns one choice (n=1)", "n", "unsupported_value"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+
+    def sampling(self, settings: GatewaySettings) -> SamplingParams:
+        max_tokens = self.requested_max_tokens()
+        if max_tokens is not None and max_tokens > settings.max_tokens_limit:
+            raise bad_request(
+                f"max_tokens={max_tokens} exceeds this gateway's limit of {settings.max_tokens_limit}",
+                "max_tokens",
+            )
+        params: dict[str, Any] = {
+            "max_tokens": max_tokens or settings.default_max_tokens,
+            "stop": list(self.stop or []),
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.temperature is not None:
+            params["temperature"] = self.temperature
+        if self.top_p is not None:
+            params["top_p"] = self.top_p
+        return SamplingParams(**params)
+
+    def slo_targets(
+        self, headers: Mapping[str, str], default_ttft_ms: float | None, default_tpot_ms: float | None
+    ) -> SloTargets:
+        """Body `slo` over headers over the model's defaults."""
+        ttft = _header_ms(headers, SLO_TTFT_HEADER)
+        tpot = _header_ms(headers, SLO_TPOT_HEADER)
+        if self.slo is not None:
+            ttft = self.slo.ttft_ms if self.slo.ttft_ms is not None else ttft
+            tpot = self.slo.tpot_ms if self.slo.tpot_ms is not None else tpot
+        return SloTargets(
+            ttft_ms=ttft if ttft is not None else default_ttft_ms,
+            tpot_ms=tpot if tpot is not None else default_tpot_ms,
+        )
+
+
+def _header_ms(headers: Mapping[str, str], name: str) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value <= 3_600_000):
+        raise bad_request(f"header {name} must be a positive number of milliseconds (got {raw!r})", name)
+    return value
+
+
+class ChatCompletionRequest(SamplingIn):
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        # `max_completion_tokens` is OpenAI's newer name; it wins when both are present.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise bad_request("logprobs are not supported", "logprobs", "unsupported_value")
+
+    def wire_messages(self) -> list[ChatMessage]:
+        return [ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)]
+
+
+class CompletionRequest(SamplingIn):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request("echo=true is not supported", "echo", "unsupported_value")
+        if self.logprobs:
+            raise bad_request("logprobs are not supported", "logprobs", "unsupported_value")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_value")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported_value")
+
+    def wire_prompt(self) -> tuple[str | None, list[int] | None]:
+        """(prompt text, prompt token ids): exactly one is set."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p, None
+        if not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        if len(p) != 1 and not all(isinstance(x, int) for x in p):
+            raise bad_request(
+                f"prompt lists of {len(p)} prompts are not supported: send one prompt per request",
+                "prompt",
+                "unsupported_value",
+            )
+        first = p[0]
+        if isinstance(first, str):
+            return first, None
+        ids = [int(x) for x in p] if isinstance(first, int) else list(first)  # type: ignore[arg-type]
+        if not ids:
+            raise bad_request("prompt must not be empty", "prompt")
+        if any(t < 0 for t in ids):
+            raise bad_request("prompt token ids must be non-negative", "prompt")
+        return None, ids

@@ -1,0 +1,204 @@
+"""Which replica serves a request: a pure policy over snapshots (no I/O, no clock, no randomness of its own).
+
+Inputs are the replicas' latest telemetry with its age, the coordinator's latest `RoutingWeights` with
+its age, the requested adapter (and pinned version), and one uniform draw in [0, 1). The output is a
+ranked list of replicas to try in order (the first is the choice, the rest are retries).
+
+Guarantees:
+
+* A replica whose telemetry is stale (older than `max(telemetry_stale_s, telemetry_stale_intervals *
+  its interval_s)`) is never ranked.
+* Coordinator weights (per adapter when the coordinator sent a row for it, else per replica) decide the
+  first choice by a weighted draw. They apply in full for `weights_hold_frac * ttl_s`, then their
+  influence decays linearly towards even weights, and from `ttl_s` on they are ignored.
+* Without usable weights the first choice is the least-loaded replica: load is (queue + running) over
+  capacity (max_batch), counting this gateway's own in-flight requests when telemetry lags behind them;
+  a replica where the adapter is not resident (or holds another version than a pinned one) pays
+  `adapter_miss_penalty`. Ties are broken by the draw, so equal replicas share the traffic.
+* Every eligible replica appears exactly once; after the first choice the rest follow by that
+  least-loaded score, so a retry goes to the next-best replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot:
+    """What the gateway knows of one replica at decision time."""
+
+    replica_id: str
+    age_s: float
+    interval_s: float = 1.0
+    queue_len: int = 0
+    running: int = 0
+    max_batch: int = 0
+    # Requests this gateway sent there and has not seen finish (telemetry lags up to one interval).
+    local_in_flight: int = 0
+    # Resident adapters: name -> version number.
+    adapters: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightsSnapshot:
+    """The coordinator's latest routing weights and how old they are."""
+
+    age_s: float
+    ttl_s: float
+    weights: Mapping[str, float]
+    adapter_weights: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    telemetry_stale_s: float = 3.0
+    telemetry_stale_intervals: float = 3.0
+    weights_hold_frac: float = 0.5
+    adapter_miss_penalty: float = 0.5
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica_id: str
+    # How this replica got its rank: drawn by weights, or ordered by the least-loaded score.
+    source: Literal["weights", "least_loaded"]
+    score: float
+    probability: float | None = None
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    ranked: tuple[Choice, ...]
+    # 1.0: coordinator weights in full, 0.0: not used (none, expired, or no weight on any eligible replica).
+    weights_factor: float
+    stale: tuple[str, ...] = ()
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return [c.replica_id for c in self.ranked]
+
+
+def is_stale(r: ReplicaSnapshot, cfg: RoutingConfig) -> bool:
+    limit_s = max(cfg.telemetry_stale_s, cfg.telemetry_stale_intervals * max(r.interval_s, 0.0))
+    return not (r.age_s <= limit_s) or math.isnan(r.age_s)
+
+
+def weights_factor(w: WeightsSnapshot | None, cfg: RoutingConfig) -> float:
+    """How much the coordinator's weights count, from 1 (fresh) to 0 (expired or absent)."""
+    if w is None or not w.ttl_s > 0 or math.isnan(w.age_s):
+        return 0.0
+    age_s = max(w.age_s, 0.0)
+    if age_s >= w.ttl_s:
+        return 0.0
+    hold_s = cfg.weights_hold_frac * w.ttl_s
+    if age_s <= hold_s:
+        return 1.0
+    return (w.ttl_s - age_s) / (w.ttl_s - hold_s)
+
+
+def is_resident(r: ReplicaSnapshot, adapter: str | None, version: int | None) -> bool:
+    if adapter is None:
+        return True
+    have = r.adapters.get(adapter)
+    return have is not None and (version is None or have == version)
+
+
+def load_score(r: ReplicaSnapshot, adapter: str | None, version: int | None, cfg: RoutingConfig) -> float:
+    """Least-loaded score: busy slots over capacity, plus the penalty for a missing adapter."""
+    busy = max(r.queue_len + r.running, r.local_in_flight, 0)
+    score = busy / max(r.max_batch, 1)
+    if not is_resident(r, adapter, version):
+        score += cfg.adapter_miss_penalty
+    return score
+
+
+def _clamp_draw(draw: float) -> float:
+    if math.isnan(draw) or draw < 0.0:
+        return 0.0
+    return min(draw, math.nextafter(1.0, 0.0))
+
+
+def rank_replicas(
+    replicas: Sequence[ReplicaSnapshot],
+    weights: WeightsSnapshot | None,
+    adapter: str | None,
+    draw: float,
+    cfg: RoutingConfig,
+    adapter_version: int | None = None,
+) -> RoutingDecision:
+    """Rank the replicas to try for one request (see the module docstring for the rules)."""
+    draw = _clamp_draw(draw)
+    stale = tuple(sorted(r.replica_id for r in replicas if is_stale(r, cfg)))
+    eligible = sorted((r for r in replicas if not is_stale(r, cfg)), key=lambda r: r.replica_id)
+    if not eligible:
+        return RoutingDecision((), 0.0, stale)
+    scores = {r.replica_id: load_score(r, adapter, adapter_version, cfg) for r in eligible}
+    by_load = sorted(eligible, key=lambda r: (scores[r.replica_id], r.replica_id))
+
+    factor = weights_factor(weights, cfg)
+    probs = _blend(eligible, weights, adapter, factor) if factor > 0 else None
+    if probs is None:
+        factor = 0.0
+        # Least loaded first; the draw picks among the replicas tied for the lowest score.
+        best = scores[by_load[0].replica_id]
+        tied = [r for r in by_load if math.isclose(scores[r.replica_id], best, rel_tol=1e-9, abs_tol=1e-12)]
+        first = tied[int(draw * len(tied))]
+        order = [first] + [r for r in by_load if r is not first]
+        ranked = tuple(Choice(r.replica_id, "least_loaded", scores[r.replica_id]) for r in order)
+        return RoutingDecision(ranked, 0.0, stale)
+
+    first = _weighted_pick(eligible, probs, draw)
+    rest = [r for r in by_load if r is not first]
+    ranked = (
+        Choice(first.replica_id, "weights", scores[first.replica_id], probs[first.replica_id]),
+        *(Choice(r.replica_id, "least_loaded", scores[r.replica_id], probs[r.replica_id]) for r in rest),
+    )
+    return RoutingDecision(ranked, factor, stale)
+
+
+def _blend(
+    eligible: Sequence[ReplicaSnapshot], w: WeightsSnapshot | None, adapter: str | None, factor: float
+) -> dict[str, float] | None:
+    """Per-replica probabilities: factor * coordinator share + (1 - factor) * even share.
+
+    None when the coordinator gave no positive weight to any eligible replica (its table is about
+    replicas we cannot use), so the caller falls back to least-loaded.
+    """
+    assert w is not None
+    table = w.adapter_weights.get(adapter) if adapter is not None else None
+    if table is None:
+        table = w.weights
+    raw = {r.replica_id: _finite_positive(table.get(r.replica_id, 0.0)) for r in eligible}
+    total = sum(raw.values())
+    if total <= 0.0:
+        return None
+    even = 1.0 / len(eligible)
+    return {rid: factor * (v / total) + (1.0 - factor) * even for rid, v in raw.items()}
+
+
+def _finite_positive(x: float) -> float:
+    return x if isinstance(x, int | float) and math.isfinite(x) and x > 0 else 0.0
+
+
+def _weighted_pick(
+    eligible: Sequence[ReplicaSnapshot], probs: Mapping[str, float], draw: float
+) -> ReplicaSnapshot:
+    total = sum(probs.values())
+    target = draw * total
+    acc = 0.0
+    chosen = eligible[-1]
+    for r in eligible:
+        p = probs[r.replica_id]
+        if p <= 0.0:
+            continue
+        acc += p
+        if target < acc:
+            chosen = r
+            break
+    else:  # rounding at the top end: the last replica with a positive share
+        chosen = next(r for r in reversed(eligible) if probs[r.replica_id] > 0.0)
+    return chosen

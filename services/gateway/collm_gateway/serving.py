@@ -1,0 +1,277 @@
+"""Completions: translate an OpenAI request into a `GenerateRequest`, dispatch it, answer as JSON or SSE.
+
+Errors before any token has been sent are HTTP errors (the route's exception handler writes the
+envelope). Once a stream has started, an error is sent as `data: {"error": {...}}` and the stream
+still ends with `data: [DONE]`. Response headers `x-collm-replica` and `x-collm-adapter-version` (and
+`system_fingerprint` in the body) name what served the request; they are known before the first byte
+because the gateway waits for the replica's `Accepted` before answering.
+
+A client that disconnects cancels its generation on the replica: for streams through
+`GenerationEventStream` (which always releases the generation, whatever ended the response), for
+non-streaming requests by racing the generation against the connection's `http.disconnect`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from collm_common.clock import Clock
+from collm_common.wire.inference import Finished, GenerateRequest, TokenChunk
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import KEEPALIVE_COMMENT, EventSourceResponse
+from opentelemetry import trace
+from starlette.types import Receive, Scope, Send
+
+from collm_gateway import metrics
+from collm_gateway.auth import Principal
+from collm_gateway.catalog import ModelCatalog
+from collm_gateway.dispatch import Dispatcher, Generation
+from collm_gateway.errors import APIError
+from collm_gateway.observe import CLIENT_CLOSED, RequestRecord, record
+from collm_gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingIn
+from collm_gateway.settings import GatewaySettings
+from collm_gateway.shapes import DONE_EVENT, ChatShape, Shape, StreamIdentity, TextShape, fingerprint, sse
+
+REPLICA_HEADER = "x-collm-replica"
+ADAPTER_VERSION_HEADER = "x-collm-adapter-version"
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class GenerationEventStream(EventSourceResponse):
+    """An SSE response that runs `on_close` however the stream ends (done, error, or disconnect)."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], headers: dict[str, str], on_close: Callable[[], Awaitable[None]]
+    ):
+        super().__init__(content, headers=headers)
+        self.headers["Cache-Control"] = "no-cache"
+        self.headers["X-Accel-Buffering"] = "no"
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Shielded: a disconnect or shutdown cancels the response, but the cancel must reach the replica.
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+                await self._on_close()
+
+
+class CompletionServing:
+    def __init__(
+        self, settings: GatewaySettings, catalog: ModelCatalog, dispatcher: Dispatcher, clock: Clock
+    ) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.dispatcher = dispatcher
+        self.clock = clock
+        self.chat_shape = ChatShape()
+        self.text_shape = TextShape()
+
+    async def chat(self, body: ChatCompletionRequest, request: Request, principal: Principal) -> Response:
+        return await self._serve(body, self.chat_shape, "chat", request, principal)
+
+    async def completion(self, body: CompletionRequest, request: Request, principal: Principal) -> Response:
+        return await self._serve(body, self.text_shape, "completions", request, principal)
+
+    def _wire_request(
+        self,
+        body: SamplingIn,
+        request_id: str,
+        adapter: str | None,
+        version: int | None,
+        principal: Principal,
+        slo: Any,
+    ) -> GenerateRequest:
+        now_unix_s = self.clock.now()
+        fields: dict[str, Any] = {}
+        if isinstance(body, ChatCompletionRequest):
+            fields["messages"] = body.wire_messages()
+        else:
+            assert isinstance(body, CompletionRequest)
+            prompt, ids = body.wire_prompt()
+            fields["prompt"] = prompt
+            fields["prompt_token_ids"] = ids
+        return GenerateRequest(
+            request_id=request_id,
+            adapter=adapter,
+            adapter_version=version,
+            sampling=body.sampling(self.settings),
+            slo=slo,
+            tenant=principal.tenant,
+            arrival_unix_s=now_unix_s,
+            deadline_unix_s=now_unix_s + self.settings.request_deadline_s,
+            **fields,
+        )
+
+    async def _serve(
+        self, body: SamplingIn, shape: Shape, endpoint: str, request: Request, principal: Principal
+    ) -> Response:
+        arrival_s = self.clock.monotonic()
+        request_id = shape.id_prefix + uuid.uuid4().hex
+        span = trace.get_current_span()
+        rec = RequestRecord(
+            request_id=request_id,
+            endpoint=endpoint,
+            model="unknown",
+            requested_model=body.model,
+            stream=body.stream,
+            arrival_s=arrival_s,
+            tenant=principal.tenant,
+        )
+        metrics.IN_FLIGHT.inc()
+        handed_over = False
+        try:
+            body.check_supported()
+            ref = await self.catalog.resolve(body.model, principal, self.settings.retry_after_s)
+            rec.model = ref.label
+            defaults = self.settings.slo_for(ref.label)
+            slo = body.slo_targets(request.headers, defaults.ttft_ms, defaults.tpot_ms)
+            rec.slo_ttft_ms, rec.slo_tpot_ms = slo.ttft_ms, slo.tpot_ms
+            wire = self._wire_request(body, request_id, ref.adapter, ref.version, principal, slo)
+            span.set_attribute("collm.model", body.model)
+            span.set_attribute("collm.request_id", request_id)
+            gen = await self.dispatcher.start(wire, arrival_s + self.settings.request_deadline_s)
+            rec.replica_id = gen.replica_id
+            rec.adapter_version_id = gen.adapter_version_id
+            rec.routing_source = gen.choice.source
+            rec.attempts = gen.attempts
+            rec.prompt_tokens = gen.prompt_tokens
+            span.set_attribute("collm.replica", gen.replica_id)
+            span.set_attribute("collm.adapter_version", gen.adapter_version_id)
+            ident = StreamIdentity(
+                id=request_id,
+                created=int(self.clock.now()),
+                model=body.model,
+                system_fingerprint=fingerprint(gen.replica_id, gen.adapter_version_id),
+            )
+            headers = {
+                REPLICA_HEADER: gen.replica_id,
+                ADAPTER_VERSION_HEADER: gen.adapter_version_id,
+                REQUEST_ID_HEADER: request_id,
+            }
+            if body.stream:
+                response = GenerationEventStream(
+                    self._stream(gen, shape, ident, body.include_usage, rec),
+                    headers=headers,
+                    on_close=lambda: self._finish(gen, rec, span),
+                )
+                handed_over = True
+                return response
+            try:
+                payload = await self._complete(gen, shape, ident, rec, request)
+            finally:
+                await self._finish(gen, rec, span)
+                handed_over = True
+            if payload is None:
+                return Response(status_code=CLIENT_CLOSED)
+            return JSONResponse(payload, headers=headers)
+        except APIError as err:
+            rec.status, rec.error = err.status, err.message
+            raise
+        except Exception as exc:
+            rec.status, rec.error = 500, f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if not handed_over:
+                rec.end_s = rec.end_s or self.clock.monotonic()
+                record(rec, span)
+                metrics.IN_FLIGHT.dec()
+
+    async def _finish(self, gen: Generation, rec: RequestRecord, span: trace.Span) -> None:
+        """Release the generation (cancel on the replica if unfinished) and write the record once."""
+        if rec.recorded:
+            return
+        if gen.finished is None and rec.status == 200:  # neither finished nor failed: the client went away
+            rec.status = CLIENT_CLOSED
+        try:
+            await gen.aclose("client_disconnected" if rec.status == CLIENT_CLOSED else "gateway_error")
+        finally:
+            rec.first_token_s = gen.first_token_s
+            rec.end_s = gen.end_s
+            rec.completion_tokens = gen.completion_tokens
+            rec.prompt_tokens = gen.prompt_tokens
+            rec.adapter_version_id = gen.adapter_version_id
+            if gen.finished is not None:
+                rec.finish_reason = gen.finished.finish_reason
+            record(rec, span)
+            metrics.IN_FLIGHT.dec()
+
+    async def _stream(
+        self, gen: Generation, shape: Shape, ident: StreamIdentity, include_usage: bool, rec: RequestRecord
+    ) -> AsyncIterator[bytes]:
+        opening = shape.opening(ident)
+        if opening is not None:
+            yield sse(opening)
+        try:
+            async for event in gen.events(heartbeat_s=self.settings.sse_ping_s):
+                if event is None:
+                    yield KEEPALIVE_COMMENT
+                elif isinstance(event, TokenChunk):
+                    if event.text:
+                        yield sse(shape.delta(ident, event.text))
+                elif isinstance(event, Finished):
+                    finish = "length" if event.finish_reason == "length" else "stop"
+                    yield sse(shape.closing(ident, finish))
+                    if include_usage:
+                        yield sse(shape.usage_chunk(ident, event.prompt_tokens, event.completion_tokens))
+        except APIError as err:
+            rec.status, rec.error = err.status, err.message
+            yield sse(err.body())
+        yield DONE_EVENT
+
+    async def _complete(
+        self, gen: Generation, shape: Shape, ident: StreamIdentity, rec: RequestRecord, request: Request
+    ) -> dict[str, Any] | None:
+        """The whole answer, or None if the client disconnected first (the generation is then cancelled)."""
+
+        async def collect() -> tuple[str, Finished]:
+            parts: list[str] = []
+            async for event in gen.events():
+                if isinstance(event, TokenChunk):
+                    parts.append(event.text)
+                elif isinstance(event, Finished):
+                    return "".join(parts), event
+            raise AssertionError("event stream ended without Finished")  # events() raises or finishes
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.done() or work.cancelled():
+            rec.status = CLIENT_CLOSED
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return None
+        try:
+            text, fin = work.result()
+        except APIError as err:
+            rec.status, rec.error = err.status, err.message
+            raise
+        except Exception as exc:
+            rec.status, rec.error = 500, f"{type(exc).__name__}: {exc}"
+            raise
+        finish = "length" if fin.finish_reason == "length" else "stop"
+        return shape.complete(ident, text, finish, fin.prompt_tokens, fin.completion_tokens)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the next message is the end)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,147 @@
+"""Gateway settings (environment variables `COLLM_*`, validated at construction).
+
+Timeouts follow the request's life: `first_event_timeout_s` bounds the wait for a replica's first answer
+(Accepted or a refusal, which replicas send at admission), `first_token_timeout_s` the wait from Accepted
+to the first token (queueing plus prefill), `inter_token_timeout_s` every later gap, and
+`request_deadline_s` the whole request. A refusal (429/503/no responders) or a silent replica before
+Accepted is retried on the next ranked replica, at most `max_retries` times.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from collm_common.settings import CommonSettings
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SloDefaults(BaseModel):
+    """Latency targets of one model when a request names none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: float | None = Field(None, gt=0, description="Time to first token target (ms).")
+    tpot_ms: float | None = Field(None, gt=0, description="Time per output token target (ms).")
+
+
+def _default_gateway_id() -> str:
+    host = "".join(c if c.isalnum() or c in "_-" else "-" for c in socket.gethostname())[:40] or "gw"
+    return f"{host}-gw"
+
+
+class GatewaySettings(CommonSettings):
+    """The OpenAI-compatible HTTP front of CoLLM."""
+
+    gateway_id: str = Field(
+        default_factory=_default_gateway_id,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="Instance id of this gateway (micro service metadata, logs, traces).",
+    )
+    host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: any free port).")
+    base_model: str = Field(
+        "SmolLM2-135M-Instruct",
+        min_length=1,
+        max_length=128,
+        description="Model id of the base model in the API (`GET /v1/models`, request `model`). "
+        "Adapters are addressed by their own names, `name` or `name@vN`.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Context length advertised on the model cards (None: not advertised)."
+    )
+    # --- SLOs -------------------------------------------------------------------------------------------
+    slo_ttft_ms: float | None = Field(
+        1000.0, gt=0, description="Default TTFT target (ms) for models without their own default."
+    )
+    slo_tpot_ms: float | None = Field(
+        100.0, gt=0, description="Default TPOT target (ms) for models without their own default."
+    )
+    slo_defaults: dict[str, SloDefaults] = Field(
+        default_factory=dict,
+        description='Per-model SLO defaults, JSON: {"medical": {"ttft_ms": 500, "tpot_ms": 80}}; keys '
+        "are model ids (the base model id or an adapter name). A request's own targets win.",
+    )
+    # --- limits -----------------------------------------------------------------------------------------
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, description="Largest accepted HTTP request body (bytes); larger gets 413."
+    )
+    max_tokens_limit: int = Field(
+        4096, ge=1, description="Largest `max_tokens` a request may ask for; more gets 400."
+    )
+    default_max_tokens: int = Field(
+        256, ge=1, description="`max_tokens` of a request that sets none (capped by max_tokens_limit)."
+    )
+    # --- timeouts and retries ---------------------------------------------------------------------------
+    first_event_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="Wait for a replica's first answer (Accepted or refusal) before trying another.",
+    )
+    first_token_timeout_s: float = Field(
+        60.0, gt=0, description="Wait from Accepted to the first token before failing with 504."
+    )
+    inter_token_timeout_s: float = Field(
+        30.0, gt=0, description="Longest gap between two streamed events before failing with 504."
+    )
+    request_deadline_s: float = Field(
+        600.0, gt=0, description="Overall deadline of one request; the replica drops it after that too."
+    )
+    sse_ping_s: float = Field(
+        15.0, gt=0, description="Send an SSE keep-alive comment after this much silence in a stream."
+    )
+    max_retries: int = Field(
+        2, ge=0, le=16, description="Other replicas tried when one refuses before accepting (429/503)."
+    )
+    retry_after_s: int = Field(
+        1, ge=1, description="`Retry-After` seconds sent with 503 (no replica) and 429 (all queues full)."
+    )
+    # --- cluster view and routing -----------------------------------------------------------------------
+    telemetry_stale_s: float = Field(
+        3.0, gt=0, description="A replica whose last telemetry is older than this is not routed to."
+    )
+    telemetry_stale_intervals: float = Field(
+        3.0,
+        gt=0,
+        description="...or older than this many of its own telemetry intervals, whichever is longer.",
+    )
+    weights_hold_frac: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Coordinator weights apply in full for this fraction of their ttl_s, then decay "
+        "linearly to even weights at ttl_s, after which they are ignored.",
+    )
+    adapter_miss_penalty: float = Field(
+        0.5,
+        ge=0.0,
+        description="Least-loaded fallback: load units added to a replica where the requested adapter "
+        "is not resident (1.0 = one full batch).",
+    )
+    models_cache_ttl_s: float = Field(
+        2.0, ge=0.0, description="How long adapter names and versions read from the store are reused."
+    )
+    # --- NATS micro -------------------------------------------------------------------------------------
+    micro_version: str = Field(
+        "0.1.0",
+        pattern=r"^\d+\.\d+\.\d+$",
+        description="Semver reported by the `collm-gateway` micro service.",
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> GatewaySettings:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"COLLM_DEFAULT_MAX_TOKENS ({self.default_max_tokens}) must not exceed "
+                f"COLLM_MAX_TOKENS_LIMIT ({self.max_tokens_limit})"
+            )
+        if self.first_event_timeout_s > self.request_deadline_s:
+            raise ValueError("COLLM_FIRST_EVENT_TIMEOUT_S must not exceed COLLM_REQUEST_DEADLINE_S")
+        return self
+
+    def slo_for(self, model_id: str) -> SloDefaults:
+        """Default targets of `model_id` (per-model entry, else the gateway-wide defaults)."""
+        own = self.slo_defaults.get(model_id)
+        return SloDefaults(
+            ttft_ms=own.ttft_ms if own and own.ttft_ms is not None else self.slo_ttft_ms,
+            tpot_ms=own.tpot_ms if own and own.tpot_ms is not None else self.slo_tpot_ms,
+        )

@@ -1,0 +1,192 @@
+"""OpenAI response bodies and stream chunks, built as plain dicts (pure; shapes tested in unit tests).
+
+Streams follow OpenAI's shape: every chunk carries the same `id`, `created` and `model`; a chat stream
+opens with a delta carrying the role, the last choice chunk carries `finish_reason`, and with
+`stream_options.include_usage` one more chunk follows with `choices: []` and the usage. The serving
+layer ends every stream with `data: [DONE]`. `system_fingerprint` names the replica and the exact adapter
+version that produced the tokens (`r0/medical@v3`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi.sse import format_sse_event
+
+DONE_EVENT = format_sse_event(data_str="[DONE]")
+
+OpenAIFinish = Literal["stop", "length"]
+
+
+def fingerprint(replica_id: str, adapter_version_id: str) -> str:
+    return f"{replica_id}/{adapter_version_id}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One `data:` event with a JSON payload."""
+    return format_sse_event(data_str=json.dumps(obj, separators=(",", ":"), ensure_ascii=False))
+
+
+@dataclass(frozen=True)
+class StreamIdentity:
+    """What every chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
+class ChatShape:
+    """`chat.completion` and `chat.completion.chunk`."""
+
+    id_prefix = "chatcmpl-"
+    param = "messages"
+
+    @staticmethod
+    def _chunk(ident: StreamIdentity, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": ident.id,
+            "object": "chat.completion.chunk",
+            "created": ident.created,
+            "model": ident.model,
+            "system_fingerprint": ident.system_fingerprint,
+            "choices": choices,
+        }
+
+    def opening(self, ident: StreamIdentity) -> dict[str, Any] | None:
+        return self._chunk(
+            ident,
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        )
+
+    def delta(self, ident: StreamIdentity, text: str) -> dict[str, Any]:
+        return self._chunk(
+            ident, [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]
+        )
+
+    def closing(self, ident: StreamIdentity, finish_reason: OpenAIFinish) -> dict[str, Any]:
+        return self._chunk(
+            ident, [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]
+        )
+
+    def usage_chunk(
+        self, ident: StreamIdentity, prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
+        chunk = self._chunk(ident, [])
+        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        return chunk
+
+    def complete(
+        self,
+        ident: StreamIdentity,
+        text: str,
+        finish_reason: OpenAIFinish,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> dict[str, Any]:
+        return {
+            "id": ident.id,
+            "object": "chat.completion",
+            "created": ident.created,
+            "model": ident.model,
+            "system_fingerprint": ident.system_fingerprint,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+
+
+class TextShape:
+    """`text_completion` (the legacy completions API; chunks have the same object name)."""
+
+    id_prefix = "cmpl-"
+    param = "prompt"
+
+    @staticmethod
+    def _chunk(ident: StreamIdentity, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": ident.id,
+            "object": "text_completion",
+            "created": ident.created,
+            "model": ident.model,
+            "system_fingerprint": ident.system_fingerprint,
+            "choices": choices,
+        }
+
+    def opening(self, ident: StreamIdentity) -> dict[str, Any] | None:
+        del ident  # text streams have no role delta
+        return None
+
+    def delta(self, ident: StreamIdentity, text: str) -> dict[str, Any]:
+        return self._chunk(ident, [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
+
+    def closing(self, ident: StreamIdentity, finish_reason: OpenAIFinish) -> dict[str, Any]:
+        return self._chunk(
+            ident, [{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}]
+        )
+
+    def usage_chunk(
+        self, ident: StreamIdentity, prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
+        chunk = self._chunk(ident, [])
+        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        return chunk
+
+    def complete(
+        self,
+        ident: StreamIdentity,
+        text: str,
+        finish_reason: OpenAIFinish,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> dict[str, Any]:
+        out = self._chunk(
+            ident, [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        )
+        out["usage"] = usage(prompt_tokens, completion_tokens)
+        return out
+
+
+Shape = ChatShape | TextShape
+
+
+def model_card(
+    model_id: str, created: int, owned_by: str, parent: str | None, root: str, max_model_len: int | None
+) -> dict[str, Any]:
+    """An OpenAI model card (vLLM's fields: `root`, `parent`, `max_model_len`, `permission`)."""
+    card: dict[str, Any] = {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": owned_by,
+        "root": root,
+        "parent": parent,
+        "permission": [],
+    }
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
+    return card

@@ -1,0 +1,14 @@
+"""`python -m collm_replica`: start one replica with settings from COLLM_* environment variables."""
+
+from collm_common.service import run_service
+
+from collm_replica.service import serve
+from collm_replica.settings import ReplicaSettings
+
+
+def main() -> None:
+    run_service("collm-replica", ReplicaSettings, serve, instance_id=lambda s: s.replica_id)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Co-scheduling of fine-tuning with inference, decided once per iteration (pure: no torch, no asyncio).
+
+Each iteration the engine asks the policy how many training tokens (one micro-step) to run after the
+inference step it is about to execute; 0 means none. Three policies share the interface:
+
+* `SloAwareCoScheduler` (CoLLM): trains only when the micro-step fits in the *slack* of every request,
+  i.e. the earliest next-token deadline (TPOT SLO, accumulated: a request ahead of its budget has slack)
+  or TTFT deadline (minus the prefill still ahead of it) minus the cost of this iteration, and in a share
+  of the TTFT SLO (so a request arriving during the micro-step still meets its TTFT); and only while
+  the fine-tuning *share* allows it (time credit: training may use `share` of the wall time while there is
+  inference work; an idle replica trains freely). When load rises, slack vanishes and training stops at
+  the next iteration.
+* `FixedRatioCoScheduler` (Loquetier-style naive co-location): one full training step (a whole
+  accumulation batch) every K iterations, whatever the load.
+* `LeftoverCoScheduler` (FlexLLM-style): fills the token budget the running batch leaves spare.
+
+`NoTraining` is fine-tuning off. All of them return 0 when there is no job or the share is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class TrainCost:
+    """Predicted training cost: fixed + per token (ms)."""
+
+    fixed_ms: float
+    per_token_ms: float
+
+    def ms(self, tokens: int) -> float:
+        return self.fixed_ms + self.per_token_ms * tokens if tokens > 0 else 0.0
+
+    def tokens_within(self, ms: float) -> int:
+        if ms <= self.fixed_ms:
+            return 0
+        if self.per_token_ms <= 0:
+            return 1 << 30
+        return int((ms - self.fixed_ms) / self.per_token_ms)
+
+
+@dataclass(frozen=True)
+class CoSchedInput:
+    now_s: float  # monotonic
+    share: float  # 0..1
+    has_job: bool
+    running: int  # sequences in the running batch
+    waiting: int  # sequences in the queue
+    inference_tokens: int  # tokens of this iteration's inference step
+    token_budget: int  # max_batch_tokens
+    step_ms: float  # predicted cost of this iteration's inference step
+    deadlines_s: tuple[float, ...]  # earliest next deadline of each request (absolute, monotonic)
+    train: TrainCost
+    micro_tokens: int  # preferred micro-step size
+    batch_tokens: int  # tokens of one full optimizer step (fixed-ratio policy)
+    min_tokens: int = 8
+    iteration: int = 0
+    # Longest training pause a request that has not arrived yet could absorb (a share of the TTFT SLO):
+    # the slack of present requests says nothing about the next arrival.
+    max_train_ms: float = float("inf")
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0
+
+
+class CoScheduler(Protocol):
+    name: str
+
+    def decide(self, inp: CoSchedInput) -> int:
+        """Training tokens to run after this iteration's inference step (0: none)."""
+        ...
+
+    def charge(self, train_ms: float) -> None:
+        """Account a training micro-step that ran."""
+        ...
+
+
+class NoTraining:
+    name = "off"
+
+    def decide(self, inp: CoSchedInput) -> int:  # noqa: ARG002
+        return 0
+
+    def charge(self, train_ms: float) -> None:  # noqa: ARG002
+        return None
+
+
+class SloAwareCoScheduler:
+    """See module docstring. `margin_ms` is kept free of training before any deadline."""
+
+    name = "slo"
+
+    def __init__(
+        self, margin_ms: float = 10.0, max_credit_ms: float = 2000.0, slack_frac: float = 0.5
+    ) -> None:
+        self.margin_ms = margin_ms
+        self.max_credit_ms = max_credit_ms
+        # Spend only this fraction of the slack: step costs jitter, and the slack must also absorb the
+        # next iterations, which may be slower than the one predicted now.
+        self.slack_frac = slack_frac
+        self.credit_ms = 0.0
+        self._last_s: float | None = None
+
+    def _accrue(self, inp: CoSchedInput) -> None:
+        if self._last_s is not None and inp.now_s > self._last_s:
+            self.credit_ms = min(
+                self.max_credit_ms, self.credit_ms + inp.share * (inp.now_s - self._last_s) * 1e3
+            )
+        self._last_s = inp.now_s
+
+    def slack_ms(self, inp: CoSchedInput) -> float:
+        if not inp.deadlines_s:
+            return float("inf")
+        return (min(inp.deadlines_s) - inp.now_s) * 1e3 - inp.step_ms - self.margin_ms
+
+    def decide(self, inp: CoSchedInput) -> int:
+        self._accrue(inp)
+        if not inp.has_job or inp.share <= 0:
+            return 0
+        if inp.idle:  # nothing to serve: training takes the idle time, in steps a new arrival can wait out
+            if inp.max_train_ms == float("inf"):
+                return inp.micro_tokens
+            tokens = min(inp.micro_tokens, inp.train.tokens_within(inp.max_train_ms))
+            return tokens if tokens >= inp.min_tokens else 0
+        if self.credit_ms <= 0:
+            return 0
+        budget_ms = min(self.slack_ms(inp) * self.slack_frac, inp.max_train_ms)
+        if budget_ms == float("inf"):
+            return inp.micro_tokens
+        tokens = min(inp.micro_tokens, inp.train.tokens_within(budget_ms))
+        return tokens if tokens >= inp.min_tokens else 0
+
+    def charge(self, train_ms: float) -> None:
+        self.credit_ms -= train_ms
+
+
+class FixedRatioCoScheduler:
+    """One full training step (`batch_tokens`) every `every` iterations, blind to load."""
+
+    name = "fixed"
+
+    def __init__(self, every: int = 8) -> None:
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.every = every
+
+    def decide(self, inp: CoSchedInput) -> int:
+        if not inp.has_job or inp.share <= 0:
+            return 0
+        if inp.idle:
+            return inp.batch_tokens
+        return inp.batch_tokens if inp.iteration % self.every == 0 else 0
+
+    def charge(self, train_ms: float) -> None:  # noqa: ARG002
+        return None
+
+
+class LeftoverCoScheduler:
+    """Training tokens fill whatever the running batch leaves of the iteration's token budget."""
+
+    name = "leftover"
+
+    def decide(self, inp: CoSchedInput) -> int:
+        if not inp.has_job or inp.share <= 0:
+            return 0
+        spare = inp.token_budget - inp.inference_tokens
+        tokens = min(spare, inp.micro_tokens) if not inp.idle else inp.micro_tokens
+        return tokens if tokens >= inp.min_tokens else 0
+
+    def charge(self, train_ms: float) -> None:  # noqa: ARG002
+        return None
+
+
+def make_coscheduler(name: str, fixed_every: int = 8) -> CoScheduler:
+    if name == "slo":
+        return SloAwareCoScheduler()
+    if name == "fixed":
+        return FixedRatioCoScheduler(fixed_every)
+    if name == "leftover":
+        return LeftoverCoScheduler()
+    if name == "off":
+        return NoTraining()
+    raise ValueError(f"unknown co-scheduler {name!r} (slo, fixed, leftover, off)")
+
+
+def effective_share(
+    now_s: float, coordinator_share: float | None, expires_s: float | None, default: float
+) -> tuple[float, str]:
+    """The share in force: the coordinator's while its TTL lasts, else the local default."""
+    if coordinator_share is not None and expires_s is not None and now_s < expires_s:
+        return coordinator_share, "coordinator"
+    return default, "local_default"

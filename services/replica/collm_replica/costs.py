@@ -1,0 +1,93 @@
+"""Online cost models and latency windows (pure: no torch, no asyncio).
+
+`LinearCost` fits `ms = fixed + per_unit * units` by exponentially weighted least squares, so the
+co-scheduler's predictions follow the machine (other load, thermal state) within a few dozen samples.
+`LatencyWindow` keeps finished requests of the last `window_s` seconds for percentiles and SLO attainment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+class LinearCost:
+    def __init__(self, fixed_ms: float, per_unit_ms: float, decay: float = 0.97) -> None:
+        self.default = (fixed_ms, per_unit_ms)
+        self.decay = decay
+        self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.samples = 0
+
+    def observe(self, units: float, ms: float) -> None:
+        d = self.decay
+        self._s = self._s * d + 1
+        self._sx = self._sx * d + units
+        self._sy = self._sy * d + ms
+        self._sxx = self._sxx * d + units * units
+        self._sxy = self._sxy * d + units * ms
+        self.samples += 1
+
+    def params(self) -> tuple[float, float]:
+        """(fixed_ms, per_unit_ms); the defaults until two distinct sizes were seen."""
+        if self.samples == 0:
+            return self.default
+        var = self._s * self._sxx - self._sx * self._sx
+        mean_x, mean_y = self._sx / self._s, self._sy / self._s
+        if var <= 1e-9 * max(1.0, self._s * self._sxx):
+            # One size only: keep the default slope through the observed mean.
+            per = self.default[1]
+            return max(0.0, mean_y - per * mean_x), per
+        per = (self._s * self._sxy - self._sx * self._sy) / var
+        per = max(per, 0.0)
+        return max(0.0, mean_y - per * mean_x), per
+
+    def predict(self, units: float) -> float:
+        fixed, per = self.params()
+        return fixed + per * units
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
+    return s[k]
+
+
+@dataclass(frozen=True)
+class FinishedSample:
+    t_s: float
+    ttft_ms: float | None
+    tpot_ms: float | None
+    good: bool
+
+
+class LatencyWindow:
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._items: deque[FinishedSample] = deque()
+
+    def add(self, sample: FinishedSample) -> None:
+        self._items.append(sample)
+
+    def prune(self, now_s: float) -> None:
+        while self._items and self._items[0].t_s < now_s - self.window_s:
+            self._items.popleft()
+
+    def summary(self, now_s: float) -> dict[str, float | int | None]:
+        self.prune(now_s)
+        ttft = [s.ttft_ms for s in self._items if s.ttft_ms is not None]
+        tpot = [s.tpot_ms for s in self._items if s.tpot_ms is not None]
+        n = len(self._items)
+        good = sum(1 for s in self._items if s.good)
+        return {
+            "ttft_ms_p50": percentile(ttft, 50),
+            "ttft_ms_p99": percentile(ttft, 99),
+            "tpot_ms_p50": percentile(tpot, 50),
+            "tpot_ms_p99": percentile(tpot, 99),
+            "finished": n,
+            "good": good,
+            "slo_attainment": (good / n) if n else None,
+        }

@@ -1,0 +1,1021 @@
+"""The replica engine: one thread that owns the model and runs schedule -> execute -> update forever.
+
+Everything torch happens in that thread. Other threads (the asyncio service) talk to it only through
+thread-safe calls: `submit` (admission checks under a lock, then an inbox), `cancel`, and commands that
+run in the engine thread at the next iteration boundary (`install_version`, `start_job`, `evaluate`, ...),
+answered through `concurrent.futures.Future`s. Events of a request (`Accepted`, `TokenChunk`s, `Finished`,
+`GenerateError`: the wire messages of `collm_common.wire.inference`) go to the request's sink, a callable
+that must be thread-safe (the service wraps `loop.call_soon_threadsafe`).
+
+Each iteration:
+1. take new requests and commands (adapter installs and shadow refreshes happen here, at the boundary,
+   as a copy into a free LoRA-bank slot: running requests keep reading their own slot);
+2. `batching.plan_iteration` picks decode tokens and prefill chunks within the token and KV budgets;
+3. the co-scheduler decides whether a training micro-step fits after this step;
+4. the executor runs the ragged multi-adapter batch; tokens are sampled, detokenized, stop-checked and
+   streamed;
+5. a background evaluation chunk and/or the training micro-step run.
+
+Adapter identity: a request is bound at admission to an exact version id (`base`, `name@vN`, or a local
+refresh `name@vN+<replica>.<k>`), which pins its slot until it finishes; `Accepted` and `Finished` carry
+that id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from collm_common.data import Example, LocalDataset
+from collm_common.lora import AdapterWeights
+from collm_common.wire.inference import Accepted, Finished, GenerateError, TokenChunk
+from collm_common.wire.telemetry import ResidentAdapter, TrainingJobStatus
+
+from collm_replica.batching import BatchConfig, SeqView, plan_iteration
+from collm_replica.cosched import CoSchedInput, CoScheduler, TrainCost, effective_share, make_coscheduler
+from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost
+from collm_replica.executor import Executor, ForwardItem, SeqKV
+from collm_replica.lora_bank import LiveLora, LoraBank, parse_adapter
+from collm_replica.lru import VersionLru
+from collm_replica.models import LoadedModel
+from collm_replica.sampling import IncrementalDetokenizer, StopMatcher, make_generator, sample_token
+from collm_replica.training import EvalRun, JobConfig, JobSpec, TrainingJob, render_example
+
+log = logging.getLogger(__name__)
+
+BASE = "base"
+_VERSION_RE = re.compile(r"^(?P<name>[A-Za-z0-9_-]+)@v(?P<n>\d+)(?:\+(?P<local>[A-Za-z0-9_.-]+))?$")
+
+EventSink = Callable[[Any], None]
+
+
+def parse_version_id(version_id: str) -> tuple[str, int, str | None]:
+    """`medical@v3+r0.2` -> ("medical", 3, "r0.2")."""
+    m = _VERSION_RE.match(version_id)
+    if not m:
+        raise ValueError(f"malformed adapter version id {version_id!r}")
+    return m.group("name"), int(m.group("n")), m.group("local")
+
+
+class EngineRefusal(Exception):
+    """A request the engine does not accept; `code` is HTTP-like (400, 404, 429, 503)."""
+
+    def __init__(
+        self, code: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+    ):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.type = type_
+        self.param = param
+
+
+class NotResident(Exception):
+    """The adapter (version) a request names is not in the bank: the service fetches it and retries."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    replica_id: str = "r0"
+    max_queue: int = 64
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    max_resident_adapters: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_max_rank: int = 16
+    default_ttft_slo_ms: float = 2000.0
+    default_tpot_slo_ms: float = 250.0
+    ft_share_default: float = 0.3
+    coscheduler: str = "slo"
+    fixed_every_iterations: int = 8
+    job: JobConfig = field(default_factory=JobConfig)
+    slo_window_s: float = 30.0
+    round_deadline_margin_s: float = 3.0
+    eval_fraction: float = 0.1
+    train_guard_frac: float = 0.4  # a micro-step under load lasts at most this share of the TTFT SLO
+
+    @classmethod
+    def from_settings(cls, s: Any) -> EngineConfig:
+        return cls(
+            replica_id=s.replica_id,
+            max_queue=s.max_queue,
+            batch=BatchConfig(s.max_batch, s.max_batch_tokens, s.prefill_chunk_tokens, s.kv_budget_tokens),
+            max_resident_adapters=s.max_resident_adapters,
+            lora_targets=tuple(s.lora_target_modules.split(",")),
+            lora_max_rank=s.lora_max_rank,
+            default_ttft_slo_ms=s.default_ttft_slo_ms,
+            default_tpot_slo_ms=s.default_tpot_slo_ms,
+            ft_share_default=s.ft_share_default,
+            coscheduler=s.coscheduler,
+            fixed_every_iterations=s.fixed_every_iterations,
+            job=JobConfig(
+                micro_tokens=s.train_micro_tokens,
+                batch_tokens=s.train_batch_tokens,
+                max_seq_len=s.train_max_seq_len,
+                publish_every_steps=s.publish_every_steps,
+                eval_max_examples=s.eval_max_examples,
+            ),
+            slo_window_s=s.slo_window_s,
+            round_deadline_margin_s=s.round_deadline_margin_s,
+            eval_fraction=s.eval_fraction,
+            train_guard_frac=s.ft_guard_frac,
+        )
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None = None  # None: the base model
+    version_id: str | None = None  # exact version (pinned); None: the adapter's current version
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    deadline_unix_s: float | None = None
+    span: Any = None  # an OpenTelemetry span started by the service (context captured at admission)
+
+
+@dataclass
+class JobEvent:
+    """Told to the service (from the engine thread) when a job refreshes, finishes or fails."""
+
+    kind: str  # "refresh", "round_update", "done", "failed"
+    adapter: str
+    status: TrainingJobStatus
+    version_id: str | None = None
+    weights: AdapterWeights | None = None
+    num_samples: int = 0
+    num_tokens: int = 0
+    round_id: int | None = None
+    base_version: int | None = None
+    train_loss: float | None = None
+    eval_loss_before: float | None = None
+    eval_loss_after: float | None = None
+
+
+class _Seq:
+    __slots__ = (
+        "req", "sink", "version_id", "slot", "prompt_len", "computed", "output", "kv", "reserve", "gen",
+        "detok", "stops", "chunk_seq", "t_arrival", "t_admit", "t_first", "t_last", "ttft_slo", "tpot_slo",
+        "done", "eos",
+    )  # fmt: skip
+
+    def __init__(self, req: EngineRequest, sink: EventSink, version_id: str, slot: int, tokenizer: Any,
+                 eos: set[int], cfg: EngineConfig, now: float) -> None:  # fmt: skip
+        self.req = req
+        self.sink = sink
+        self.version_id = version_id
+        self.slot = slot
+        self.prompt_len = len(req.prompt_ids)
+        self.computed = 0
+        self.output: list[int] = []
+        self.kv: SeqKV | None = None
+        self.reserve = self.prompt_len + req.max_tokens
+        self.gen = make_generator(req.seed) if req.temperature > 0 else None
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopMatcher(req.stop)
+        self.chunk_seq = 0
+        self.t_arrival = now
+        self.t_admit: float | None = None
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.ttft_slo = (req.ttft_slo_ms or cfg.default_ttft_slo_ms) / 1e3
+        self.tpot_slo = (req.tpot_slo_ms or cfg.default_tpot_slo_ms) / 1e3
+        self.done = False
+        self.eos = set() if req.ignore_eos else eos
+
+    def view(self) -> SeqView:
+        return SeqView(self.req.request_id, self.prompt_len, self.computed, self.reserve)
+
+
+@dataclass
+class EngineSnapshot:
+    """Plain numbers for telemetry and metrics (read from any thread)."""
+
+    queue_len: int
+    running: int
+    max_batch: int
+    kv_used_frac: float
+    generated_tokens_total: int
+    prefill_tokens_total: int
+    arrivals_total: int
+    ft_tokens_total: int
+    infer_ms_total: float
+    train_ms_total: float
+    ft_share: float
+    ft_share_source: str
+    ft_loss: float | None
+    training_paused: bool
+    latency: dict[str, float | int | None]
+    decode_step_ms: float | None
+    prefill_ms_per_token: float | None
+    train_step_ms: float | None
+    jobs: list[TrainingJobStatus]
+    adapters: list[ResidentAdapter]
+    local_samples: int
+    domains: list[str]
+    iterations: int
+
+
+class Engine:
+    """See module docstring."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cfg: EngineConfig | None = None,
+        coscheduler: CoScheduler | None = None,
+        dataset: LocalDataset | None = None,
+        on_job_event: Callable[[JobEvent], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.loaded = loaded
+        self.cfg = cfg or EngineConfig()
+        self.tok = loaded.tokenizer
+        self.eos_ids = loaded.eos_token_ids
+        self.max_model_len = loaded.max_model_len
+        self.executor = Executor(loaded)
+        self.bank = LoraBank(
+            self.cfg.max_resident_adapters,
+            self.executor.n_layers,
+            self.executor.shapes,
+            self.cfg.lora_targets,
+            self.cfg.lora_max_rank,
+            loaded.dtype,
+            loaded.device,
+        )
+        self.executor.bank = self.bank
+        self.cosched = coscheduler or make_coscheduler(self.cfg.coscheduler, self.cfg.fixed_every_iterations)
+        self.dataset = dataset or LocalDataset([], [])
+        self.on_job_event = on_job_event
+        self.clock = clock
+        self.wall = wall
+
+        self._lock = threading.Lock()
+        self._lru = VersionLru(self.cfg.max_resident_adapters)
+        self._inbox: deque[_Seq] = deque()
+        self._n_waiting = 0  # inbox + waiting, under _lock
+        self._active: dict[str, _Seq] = {}
+        self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+        # Engine-thread state.
+        self.waiting: list[_Seq] = []
+        self.running: list[_Seq] = []
+        self.kv_reserved = 0
+        self.jobs: dict[str, TrainingJob] = {}
+        self._job_rr = 0
+        self._evals: deque[tuple[list[EvalRun], Future[Any], Callable[[list[EvalRun]], Any]]] = deque()
+        self._pending_installs: list[tuple[float, Callable[[], bool]]] = []
+        self.training_paused = False
+        self._share: float | None = None
+        self._share_expires: float | None = None
+        self._refresh_counter: dict[str, int] = {}
+        self._global_current: dict[str, int] = {}
+        self._recent_slos: deque[tuple[float, float]] = deque(maxlen=4096)
+        self.iteration = 0
+
+        # Costs and counters.
+        self.step_cost = LinearCost(fixed_ms=5.0, per_unit_ms=2.0)
+        self.train_cost = LinearCost(fixed_ms=10.0, per_unit_ms=6.0)
+        self._decode_ms: dict[int, float] = {}
+        self._prefill_ms_per_token: float | None = None
+        self._train_step_ms: float | None = None
+        self.window = LatencyWindow(self.cfg.slo_window_s)
+        self.generated_tokens_total = 0
+        self.prefill_tokens_total = 0
+        self.arrivals_total = 0
+        self.ft_tokens_total = 0
+        self.ft_loss: float | None = None
+        self.errors_total = 0
+        self.infer_ms_total = 0.0  # wall time of inference iterations (forward, sampling, streaming)
+        self.train_ms_total = 0.0  # wall time of training micro-steps
+
+    # ===================================================================================== lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="collm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; requests still queued or running get a 503 error."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        for seq in list(self._active.values()):
+            self._emit_error(seq, 503, "the replica is shutting down", "service_unavailable")
+
+    def __enter__(self) -> Engine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ===================================================================================== thread-safe API
+    def submit(self, req: EngineRequest, sink: EventSink) -> Accepted:
+        """Admit a request into the queue or raise EngineRefusal / NotResident. The sink gets `Accepted`
+        (synchronously, before any other event), then the stream."""
+        n = len(req.prompt_ids)
+        limit = self.max_model_len
+        if n == 0:
+            raise EngineRefusal(400, "the prompt is empty", param="prompt")
+        if req.max_tokens < 1:
+            raise EngineRefusal(400, "max_tokens must be >= 1", param="max_tokens")
+        if n >= limit:
+            raise EngineRefusal(
+                400,
+                f"the prompt has {n} tokens but this model's context is {limit} tokens "
+                f"(prompt + max_tokens must be <= {limit})",
+                param="messages",
+            )
+        if n + req.max_tokens > limit:
+            raise EngineRefusal(
+                400,
+                f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) = {n + req.max_tokens} exceeds this "
+                f"model's context of {limit} tokens",
+                param="max_tokens",
+            )
+        if n + req.max_tokens > self.cfg.batch.kv_budget_tokens:
+            raise EngineRefusal(
+                400,
+                f"prompt + max_tokens = {n + req.max_tokens} tokens exceeds this replica's KV budget of "
+                f"{self.cfg.batch.kv_budget_tokens} tokens",
+                param="max_tokens",
+            )
+        with self._lock:
+            if self._stop.is_set():
+                raise EngineRefusal(503, "the replica is shutting down", "service_unavailable")
+            if self._n_waiting >= self.cfg.max_queue:
+                raise EngineRefusal(
+                    429, f"the replica's queue is full ({self.cfg.max_queue} waiting)", "rate_limit_exceeded"
+                )
+            if req.request_id in self._active:
+                raise EngineRefusal(
+                    400, f"request id {req.request_id!r} is already in flight", param="request_id"
+                )
+            version_id, slot = BASE, -1
+            if req.adapter is not None:
+                version_id = req.version_id or self._lru.current_of(req.adapter) or ""
+                if version_id not in self._lru:
+                    raise NotResident(req.version_id or req.adapter)
+                slot = self._lru.acquire(version_id).slot
+            seq = _Seq(req, sink, version_id, slot, self.tok, self.eos_ids, self.cfg, self.clock())
+            accepted = Accepted(
+                request_id=req.request_id,
+                replica_id=self.cfg.replica_id,
+                adapter_version_id=version_id,
+                prompt_tokens=n,
+                queue_position=self._n_waiting,
+            )
+            sink(accepted)
+            self._inbox.append(seq)
+            self._active[req.request_id] = seq
+            self._n_waiting += 1
+            self.arrivals_total += 1
+        if req.span is not None:
+            req.span.set_attribute("collm.adapter.version", version_id)
+            req.span.add_event("queued", {"queue_position": accepted.queue_position})
+        self._wake.set()
+        return accepted
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request (client gone). Returns whether it was in flight."""
+        with self._lock:
+            if request_id not in self._active:
+                return False
+        self._command(lambda: self._cancel(request_id))
+        return True
+
+    def current_version(self, name: str) -> str | None:
+        with self._lock:
+            return self._lru.current_of(name)
+
+    def is_resident(self, version_id: str) -> bool:
+        with self._lock:
+            return version_id in self._lru
+
+    def global_version(self, name: str) -> int | None:
+        """The newest store version of `name` installed here (local refreshes not counted)."""
+        with self._lock:
+            return self._global_current.get(name)
+
+    def install_version(
+        self, version_id: str, weights: AdapterWeights, make_current: bool = True, timeout_s: float = 30.0
+    ) -> Future[str]:
+        """Copy a store version into a free slot at the next iteration boundary (shadow swap).
+
+        The future fails with EngineRefusal 503 if no slot frees up within `timeout_s` (all in use)."""
+        name, number, local = parse_version_id(version_id)
+        parsed = parse_adapter(weights, self.executor.n_layers, self.executor.shapes, self.cfg.lora_targets)
+        if weights.spec.r > self.cfg.lora_max_rank:
+            raise EngineRefusal(
+                400, f"adapter rank {weights.spec.r} exceeds the replica's max {self.cfg.lora_max_rank}"
+            )
+        fut: Future[str] = Future()
+        deadline = self.clock() + timeout_s
+
+        def attempt() -> bool:
+            try:
+                self._install(version_id, name, parsed, weights.spec.scaling, make_current)
+            except _NoSlot:
+                if self.clock() < deadline:
+                    return False
+                fut.set_exception(EngineRefusal(503, "every adapter slot is in use", "service_unavailable"))
+                return True
+            except Exception as exc:  # noqa: BLE001 - report to the caller
+                fut.set_exception(exc)
+                return True
+            if local is None and make_current:
+                with self._lock:
+                    self._global_current[name] = max(number, self._global_current.get(name, 0))
+            fut.set_result(version_id)
+            return True
+
+        self._command(lambda: self._pending_installs.append((deadline, attempt)))
+        return fut
+
+    def set_share(self, share: float, ttl_s: float) -> None:
+        def apply() -> None:
+            self._share = share
+            self._share_expires = self.clock() + ttl_s
+
+        self._command(apply)
+
+    def pause_training(self) -> None:
+        self._command(lambda: setattr(self, "training_paused", True))
+
+    def resume_training(self) -> None:
+        self._command(lambda: setattr(self, "training_paused", False))
+
+    def add_examples(self, examples: list[Example]) -> Future[int]:
+        def apply() -> int:
+            for e in examples:
+                self.dataset.add(e, self.cfg.eval_fraction)
+            return len(self.dataset.train) + len(self.dataset.eval)
+
+        return self._call(apply)
+
+    def examples_for(self, adapter: str) -> tuple[list[Example], list[Example]]:
+        """The local examples a job for `adapter` trains on: its domain's, or all when none is tagged."""
+        train = [e for e in self.dataset.train if e.domain == adapter]
+        held = [e for e in self.dataset.eval if e.domain == adapter]
+        if not train:
+            return list(self.dataset.train), list(self.dataset.eval)
+        return train, held
+
+    def start_job(self, spec: JobSpec) -> Future[TrainingJobStatus]:
+        """Start (or restart) the job of `spec.adapter`; fails if there is no local data."""
+
+        def apply() -> TrainingJobStatus:
+            old = self.jobs.pop(spec.adapter, None)
+            if old is not None:
+                old.stop()
+            train, held = self.examples_for(spec.adapter)
+            job = TrainingJob(spec, self.executor, self.tok, train, held, self.cfg.job, wall=self.wall)
+            if job.state == "failed":
+                raise EngineRefusal(409, f"cannot train {spec.adapter}: {job.message}", "conflict")
+            self.jobs[spec.adapter] = job
+            return self._job_status(job)
+
+        return self._call(apply)
+
+    def stop_job(self, adapter: str) -> Future[bool]:
+        def apply() -> bool:
+            job = self.jobs.get(adapter)
+            if job is None:
+                return False
+            job.stop()
+            return True
+
+        return self._call(apply)
+
+    def publish_now(self, adapter: str) -> Future[str | None]:
+        """Refresh the shadow of `adapter` from its live copy now (returns the new version id)."""
+
+        def apply() -> str | None:
+            job = self.jobs.get(adapter)
+            if job is None:
+                raise EngineRefusal(404, f"no training job for adapter {adapter!r}", "not_found")
+            return self._local_refresh(job, force=True)
+
+        return self._call(apply)
+
+    def evaluate(
+        self,
+        candidates: list[tuple[str, AdapterWeights | None]],
+        max_examples: int = 64,
+        adapter: str | None = None,
+    ) -> Future[dict[str, EvalRun]]:
+        """Held-out loss of each candidate (None: the base model) on the local eval split, per domain.
+
+        Runs in chunks between iterations (never one long stall)."""
+        fut: Future[dict[str, EvalRun]] = Future()
+
+        def apply() -> None:
+            _, held = self.examples_for(adapter) if adapter else ([], list(self.dataset.eval))
+            items = [
+                r for e in held[:max_examples] if (r := render_example(self.tok, e, self.cfg.job.max_seq_len))
+            ]
+            runs = []
+            for _label, w in candidates:
+                live = (
+                    LiveLora.from_weights(w, self.executor.n_layers, self.executor.shapes, self.loaded.dtype,
+                                          self.loaded.device)
+                    if w is not None else None
+                )  # fmt: skip
+                runs.append(EvalRun(items, live, self.cfg.job.eval_chunk_tokens))
+            labels = [label for label, _ in candidates]
+            self._evals.append((runs, fut, lambda rs: dict(zip(labels, rs, strict=True))))
+
+        self._command(apply)
+        return fut
+
+    def snapshot(self) -> EngineSnapshot:
+        now = self.clock()
+        share, source = effective_share(now, self._share, self._share_expires, self.cfg.ft_share_default)
+        with self._lock:
+            latency = self.window.summary(now)
+            adapters = [
+                ResidentAdapter(
+                    name=r.name,
+                    version_id=r.version_id,
+                    version=parse_version_id(r.version_id)[1],
+                    in_flight=r.refs,
+                    training=r.name in self.jobs and self.jobs[r.name].active,
+                )
+                for r in sorted(self._lru.by_id.values(), key=lambda r: r.version_id)
+            ]
+            queue_len = self._n_waiting
+        decode = dict(self._decode_ms)
+        return EngineSnapshot(
+            queue_len=queue_len,
+            running=len(self.running),
+            max_batch=self.cfg.batch.max_batch,
+            kv_used_frac=self.kv_reserved / self.cfg.batch.kv_budget_tokens,
+            generated_tokens_total=self.generated_tokens_total,
+            prefill_tokens_total=self.prefill_tokens_total,
+            arrivals_total=self.arrivals_total,
+            ft_tokens_total=self.ft_tokens_total,
+            infer_ms_total=self.infer_ms_total,
+            train_ms_total=self.train_ms_total,
+            ft_share=share,
+            ft_share_source=source,
+            ft_loss=self.ft_loss,
+            training_paused=self.training_paused,
+            latency=latency,
+            decode_step_ms=decode.get(max(decode)) if decode else None,
+            prefill_ms_per_token=self._prefill_ms_per_token,
+            train_step_ms=self._train_step_ms,
+            jobs=[self._job_status(j) for j in list(self.jobs.values())],
+            adapters=adapters,
+            local_samples=len(self.dataset.train) + len(self.dataset.eval),
+            domains=self.dataset.domains,
+            iterations=self.iteration,
+        )
+
+    def decode_step_ms_by_batch(self) -> dict[int, float]:
+        return dict(self._decode_ms)
+
+    # ===================================================================================== internals
+    def _command(self, fn: Callable[[], None]) -> None:
+        self._cmds.put(fn)
+        self._wake.set()
+
+    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - delivered to the caller
+                fut.set_exception(exc)
+
+        self._command(run)
+        return fut
+
+    def _install(self, version_id: str, name: str, parsed: dict, scaling: float, make_current: bool) -> None:
+        with self._lock:
+            if version_id in self._lru:
+                if make_current:
+                    self._lru.make_current(version_id)
+                return
+            choice = self._lru.slot_for_new()
+            if choice is None:
+                raise _NoSlot()
+            slot, victim = choice
+            if victim is not None:
+                self._lru.evict(victim.version_id)
+        # Outside the lock: nobody can acquire this slot (it is in no version's record now).
+        self.bank.write_parsed(slot, parsed, scaling)
+        with self._lock:
+            self._lru.add(version_id, name, slot, current=make_current)
+        log.info("adapter %s resident in slot %d%s", version_id, slot, " (current)" if make_current else "")
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            try:
+                worked = self._iteration()
+            except Exception:  # noqa: BLE001 - the loop must survive a bad iteration
+                log.exception("engine iteration failed")
+                self._fail_running("internal error in the engine iteration")
+                worked = False
+            if not worked:
+                self._wake.wait(0.05)
+
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.running):
+            self._emit_error(seq, 500, message)
+            self._release(seq)
+
+    def _iteration(self) -> bool:
+        self._wake.clear()
+        now = self.clock()
+        with self._lock:
+            while self._inbox:
+                seq = self._inbox.popleft()
+                self.waiting.append(seq)
+                self._recent_slos.append((now, seq.ttft_slo * 1e3))
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            cmd()
+        if self._pending_installs:
+            self._pending_installs = [(d, a) for d, a in self._pending_installs if not a()]
+        self._expire(now)
+        self.iteration += 1
+
+        running_views = [s.view() for s in self.running]
+        plan = plan_iteration(
+            self.cfg.batch, running_views, [s.view() for s in self.waiting], self.kv_reserved
+        )
+        by_id = {s.req.request_id: s for s in self.waiting}
+        for sid in plan.admitted:
+            seq = by_id[sid]
+            self.waiting.remove(seq)
+            with self._lock:
+                self._n_waiting -= 1
+            seq.t_admit = now
+            seq.kv = self.executor.new_kv(seq.reserve, min(seq.reserve, seq.prompt_len + 64))
+            self.kv_reserved += seq.reserve
+            self.running.append(seq)
+            if seq.req.span is not None:
+                seq.req.span.add_event("prefill_start", {"queue_ms": (now - seq.t_arrival) * 1e3})
+
+        train_tokens, job = self._decide_training(now, plan.tokens)
+        worked = False
+        if plan.items:
+            t0 = time.perf_counter()
+            self._execute(plan.items)
+            self.infer_ms_total += (time.perf_counter() - t0) * 1e3
+            worked = True
+        if self._evals:
+            self._eval_chunk()
+            worked = True
+        if train_tokens > 0 and job is not None:
+            worked = self._train(job, train_tokens) or worked
+        return worked
+
+    # --- scheduling helpers ---------------------------------------------------------------------------
+    def _deadlines(self, now: float) -> tuple[float, ...]:
+        fixed, per_tok = self.step_cost.params()
+        out = []
+        for s in self.running:
+            if s.t_first is None:
+                out.append(s.t_arrival + s.ttft_slo - (s.prompt_len - s.computed) * per_tok / 1e3)
+            else:
+                out.append(s.t_first + len(s.output) * s.tpot_slo)
+        ahead = 0
+        for s in self.waiting:
+            ahead += s.prompt_len
+            out.append(s.t_arrival + s.ttft_slo - (fixed + ahead * per_tok) / 1e3)
+        return tuple(out)
+
+    def _min_ttft_slo_ms(self) -> float:
+        """The tightest TTFT SLO of present requests and of those that arrived within the SLO window
+        (the next arrival is likely to be like the recent ones)."""
+        now = self.clock()
+        while self._recent_slos and self._recent_slos[0][0] < now - self.cfg.slo_window_s:
+            self._recent_slos.popleft()
+        slos = [s.ttft_slo * 1e3 for s in (*self.running, *self.waiting)]
+        return min([*slos, *(x for _, x in self._recent_slos), self.cfg.default_ttft_slo_ms])
+
+    def _active_jobs(self) -> list[TrainingJob]:
+        return [j for j in self.jobs.values() if j.active]
+
+    def _decide_training(self, now: float, inference_tokens: int) -> tuple[int, TrainingJob | None]:
+        jobs = self._active_jobs()
+        share, _ = effective_share(now, self._share, self._share_expires, self.cfg.ft_share_default)
+        fixed, per = self.train_cost.params()
+        inp = CoSchedInput(
+            now_s=now,
+            share=share,
+            has_job=bool(jobs) and not self.training_paused,
+            running=len(self.running),
+            waiting=len(self.waiting),
+            inference_tokens=inference_tokens,
+            token_budget=self.cfg.batch.max_batch_tokens,
+            step_ms=self.step_cost.predict(inference_tokens) if inference_tokens else 0.0,
+            deadlines_s=self._deadlines(now),
+            train=TrainCost(fixed, per),
+            micro_tokens=self.cfg.job.micro_tokens,
+            batch_tokens=self.cfg.job.batch_tokens,
+            iteration=self.iteration,
+            max_train_ms=self.cfg.train_guard_frac * self._min_ttft_slo_ms(),
+        )
+        tokens = self.cosched.decide(inp)
+        if tokens <= 0 or not jobs:
+            return 0, None
+        self._job_rr += 1
+        return tokens, jobs[self._job_rr % len(jobs)]
+
+    def _expire(self, now: float) -> None:
+        wall = self.wall()
+        for seq in list(self.waiting):
+            d = seq.req.deadline_unix_s
+            if d is not None and wall > d:
+                self.waiting.remove(seq)
+                with self._lock:
+                    self._n_waiting -= 1
+                self._finish(seq, "deadline", now)
+
+    def _cancel(self, request_id: str) -> None:
+        seq = self._active.get(request_id)
+        if seq is None or seq.done:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            with self._lock:
+                self._n_waiting -= 1
+        elif seq not in self.running:  # still in the inbox (cannot happen: the inbox is drained first)
+            return
+        self._finish(seq, "cancelled", self.clock())
+
+    # --- execution ------------------------------------------------------------------------------------
+    def _execute(self, items: list[tuple[str, int]]) -> None:
+        by_id = {s.req.request_id: s for s in self.running}
+        work = sorted(((by_id[sid], n) for sid, n in items), key=lambda x: x[0].slot)
+        fitems = []
+        prefill_tokens = 0
+        for seq, n in work:
+            assert seq.kv is not None
+            if seq.computed < seq.prompt_len:
+                toks = seq.req.prompt_ids[seq.computed : seq.computed + n]
+                prefill_tokens += len(toks)
+            else:
+                toks = [seq.output[-1]]
+            fitems.append(ForwardItem(toks, seq.computed, seq.kv, seq.slot))
+        t0 = time.perf_counter()
+        logits = self.executor.forward(fitems)
+        ms = (time.perf_counter() - t0) * 1e3
+        n_tokens = sum(len(f.token_ids) for f in fitems)
+        self.step_cost.observe(n_tokens, ms)
+        if prefill_tokens == 0:
+            b = len(fitems)
+            old = self._decode_ms.get(b)
+            self._decode_ms[b] = ms if old is None else 0.8 * old + 0.2 * ms
+        elif prefill_tokens >= 16:
+            per = ms / n_tokens
+            old_p = self._prefill_ms_per_token
+            self._prefill_ms_per_token = per if old_p is None else 0.8 * old_p + 0.2 * per
+        self.prefill_tokens_total += prefill_tokens
+        now = self.clock()
+        for (seq, n), lg in zip(work, logits, strict=True):
+            if seq.done:
+                continue
+            was_prefill = seq.computed < seq.prompt_len
+            seq.computed += n
+            if was_prefill and seq.computed < seq.prompt_len:
+                continue  # more prompt chunks to come
+            try:
+                tok = sample_token(lg, seq.req.temperature, seq.req.top_p, seq.gen)
+                self._on_token(seq, tok, now)
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep the batch
+                log.exception("request %s failed", seq.req.request_id)
+                self._emit_error(seq, 500, f"generation failed: {type(exc).__name__}")
+                self._release(seq)
+
+    def _on_token(self, seq: _Seq, tok: int, now: float) -> None:
+        if seq.t_first is None:
+            seq.t_first = now
+            if seq.req.span is not None:
+                seq.req.span.add_event("first_token", {"ttft_ms": (now - seq.t_arrival) * 1e3})
+        seq.t_last = now
+        seq.output.append(tok)
+        self.generated_tokens_total += 1
+        if tok in seq.eos:
+            tail = seq.stops.flush()
+            if tail:
+                self._chunk(seq, [], tail)
+            self._finish(seq, "stop", now)
+            return
+        text = seq.stops.push(seq.detok.push(tok))
+        if seq.stops.stopped:
+            self._chunk(seq, [tok], text)
+            self._finish(seq, "stop", now)
+            return
+        if len(seq.output) >= seq.req.max_tokens:
+            self._chunk(seq, [tok], text + seq.stops.flush())
+            self._finish(seq, "length", now)
+            return
+        self._chunk(seq, [tok], text)
+
+    def _chunk(self, seq: _Seq, token_ids: list[int], text: str) -> None:
+        seq.sink(TokenChunk(request_id=seq.req.request_id, seq=seq.chunk_seq, token_ids=token_ids, text=text))
+        seq.chunk_seq += 1
+
+    def _completion_tokens(self, seq: _Seq) -> int:
+        return sum(1 for t in seq.output if t not in seq.eos)
+
+    def _finish(self, seq: _Seq, reason: str, now: float) -> None:
+        if seq.done:
+            return
+        completion = self._completion_tokens(seq)
+        ttft_ms = (seq.t_first - seq.t_arrival) * 1e3 if seq.t_first is not None else 0.0
+        e2e_ms = ((seq.t_last or now) - seq.t_arrival) * 1e3
+        tpot_ms = (e2e_ms - ttft_ms) / (len(seq.output) - 1) if len(seq.output) > 1 else 0.0
+        queue_ms = ((seq.t_admit or now) - seq.t_arrival) * 1e3
+        seq.sink(
+            Finished(
+                request_id=seq.req.request_id,
+                seq=seq.chunk_seq,
+                finish_reason=reason,  # type: ignore[arg-type]
+                prompt_tokens=seq.prompt_len,
+                completion_tokens=completion,
+                adapter_version_id=seq.version_id,
+                replica_id=self.cfg.replica_id,
+                queue_ms=queue_ms,
+                ttft_ms=ttft_ms,
+                tpot_ms=tpot_ms,
+                e2e_ms=e2e_ms,
+            )
+        )
+        if reason in ("stop", "length"):
+            good = ttft_ms <= seq.ttft_slo * 1e3 and (len(seq.output) <= 1 or tpot_ms <= seq.tpot_slo * 1e3)
+            with self._lock:
+                self.window.add(FinishedSample(now, ttft_ms, tpot_ms if len(seq.output) > 1 else None, good))
+        span = seq.req.span
+        if span is not None:
+            span.add_event("finished", {"finish_reason": reason, "completion_tokens": completion})
+            span.set_attribute("collm.finish_reason", reason)
+            span.end()
+        self._release(seq)
+
+    def _emit_error(self, seq: _Seq, code: int, message: str, type_: str = "server_error") -> None:
+        if seq.done:
+            return
+        self.errors_total += 1
+        with contextlib.suppress(Exception):
+            seq.sink(GenerateError(request_id=seq.req.request_id, code=code, type=type_, message=message))
+        if seq.req.span is not None:
+            seq.req.span.add_event("error", {"code": code, "message": message})
+            seq.req.span.end()
+
+    def _release(self, seq: _Seq) -> None:
+        """Free the sequence's KV reservation and its hold on the adapter version (exactly once)."""
+        if seq.done:
+            return
+        seq.done = True
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv_reserved -= seq.reserve
+        seq.kv = None
+        with self._lock:
+            self._active.pop(seq.req.request_id, None)
+            if seq.version_id != BASE and seq.version_id in self._lru:
+                self._lru.release(seq.version_id)
+
+    # --- background evaluation and training -----------------------------------------------------------
+    def _eval_chunk(self) -> None:
+        runs, fut, finish = self._evals[0]
+        try:
+            pad = int(self.tok.pad_token_id or 0)
+            run = next((r for r in runs if not r.done), None)
+            if run is not None:
+                run.step(self.executor, pad)
+            if all(r.done for r in runs):
+                self._evals.popleft()
+                fut.set_result(finish(runs))
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller
+            self._evals.popleft()
+            fut.set_exception(exc)
+
+    def _train(self, job: TrainingJob, tokens: int) -> bool:
+        t0 = time.perf_counter()
+        try:
+            with torch.enable_grad():
+                n = job.step(tokens, self.cfg.round_deadline_margin_s)
+        except Exception as exc:  # noqa: BLE001 - a failed job must not take the replica down
+            log.exception("training job %s failed", job.spec.adapter)
+            job.state = "failed"
+            job.message = f"{type(exc).__name__}: {exc}"
+            self._job_event("failed", job)
+            return False
+        ms = (time.perf_counter() - t0) * 1e3
+        if n > 0:
+            self.cosched.charge(ms)
+            if job.last_kind == "train":
+                self.ft_tokens_total += n
+                self.train_ms_total += ms
+                if job.micro_steps > 1:  # the first step of a job is a warm-up
+                    self.train_cost.observe(n, ms)
+                    old = self._train_step_ms
+                    self._train_step_ms = ms if old is None else 0.8 * old + 0.2 * ms
+            if job.train_loss is not None:
+                self.ft_loss = job.train_loss
+        if job.pending_refresh:
+            job.pending_refresh = False
+            self._local_refresh(job)
+        if job.finished_update:
+            job.finished_update = False
+            self._job_event("round_update", job, weights=job.live.to_weights())
+        elif job.state == "done":
+            self._job_event("done", job)
+        return n > 0 or not job.active
+
+    def _local_refresh(self, job: TrainingJob, force: bool = False) -> str | None:
+        """Copy the live weights into a new shadow version `name@vN+<replica>.<k>` and make it current."""
+        name = job.spec.adapter
+        base_n = job.spec.base_version
+        newest = self._global_current.get(name)
+        if not force and newest is not None and base_n is not None and newest > base_n:
+            log.info(
+                "not refreshing %s: the store has v%d, newer than the job's base v%d", name, newest, base_n
+            )
+            return None
+        k = self._refresh_counter.get(job.spec.base_version_id, 0) + 1
+        self._refresh_counter[job.spec.base_version_id] = k
+        version_id = f"{job.spec.base_version_id}+{self.cfg.replica_id}.{k}"
+        parsed = job.live.snapshot()
+        try:
+            self._install(version_id, name, parsed, job.live.spec.scaling, make_current=True)
+        except _NoSlot:
+            log.warning("no free adapter slot for the local refresh of %s", name)
+            return None
+        job.refreshes += 1
+        self._job_event("refresh", job, version_id=version_id)
+        return version_id
+
+    def _job_status(self, job: TrainingJob) -> TrainingJobStatus:
+        state = job.state
+        if state == "running" and self.training_paused:
+            state = "paused"
+        return TrainingJobStatus(
+            adapter=job.spec.adapter,
+            state=state,  # type: ignore[arg-type]
+            base_version_id=job.spec.base_version_id,
+            round_id=job.spec.round_id,
+            tokens_done=job.tokens_done,
+            token_budget=job.spec.token_budget,
+            steps_done=job.steps_done,
+            train_loss=job.train_loss,
+            eval_loss=job.eval_loss,
+        )
+
+    def _job_event(self, kind: str, job: TrainingJob, **kw: Any) -> None:
+        if self.on_job_event is None:
+            return
+        ev = JobEvent(
+            kind=kind,
+            adapter=job.spec.adapter,
+            status=self._job_status(job),
+            num_samples=job.samples_seen,
+            num_tokens=job.tokens_done,
+            round_id=job.spec.round_id,
+            base_version=job.spec.base_version,
+            train_loss=job.train_loss,
+            eval_loss_before=job.eval_loss_before,
+            eval_loss_after=job.eval_loss_after,
+            **kw,
+        )
+        try:
+            self.on_job_event(ev)
+        except Exception:  # noqa: BLE001
+            log.exception("job event handler failed")
+
+
+class _NoSlot(Exception):
+    pass

@@ -1,0 +1,322 @@
+"""The torch executor: a Llama-family decoder run on the Hugging Face model's own weights.
+
+Why our own forward and not `model(...)`: a batch here is *ragged* (each sequence brings a decode token or
+a prefill chunk at its own position) and *multi-adapter* (each token gets the LoRA of its request's
+adapter version, Punica/S-LoRA style), which transformers' forward and its continuous-batching manager do
+not do. The executor reuses every module of the HF model (embedding, RMSNorms, the rotary module, the
+projections, the activation, the lm_head, tied or not), so its logits equal the HF model's (tested), and
+it supports llama, mistral, qwen2 and qwen3 (q/k norms); anything else is refused when loading.
+
+Guarantees: `forward` writes each item's new keys/values into that item's own `SeqKV` and reads only
+slots named by the items, so requests never see each other's state; `train_forward` builds a graph through
+a `LiveLora` only (base weights are frozen), so training never touches the bank the requests read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from collm_replica.lora_bank import LiveLora, LoraBank, module_shapes
+from collm_replica.models import LoadedModel, check_architecture
+
+# lora(layer, module, x, out) -> out with the adapter's delta added
+LoraFn = Callable[[int, str, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(layer, q [T,H,d], k [T,Hkv,d], v [T,Hkv,d]) -> [T, H*d]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SeqKV:
+    """KV cache of one sequence, `[layers, 2, kv_heads, capacity, head_dim]`, grown by doubling."""
+
+    def __init__(
+        self, n_layers: int, n_kv: int, head_dim: int, capacity: int, limit: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        self.limit = limit
+        self.buf = torch.empty(
+            n_layers, 2, n_kv, max(1, min(capacity, limit)), head_dim, dtype=dtype, device=device
+        )
+        self.length = 0  # tokens whose keys/values are written
+
+    @property
+    def capacity(self) -> int:
+        return int(self.buf.shape[3])
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+    def ensure(self, n: int) -> None:
+        if n > self.limit:
+            raise ValueError(f"sequence of {n} tokens exceeds its KV limit of {self.limit}")
+        if n <= self.capacity:
+            return
+        cap = min(self.limit, max(n, 2 * self.capacity))
+        new = torch.empty(
+            *self.buf.shape[:3], cap, self.buf.shape[4], dtype=self.buf.dtype, device=self.buf.device
+        )
+        new[:, :, :, : self.length] = self.buf[:, :, :, : self.length]
+        self.buf = new
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's share of an iteration: `token_ids` at positions `start_pos...`."""
+
+    token_ids: list[int]
+    start_pos: int
+    kv: SeqKV
+    slot: int = -1  # LoRA bank slot of its adapter version; -1 = base model
+    all_logits: bool = False  # tests: logits of every position, not just the last
+
+
+@dataclass
+class StepCost:
+    tokens: int = 0
+    ms: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+# Above this many (tokens x distinct adapters), LoRA is applied per adapter segment instead of grouped.
+GROUPED_MAX_ROWS = 512
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Executor:
+    """Runs ragged multi-adapter batches and training passes on one loaded model (see module doc)."""
+
+    def __init__(self, loaded: LoadedModel, bank: LoraBank | None = None) -> None:
+        check_architecture(loaded.model)
+        self.loaded = loaded
+        self.model = loaded.model
+        cfg = loaded.model.config
+        self.inner = loaded.model.model
+        self.layers = list(self.inner.layers)
+        self.n_layers = len(self.layers)
+        attn0 = self.layers[0].self_attn
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(attn0, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.scaling = float(getattr(attn0, "scaling", self.head_dim**-0.5))
+        self.has_qk_norm = hasattr(attn0, "q_norm") and hasattr(attn0, "k_norm")
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.shapes = module_shapes(loaded.model)
+        self.bank = bank
+        self.kv_bytes_per_token = (
+            self.n_layers * 2 * self.n_kv * self.head_dim * torch.finfo(self.dtype).bits // 8
+        )
+
+    # --- KV ------------------------------------------------------------------------------------------
+    def new_kv(self, reserve_tokens: int, initial_tokens: int | None = None) -> SeqKV:
+        """A cache that may grow to `reserve_tokens` (the engine reserved that much KV budget)."""
+        cap = initial_tokens if initial_tokens is not None else reserve_tokens
+        return SeqKV(self.n_layers, self.n_kv, self.head_dim, cap, reserve_tokens, self.dtype, self.device)
+
+    # --- the decoder layer, shared by inference and training ------------------------------------------
+    def _proj(
+        self, lin: torch.nn.Module, x: torch.Tensor, layer: int, name: str, lora: LoraFn | None
+    ) -> torch.Tensor:
+        out = lin(x)
+        return lora(layer, name, x, out) if lora is not None else out
+
+    def _layer(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: AttendFn,
+        lora: LoraFn | None,
+    ) -> torch.Tensor:
+        layer = self.layers[i]
+        attn = layer.self_attn
+        t = x.shape[0]
+        h = layer.input_layernorm(x)
+        q = self._proj(attn.q_proj, h, i, "q_proj", lora).view(t, self.n_heads, self.head_dim)
+        k = self._proj(attn.k_proj, h, i, "k_proj", lora).view(t, self.n_kv, self.head_dim)
+        v = self._proj(attn.v_proj, h, i, "v_proj", lora).view(t, self.n_kv, self.head_dim)
+        if self.has_qk_norm:
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        o = attend(i, q, k, v)
+        x = x + self._proj(attn.o_proj, o, i, "o_proj", lora)
+        h = layer.post_attention_layernorm(x)
+        mlp = layer.mlp
+        g = self._proj(mlp.gate_proj, h, i, "gate_proj", lora)
+        u = self._proj(mlp.up_proj, h, i, "up_proj", lora)
+        return x + self._proj(mlp.down_proj, mlp.act_fn(g) * u, i, "down_proj", lora)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.inner.rotary_emb(x[None], positions[None])
+        return cos[0][:, None, :], sin[0][:, None, :]
+
+    # --- inference ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        """Run one iteration; returns per item the logits of its last token ([V]) or of all ([n, V]).
+
+        Items should be ordered by slot so each adapter is one contiguous segment (fewer LoRA matmuls);
+        any order is correct.
+        """
+        if not items:
+            return []
+        ranges: list[tuple[int, int]] = []
+        ids: list[int] = []
+        pos: list[int] = []
+        for it in items:
+            n = len(it.token_ids)
+            if n == 0:
+                raise ValueError("a forward item needs at least one token")
+            it.kv.ensure(it.start_pos + n)
+            ranges.append((len(ids), len(ids) + n))
+            ids.extend(it.token_ids)
+            pos.extend(range(it.start_pos, it.start_pos + n))
+        dev = self.device
+        x = self.inner.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
+        cos, sin = self._rope(x, torch.tensor(pos, dtype=torch.long, device=dev))
+
+        segments: list[tuple[int, int, int]] = []
+        for it, (s, e) in zip(items, ranges, strict=True):
+            if segments and segments[-1][0] == it.slot and segments[-1][2] == s:
+                segments[-1] = (it.slot, segments[-1][1], e)
+            else:
+                segments.append((it.slot, s, e))
+        lora: LoraFn | None = None
+        bank = self.bank
+        adapted = [seg for seg in segments if seg[0] >= 0]
+        if bank is not None and adapted:
+            slots = tuple(sorted({seg[0] for seg in adapted}))
+            n_adapted = sum(e - s for _, s, e in adapted)
+            if n_adapted * len(slots) <= GROUPED_MAX_ROWS:
+                # Few tokens per adapter (decode): the grouped form is two small matmuls per module.
+                r = bank.rank_of(slots)
+                mask = torch.zeros(len(ids), len(slots) * r, dtype=self.dtype, device=dev)
+                for slot, s, e in adapted:
+                    j = slots.index(slot)
+                    mask[s:e, j * r : (j + 1) * r] = 1
+
+                def lora(layer: int, module: str, xin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                    bank.apply_grouped(layer, module, xin, out, slots, mask)
+                    return out
+
+            else:
+
+                def lora(layer: int, module: str, xin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                    bank.apply(layer, module, xin, out, segments)
+                    return out
+
+        hd = self.n_heads * self.head_dim
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(q.shape[0], hd, dtype=q.dtype, device=q.device)
+            for it, (s, e) in zip(items, ranges, strict=True):
+                p, n = it.start_pos, e - s
+                buf = it.kv.buf[layer]
+                buf[0, :, p : p + n] = k[s:e].transpose(0, 1)
+                buf[1, :, p : p + n] = v[s:e].transpose(0, 1)
+                keys = buf[0, :, : p + n][None]
+                vals = buf[1, :, : p + n][None]
+                qh = q[s:e].transpose(0, 1)[None]
+                if n == 1:
+                    o = F.scaled_dot_product_attention(qh, keys, vals, scale=self.scaling, enable_gqa=True)
+                elif p == 0:
+                    o = F.scaled_dot_product_attention(
+                        qh, keys, vals, is_causal=True, scale=self.scaling, enable_gqa=True
+                    )
+                else:
+                    qpos = torch.arange(p, p + n, device=q.device)[:, None]
+                    kpos = torch.arange(0, p + n, device=q.device)[None, :]
+                    o = F.scaled_dot_product_attention(
+                        qh, keys, vals, attn_mask=kpos <= qpos, scale=self.scaling, enable_gqa=True
+                    )
+                out[s:e] = o[0].transpose(0, 1).reshape(n, hd)
+            return out
+
+        for i in range(self.n_layers):
+            x = self._layer(i, x, cos, sin, attend, lora)
+        for it, (s, e) in zip(items, ranges, strict=True):
+            it.kv.length = max(it.kv.length, it.start_pos + e - s)
+        rows = []
+        for it, (s, e) in zip(items, ranges, strict=True):
+            rows.append((s, e) if it.all_logits else (e - 1, e))
+        idx = torch.cat([torch.arange(s, e, device=dev) for s, e in rows])
+        logits = self.model.lm_head(self.inner.norm(x[idx])).float()
+        result = []
+        off = 0
+        for it, (s, e) in zip(items, rows, strict=True):
+            n = e - s
+            result.append(logits[off : off + n] if it.all_logits else logits[off])
+            off += n
+        return result
+
+    # --- training and evaluation ----------------------------------------------------------------------
+    def train_forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, live: LiveLora | None
+    ) -> torch.Tensor:
+        """Logits [B, L, V] of a right-padded batch through the base model plus `live` (grad-enabled).
+
+        Gradients reach only `live`'s parameters; the bank (served versions) is not read.
+        """
+        b, length = input_ids.shape
+        dev = self.device
+        ids = input_ids.to(dev)
+        mask = attention_mask.to(dev).bool()
+        x = self.inner.embed_tokens(ids).reshape(b * length, -1)
+        positions = torch.arange(length, device=dev).repeat(b)
+        cos, sin = self._rope(x, positions)
+        lora: LoraFn | None = None
+        if live is not None:
+            scaling = live.spec.scaling
+            params = live.params
+
+            def lora(layer: int, module: str, xin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                ab = params.get((layer, module))
+                if ab is None:
+                    return out
+                a, bmat = ab
+                return out + (xin @ a.T) @ bmat.T * scaling
+
+        causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()
+        attn_mask = causal[None, None] & mask[:, None, None, :]
+        # Fully padded query rows would make softmax NaN: let them see themselves (their loss is masked).
+        attn_mask = attn_mask | torch.eye(length, dtype=torch.bool, device=dev)[None, None]
+        hd = self.n_heads * self.head_dim
+
+        def attend(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            qh = q.view(b, length, self.n_heads, self.head_dim).transpose(1, 2)
+            kh = k.view(b, length, self.n_kv, self.head_dim).transpose(1, 2)
+            vh = v.view(b, length, self.n_kv, self.head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=attn_mask, scale=self.scaling, enable_gqa=True
+            )
+            return o.transpose(1, 2).reshape(b * length, hd)
+
+        for i in range(self.n_layers):
+            x = self._layer(i, x, cos, sin, attend, lora)
+        return self.model.lm_head(self.inner.norm(x)).float().view(b, length, -1)
+
+    def response_loss(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        live: LiveLora | None,
+    ) -> tuple[torch.Tensor, int]:
+        """Summed next-token cross-entropy over labelled positions (labels -100 elsewhere) and their count."""
+        logits = self.train_forward(input_ids, attention_mask, live)
+        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+        shift_labels = labels[:, 1:].reshape(-1).to(shift_logits.device)
+        n = int((shift_labels != -100).sum())
+        loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+        return loss, n

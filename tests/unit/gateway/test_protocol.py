@@ -1,0 +1,143 @@
+"""Request schemas at the HTTP edge: what is accepted, refused, and how it becomes the wire request."""
+
+import pytest
+from collm_gateway.catalog import parse_model_id
+from collm_gateway.errors import APIError
+from collm_gateway.protocol import ChatCompletionRequest, CompletionRequest
+from collm_gateway.settings import GatewaySettings
+from pydantic import ValidationError
+
+pytestmark = pytest.mark.unit
+
+S = GatewaySettings(max_tokens_limit=100, default_max_tokens=16)
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    kw.setdefault("model", "m")
+    kw.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return ChatCompletionRequest.model_validate(kw)
+
+
+def test_unknown_openai_fields_are_accepted_and_ignored() -> None:
+    req = chat(frequency_penalty=0.5, response_format={"type": "text"}, metadata={"a": "b"})
+    assert req.ignored_fields == ["frequency_penalty", "metadata", "response_format"]
+    req.check_supported()
+
+
+def test_sampling_translation_and_defaults() -> None:
+    req = chat(max_tokens=5, temperature=0, top_p=0.5, seed=7, stop="END")
+    p = req.sampling(S)
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (5, 0.0, 0.5, 7, ["END"])
+    d = chat().sampling(S)
+    assert d.max_tokens == 16 and d.temperature == 1.0 and d.top_p == 1.0 and d.stop == []
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert chat(max_tokens=5, max_completion_tokens=9).sampling(S).max_tokens == 9
+
+
+def test_max_tokens_above_the_limit_is_a_400() -> None:
+    with pytest.raises(APIError) as err:
+        chat(max_tokens=101).sampling(S)
+    assert err.value.status == 400 and err.value.param == "max_tokens" and "100" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"messages": []},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {"messages": "hello"},
+        {"max_tokens": 0},
+        {"temperature": 2.5},
+        {"top_p": 0},
+        {"stop": ["a"] * 9},
+        {"stop": [""]},
+        {"model": ""},
+        {"slo": {"ttft_ms": -1}},
+        {"slo": {"ttft_ms": 10, "bogus": 1}},
+        {"n": 0},
+    ],
+)
+def test_schema_violations_are_validation_errors(bad: dict) -> None:
+    with pytest.raises(ValidationError):
+        chat(**bad)
+
+
+def test_n_above_one_is_refused_clearly() -> None:
+    with pytest.raises(APIError) as err:
+        chat(n=2).check_supported()
+    assert err.value.status == 400 and err.value.param == "n" and "n=1" in err.value.message
+    chat(n=1).check_supported()
+
+
+def test_stream_options_need_stream() -> None:
+    with pytest.raises(APIError):
+        chat(stream_options={"include_usage": True}).check_supported()
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not chat(stream=True).include_usage
+
+
+def test_content_parts_text_only() -> None:
+    req = chat(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    )
+    assert req.wire_messages()[0].content == "ab"
+    img = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(APIError) as err:
+        img.wire_messages()
+    assert err.value.param == "messages.0.content.0"
+
+
+def test_slo_body_over_headers_over_defaults() -> None:
+    headers = {"x-collm-slo-ttft-ms": "300", "x-collm-slo-tpot-ms": "40"}
+    assert chat().slo_targets({}, 1000.0, 100.0).model_dump(exclude={"v"}) == {
+        "ttft_ms": 1000.0,
+        "tpot_ms": 100.0,
+    }
+    assert chat().slo_targets(headers, 1000.0, 100.0).ttft_ms == 300.0
+    body = chat(slo={"ttft_ms": 200}).slo_targets(headers, 1000.0, 100.0)
+    assert (body.ttft_ms, body.tpot_ms) == (200.0, 40.0)
+    with pytest.raises(APIError) as err:
+        chat().slo_targets({"x-collm-slo-ttft-ms": "soon"}, None, None)
+    assert err.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hello", ("hello", None)),
+        (["hello"], ("hello", None)),
+        ([1, 2, 3], (None, [1, 2, 3])),
+        ([[4, 5]], (None, [4, 5])),
+    ],
+)
+def test_completion_prompt_forms(prompt, expected) -> None:
+    assert CompletionRequest(model="m", prompt=prompt).wire_prompt() == expected
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]], [], [[]], [-1]])
+def test_unsupported_prompt_forms_are_400(prompt) -> None:
+    with pytest.raises(APIError) as err:
+        CompletionRequest(model="m", prompt=prompt).wire_prompt()
+    assert err.value.status == 400 and err.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("echo", True), ("logprobs", 2), ("best_of", 3), ("suffix", "x"), ("n", 3)]
+)
+def test_completion_features_that_would_change_the_answer_are_refused(field: str, value) -> None:
+    with pytest.raises(APIError) as err:
+        CompletionRequest.model_validate({"model": "m", "prompt": "p", field: value}).check_supported()
+    assert err.value.status == 400 and err.value.param == field
+
+
+def test_model_ids() -> None:
+    assert parse_model_id("base", "base").adapter is None
+    ref = parse_model_id("medical@v3", "base")
+    assert (ref.adapter, ref.version, ref.label) == ("medical", 3, "medical")
+    assert parse_model_id("medical", "base").version is None
+    for bad in ("medical@v0", "medical@3", "a b", "x@v1@v2", "../etc", "medical@v"):
+        assert parse_model_id(bad, "base") is None
+    # a base model id that is not a valid adapter token still resolves to the base model
+    assert parse_model_id("org/Model-1.5B", "org/Model-1.5B").adapter is None

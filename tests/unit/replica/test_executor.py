@@ -1,0 +1,191 @@
+"""The custom forward is provably the model: logits equal HF's, and with a LoRA equal PEFT's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from collm_common.lora import AdapterWeights, LoraSpec, decode_adapter, encode_adapter
+from collm_replica.executor import Executor, ForwardItem
+from collm_replica.lora_bank import AdapterMismatch, LiveLora, LoraBank
+from collm_replica.models import LoadedModel, build_tiny_model, load_model
+
+PROMPT = [5, 17, 42, 99, 120, 7, 3, 250, 11, 64, 33]
+
+
+def random_adapter(tiny: LoadedModel, seed: int, spec: LoraSpec | None = None) -> AdapterWeights:
+    ex = Executor(tiny)
+    spec = spec or LoraSpec()
+    live = LiveLora.init_new(spec, ex.n_layers, ex.shapes, tiny.name, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    for _a, b in live.params.values():
+        b.data.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    return live.to_weights()
+
+
+def make_bank(ex: Executor, slots: int = 4) -> LoraBank:
+    return LoraBank(
+        slots, ex.n_layers, ex.shapes, ("q_proj", "k_proj", "v_proj", "o_proj"), 16, ex.dtype, ex.device
+    )
+
+
+def test_forward_equals_hf_logits(tiny: LoadedModel) -> None:
+    ex = Executor(tiny)
+    kv = ex.new_kv(64)
+    (mine,) = ex.forward([ForwardItem(PROMPT, 0, kv, all_logits=True)])
+    with torch.no_grad():
+        ref = tiny.model(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_and_decode_equal_hf(tiny: LoadedModel) -> None:
+    """Prefill in two chunks, then decode tokens one by one: same logits as one full HF pass."""
+    ex = Executor(tiny)
+    kv = ex.new_kv(64, initial_tokens=2)  # forces growth of the cache
+    a = ex.forward([ForwardItem(PROMPT[:4], 0, kv, all_logits=True)])[0]
+    b = ex.forward([ForwardItem(PROMPT[4:9], 4, kv, all_logits=True)])[0]
+    c = [ex.forward([ForwardItem([t], 9 + i, kv)])[0] for i, t in enumerate(PROMPT[9:])]
+    mine = torch.cat([a, b, torch.stack(c)])
+    with torch.no_grad():
+        ref = tiny.model(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_other_architectures_equal_hf(arch: str) -> None:
+    model, tok = build_tiny_model(1, arch)
+    loaded = LoadedModel(arch, model.eval(), tok, torch.device("cpu"), torch.float32, 512)
+    ex = Executor(loaded)
+    (mine,) = ex.forward([ForwardItem(PROMPT, 0, ex.new_kv(32), all_logits=True)])
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_architecture_is_refused() -> None:
+    import transformers
+    from collm_replica.models import ModelLoadError, check_architecture
+
+    m = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100)
+    )
+    with pytest.raises(ModelLoadError, match="gpt2.*not supported"):
+        check_architecture(m)
+
+
+def test_lora_equals_peft(tiny: LoadedModel) -> None:
+    """The bank's per-token LoRA gives PeftModel's logits for the same adapter blob."""
+    from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+
+    weights = decode_adapter(encode_adapter(random_adapter(tiny, seed=3)))
+    ex = Executor(tiny)
+    ex.bank = make_bank(ex)
+    ex.bank.write(2, weights)
+    (mine,) = ex.forward([ForwardItem(PROMPT, 0, ex.new_kv(32), slot=2, all_logits=True)])
+
+    import copy
+
+    base = copy.deepcopy(tiny.model)
+    cfg = LoraConfig(
+        **{
+            k: v
+            for k, v in weights.spec.peft_config(tiny.name).items()
+            if k in ("r", "lora_alpha", "target_modules", "lora_dropout", "bias")
+        }
+    )
+    pm = get_peft_model(base, cfg)
+    set_peft_model_state_dict(pm, dict(weights.tensors.items()))
+    assert isinstance(pm, PeftModel)
+    pm.eval()
+    with torch.no_grad():
+        ref = pm(torch.tensor([PROMPT])).logits[0]
+        plain = tiny.model(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+    assert (mine - plain).abs().max() > 1e-2  # the adapter really changes the output
+
+
+def test_mixed_slots_in_one_batch_equal_single_runs(tiny: LoadedModel) -> None:
+    ex = Executor(tiny)
+    ex.bank = make_bank(ex)
+    ex.bank.write(0, random_adapter(tiny, 1))
+    ex.bank.write(1, random_adapter(tiny, 2))
+    prompts = [(PROMPT, 0), (PROMPT[:5], 1), (PROMPT[2:], -1), (PROMPT[:7], 0)]
+    alone = [ex.forward([ForwardItem(p, 0, ex.new_kv(32), slot=s)])[0] for p, s in prompts]
+    together = ex.forward([ForwardItem(p, 0, ex.new_kv(32), slot=s) for p, s in prompts])
+    for a, b in zip(alone, together, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert (alone[0] - ex.forward([ForwardItem(PROMPT, 0, ex.new_kv(32), slot=1)])[0]).abs().max() > 1e-3
+
+
+def test_bank_refuses_mismatched_adapter(tiny: LoadedModel) -> None:
+    ex = Executor(tiny)
+    bank = make_bank(ex)
+    w = random_adapter(tiny, 1)
+    bad = AdapterWeights(
+        {k: (v[:, :-1] if k.endswith("lora_A.weight") else v) for k, v in w.tensors.items()},
+        w.spec,
+        w.base_model,
+    )
+    with pytest.raises(AdapterMismatch, match="do not match"):
+        bank.write(0, bad)
+    too_big = random_adapter(tiny, 1, LoraSpec(r=32))
+    with pytest.raises(AdapterMismatch, match="rank 32"):
+        bank.write(0, too_big)
+    mlp = random_adapter(tiny, 1, LoraSpec(target_modules=("gate_proj",)))
+    with pytest.raises(AdapterMismatch, match="gate_proj"):
+        bank.write(0, mlp)
+
+
+def test_train_forward_equals_hf_and_grads_reach_only_live(tiny: LoadedModel) -> None:
+    ex = Executor(tiny)
+    live = LiveLora.from_weights(random_adapter(tiny, 4), ex.n_layers, ex.shapes)
+    ids = torch.tensor([PROMPT, PROMPT[:6] + [0] * 5])
+    mask = torch.tensor([[1] * 11, [1] * 6 + [0] * 5])
+    logits = ex.train_forward(ids, mask, None)
+    with torch.no_grad():
+        ref = tiny.model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits[0], ref[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1, :6], ref[1, :6], atol=1e-4, rtol=1e-4)
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    loss, n = ex.response_loss(ids, mask, labels, live)
+    loss.backward()
+    assert n == 15
+    assert all(p.grad is not None for p in live.parameters())
+    assert all(p.grad is None for p in tiny.model.parameters())
+
+
+def test_load_model_rejects_unknown_spec() -> None:
+    from collm_replica.models import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="neither"):
+        load_model("/nonexistent/model")
+
+
+def test_tiny_model_dir_loads_as_a_local_hf_directory(tiny_model_dir, tiny: LoadedModel) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    assert loaded.name == tiny_model_dir.name and loaded.max_model_len == 512
+    ex = Executor(loaded)
+    (a,) = ex.forward([ForwardItem(PROMPT, 0, ex.new_kv(32))])
+    (b,) = Executor(tiny).forward([ForwardItem(PROMPT, 0, Executor(tiny).new_kv(32))])
+    torch.testing.assert_close(a, b)
+    assert (
+        loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+        )
+        == "<s>user: hi</s><s>assistant: "
+    )
+
+
+def test_grouped_and_per_segment_lora_agree(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    import collm_replica.executor as executor_mod
+
+    ex = Executor(tiny)
+    ex.bank = make_bank(ex)
+    ex.bank.write(0, random_adapter(tiny, 1))
+    ex.bank.write(3, random_adapter(tiny, 2, LoraSpec(r=4, alpha=8)))
+    prompts = [(PROMPT, 0), (PROMPT[:5], 3), (PROMPT[2:], -1), (PROMPT[:7], 0)]
+    grouped = ex.forward([ForwardItem(p, 0, ex.new_kv(32), slot=s, all_logits=True) for p, s in prompts])
+    monkeypatch.setattr(executor_mod, "GROUPED_MAX_ROWS", 0)
+    per_segment = ex.forward([ForwardItem(p, 0, ex.new_kv(32), slot=s, all_logits=True) for p, s in prompts])
+    for a, b in zip(grouped, per_segment, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

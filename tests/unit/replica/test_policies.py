@@ -1,0 +1,236 @@
+"""Pure policies of the replica: batch scheduler, co-schedulers, LRU, cost model, text streaming."""
+
+from __future__ import annotations
+
+import pytest
+from collm_replica.batching import BatchConfig, SeqView, plan_iteration
+from collm_replica.cosched import (
+    CoSchedInput,
+    FixedRatioCoScheduler,
+    LeftoverCoScheduler,
+    NoTraining,
+    SloAwareCoScheduler,
+    TrainCost,
+    effective_share,
+    make_coscheduler,
+)
+from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, percentile
+from collm_replica.lru import VersionLru
+from collm_replica.sampling import StopMatcher
+
+
+def sv(i: str, prompt: int, computed: int = 0, reserve: int | None = None) -> SeqView:
+    return SeqView(i, prompt, computed, reserve if reserve is not None else prompt + 16)
+
+
+# --- batching ------------------------------------------------------------------------------------------
+def test_decodes_first_then_prefill_chunks_within_budget() -> None:
+    cfg = BatchConfig(max_batch=8, max_batch_tokens=20, prefill_chunk_tokens=8, kv_budget_tokens=10_000)
+    running = [sv("d1", 5, 6), sv("p1", 30, 8), sv("d2", 5, 9)]
+    plan = plan_iteration(cfg, running, [sv("w1", 40)], kv_reserved=100)
+    assert plan.items == [("d1", 1), ("d2", 1), ("p1", 8), ("w1", 8)]
+    assert plan.admitted == ["w1"] and plan.tokens == 18
+
+
+def test_budget_cuts_the_last_prefill_chunk() -> None:
+    cfg = BatchConfig(max_batch=8, max_batch_tokens=10, prefill_chunk_tokens=8, kv_budget_tokens=10_000)
+    plan = plan_iteration(cfg, [sv("d", 3, 4)], [sv("a", 20), sv("b", 20)], 0)
+    assert plan.items == [("d", 1), ("a", 8), ("b", 1)]
+
+
+def test_admission_respects_max_batch_and_kv_budget_fcfs() -> None:
+    cfg = BatchConfig(max_batch=2, max_batch_tokens=100, prefill_chunk_tokens=8, kv_budget_tokens=100)
+    plan = plan_iteration(cfg, [sv("r", 4, 5, 20)], [sv("a", 10, 0, 90), sv("b", 4, 0, 10)], 20)
+    assert plan.admitted == []  # a does not fit the KV budget; b must not overtake it (FCFS)
+    plan = plan_iteration(cfg, [sv("r", 4, 5, 20)], [sv("b", 4, 0, 10), sv("c", 4, 0, 10)], 20)
+    assert plan.admitted == ["b"]  # max_batch 2
+
+
+def test_not_ready_sequences_are_skipped() -> None:
+    cfg = BatchConfig()
+    plan = plan_iteration(cfg, [], [SeqView("a", 4, 0, 8, ready=False), sv("b", 4)], 0)
+    assert plan.admitted == ["b"]
+
+
+def test_batch_config_validates() -> None:
+    with pytest.raises(ValueError):
+        BatchConfig(max_batch=0)
+
+
+# --- co-scheduling -----------------------------------------------------------------------------------
+def inp(**kw: object) -> CoSchedInput:
+    base: dict[str, object] = {
+        "now_s": 100.0,
+        "share": 0.5,
+        "has_job": True,
+        "running": 4,
+        "waiting": 0,
+        "inference_tokens": 4,
+        "token_budget": 64,
+        "step_ms": 20.0,
+        "deadlines_s": (100.5,),
+        "train": TrainCost(10.0, 1.0),
+        "micro_tokens": 64,
+        "batch_tokens": 256,
+    }
+    base.update(kw)
+    return CoSchedInput(**base)  # type: ignore[arg-type]
+
+
+def primed(share: float = 0.5) -> SloAwareCoScheduler:
+    p = SloAwareCoScheduler(margin_ms=5.0, slack_frac=1.0)
+    p.decide(inp(now_s=99.0, share=share, has_job=False))
+    return p
+
+
+def test_slo_trains_when_slack_allows() -> None:
+    assert primed().decide(inp()) == 64  # slack 500-20-5 ms fits 10+64 ms
+
+
+def test_slo_shrinks_the_micro_step_to_the_slack() -> None:
+    # slack = 60 - 20 - 5 = 35 ms -> (35 - 10) / 1 = 25 tokens
+    assert primed().decide(inp(deadlines_s=(100.060,))) == 25
+
+
+def test_slo_pauses_when_load_rises() -> None:
+    p = primed()
+    assert p.decide(inp()) == 64
+    assert p.decide(inp(now_s=100.01, deadlines_s=(100.03,), waiting=5)) == 0  # no slack left
+
+
+def test_slo_idle_replica_trains_and_share_zero_never() -> None:
+    assert SloAwareCoScheduler().decide(inp(running=0, waiting=0, deadlines_s=())) == 64
+    assert primed(0.0).decide(inp(share=0.0)) == 0
+    assert primed().decide(inp(has_job=False)) == 0
+
+
+def test_slo_share_is_a_time_budget() -> None:
+    p = primed(0.1)  # 1 s at 10% -> 100 ms of credit
+    assert p.decide(inp(share=0.1)) == 64
+    p.charge(150.0)  # spent more than the credit
+    assert p.decide(inp(now_s=100.1, share=0.1)) == 0
+    assert p.decide(inp(now_s=101.0, share=0.1, deadlines_s=(101.5,))) == 64  # credit came back
+
+
+def test_fixed_ratio_trains_a_full_step_every_k_iterations_blindly() -> None:
+    p = FixedRatioCoScheduler(every=4)
+    got = [p.decide(inp(iteration=i, deadlines_s=(100.001,))) for i in range(8)]
+    assert got == [256, 0, 0, 0, 256, 0, 0, 0]
+
+
+def test_leftover_fills_spare_budget() -> None:
+    p = LeftoverCoScheduler()
+    assert p.decide(inp(inference_tokens=40)) == 24
+    assert p.decide(inp(inference_tokens=60)) == 0  # 4 spare < min 8
+    assert p.decide(inp(running=0, inference_tokens=0)) == 64
+
+
+def test_make_coscheduler_and_off() -> None:
+    assert make_coscheduler("off").decide(inp()) == 0
+    assert isinstance(make_coscheduler("off"), NoTraining)
+    assert make_coscheduler("fixed", 3).every == 3  # type: ignore[attr-defined]
+    with pytest.raises(ValueError):
+        make_coscheduler("nope")
+
+
+def test_effective_share_ttl() -> None:
+    assert effective_share(10.0, 0.8, 20.0, 0.3) == (0.8, "coordinator")
+    assert effective_share(25.0, 0.8, 20.0, 0.3) == (0.3, "local_default")
+    assert effective_share(10.0, None, None, 0.3) == (0.3, "local_default")
+
+
+# --- LRU ------------------------------------------------------------------------------------------------
+def test_lru_prefers_superseded_then_least_recent_and_skips_in_use() -> None:
+    lru = VersionLru(3)
+    lru.add("a@v1", "a", 0)
+    lru.add("b@v1", "b", 1)
+    lru.add("a@v2", "a", 2)  # a@v1 superseded
+    lru.acquire("b@v1")
+    lru.release("b@v1")
+    assert lru.slot_for_new() == (0, lru.by_id["a@v1"])
+    lru.acquire("a@v1")  # an in-flight request still reads a@v1
+    assert lru.victim().version_id == "a@v2"  # type: ignore[union-attr]  # b@v1 was used after a@v2
+    lru.acquire("b@v1")
+    lru.acquire("a@v2")
+    assert lru.slot_for_new() is None
+    with pytest.raises(ValueError):
+        lru.evict("a@v1")
+    assert lru.current_of("a") == "a@v2"
+
+
+def test_lru_add_not_current_keeps_current() -> None:
+    lru = VersionLru(2)
+    lru.add("a@v3", "a", 0)
+    lru.add("a@v1", "a", 1, current=False)  # a pinned old version
+    assert lru.current_of("a") == "a@v3"
+    lru.make_current("a@v1")
+    assert lru.current_of("a") == "a@v1"
+    with pytest.raises(ValueError):
+        lru.add("a@v1", "a", 1)
+    with pytest.raises(ValueError):
+        lru.release("a@v3")
+
+
+# --- costs and windows -----------------------------------------------------------------------------------
+def test_linear_cost_learns_fixed_and_slope() -> None:
+    c = LinearCost(0.0, 0.0)
+    for units in (1, 2, 4, 8, 16, 32) * 5:
+        c.observe(units, 10 + 2 * units)
+    fixed, per = c.params()
+    assert fixed == pytest.approx(10, abs=1e-6) and per == pytest.approx(2, abs=1e-6)
+    one = LinearCost(5.0, 3.0)
+    one.observe(4, 20.0)
+    assert one.predict(4) == pytest.approx(20.0)
+
+
+def test_latency_window_percentiles_and_attainment() -> None:
+    w = LatencyWindow(10.0)
+    for i in range(10):
+        w.add(FinishedSample(float(i), ttft_ms=float(i * 10), tpot_ms=5.0, good=i < 8))
+    s = w.summary(9.0)
+    assert s["finished"] == 10 and s["good"] == 8 and s["slo_attainment"] == 0.8
+    assert s["ttft_ms_p50"] == 40.0 and s["ttft_ms_p99"] == 90.0
+    assert w.summary(15.5)["finished"] == 4  # t=6..9 remain in the window
+    assert percentile([], 50) is None
+
+
+# --- stop strings ------------------------------------------------------------------------------------------
+def test_stop_matcher_holds_back_possible_prefixes() -> None:
+    m = StopMatcher(["END"])
+    assert m.push("hello E") == "hello "
+    assert m.push("N") == ""
+    assert m.push("x") == "ENx"
+    assert m.push(" fin") == " fin"
+    assert m.push("EN") == ""
+    assert m.push("D more") == ""
+    assert m.stopped
+
+
+def test_stop_matcher_earliest_of_several_and_flush() -> None:
+    m = StopMatcher(["zz", "ab"])
+    assert m.push("xxa") == "xx"
+    assert m.push("bzz") == ""
+    assert m.stopped
+    f = StopMatcher(["###"])
+    assert f.push("a#") == "a"
+    assert f.flush() == "#"
+
+
+def test_slo_spends_only_part_of_the_slack() -> None:
+    p = SloAwareCoScheduler(margin_ms=5.0, slack_frac=0.5)
+    p.decide(inp(now_s=99.0, has_job=False))
+    # slack = 60 - 20 - 5 = 35 ms, half of it 17.5 ms -> (17.5 - 10) / 1 = 7 tokens < min 8 -> no training
+    assert p.decide(inp(deadlines_s=(100.060,))) == 0
+    assert p.decide(inp(now_s=100.001, deadlines_s=(100.101,))) == 27  # (75 * 0.5 - 10) / 1
+
+
+def test_slo_bounds_the_micro_step_for_future_arrivals() -> None:
+    # Plenty of slack (500 ms) but at most 40 ms of training: (40 - 10) / 1 = 30 tokens.
+    assert primed().decide(inp(max_train_ms=40.0)) == 30
+
+
+def test_slo_idle_training_is_bounded_by_the_arrival_guard() -> None:
+    p = SloAwareCoScheduler()
+    idle = {"running": 0, "waiting": 0, "deadlines_s": ()}
+    assert p.decide(inp(**idle, max_train_ms=40.0)) == 30  # type: ignore[arg-type]
+    assert p.decide(inp(**idle, max_train_ms=12.0)) == 0  # type: ignore[arg-type]  # < min_tokens

@@ -1,0 +1,40 @@
+"""Replica settings validate at construction and describe every field."""
+
+from __future__ import annotations
+
+import pytest
+from collm_replica.engine import EngineConfig
+from collm_replica.settings import ReplicaSettings
+from pydantic import ValidationError
+
+
+def test_defaults_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLLM_REPLICA_ID", "edge-7")
+    monkeypatch.setenv("COLLM_MODEL", "tiny")
+    monkeypatch.setenv("COLLM_LORA_TARGET_MODULES", "q_proj,v_proj")
+    s = ReplicaSettings()
+    assert s.replica_id == "edge-7" and s.model == "tiny" and s.torch_threads == 1
+    assert s.lora_spec.target_modules == ("q_proj", "v_proj") and s.lora_spec.r == 8
+    cfg = EngineConfig.from_settings(s)
+    assert cfg.replica_id == "edge-7" and cfg.batch.max_batch == s.max_batch
+    assert cfg.lora_targets == ("q_proj", "v_proj")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"replica_id": "bad id"},
+        {"lora_target_modules": "q_proj,lm_head"},
+        {"lora_r": 32, "lora_max_rank": 16},
+        {"train_micro_tokens": 1024, "train_batch_tokens": 512},
+        {"ft_share_default": 1.5},
+    ],
+)
+def test_invalid_settings_are_refused(kw: dict) -> None:
+    with pytest.raises(ValidationError):
+        ReplicaSettings(**kw)
+
+
+def test_every_field_is_documented() -> None:
+    missing = [n for n, f in ReplicaSettings.model_fields.items() if not f.description]
+    assert missing == []

@@ -1,0 +1,193 @@
+"""The open-loop run: send each planned request at its scheduled time, whatever the server is doing.
+
+Arrivals never wait for completions (open loop). An optional client concurrency cap holds requests in a
+local queue instead; the wait is recorded as `client_wait_ms` and is not part of TTFT (as in vLLM), so a
+run with a cap should report it beside the latencies. The run is bounded by the plan (its requests and
+their schedule), then by `drain_timeout_s` for the requests still running after the last arrival; what
+is still running then is cancelled and recorded as `timeout` (sent) or `dropped` (never sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import httpx
+import numpy as np
+
+from collm_bench.client import ClientOptions, new_record, send_request
+from collm_bench.goodput import verdict
+from collm_bench.records import RequestRecord
+from collm_bench.workload import PlannedRequest
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    started_unix_s: float
+    wall_s: float
+    interrupted: bool
+    planned: int
+
+
+@dataclass
+class Progress:
+    """Live counters of a run, rendered as one status line."""
+
+    total: int
+    duration_s: float
+    sent: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    good: int = 0
+    recent_ttft_ms: list[float] = field(default_factory=list)
+
+    def finished(self, rec: RequestRecord) -> None:
+        self.statuses[rec.status] += 1
+        self.good += verdict(rec) == "good"
+        if rec.ttft_ms is not None and rec.status == "ok":
+            self.recent_ttft_ms = [*self.recent_ttft_ms[-199:], rec.ttft_ms]
+
+    def line(self, elapsed_s: float) -> str:
+        done = sum(self.statuses.values())
+        bad = done - self.statuses["ok"]
+        p50 = f"{np.percentile(self.recent_ttft_ms, 50):.0f}" if self.recent_ttft_ms else "-"
+        att = f"{100.0 * self.good / done:.1f}%" if done else "-"
+        return (
+            f"[collm-bench] {elapsed_s:6.1f}/{self.duration_s:.0f}s sent {self.sent}/{self.total} "
+            f"in-flight {self.sent - done + self.statuses['dropped']} done {done} ok {self.statuses['ok']} "
+            f"failed {bad} good {self.good} ({att}) ttft-p50 {p50} ms"
+        )
+
+
+async def _report(progress: Progress, t0: float, interval_s: float, out: TextIO) -> None:
+    tty = out.isatty()
+    while True:
+        await asyncio.sleep(interval_s)
+        line = progress.line(time.perf_counter() - t0)
+        out.write(("\r" + line.ljust(120)) if tty else line + "\n")
+        out.flush()
+
+
+async def run_plan(
+    plan: Sequence[PlannedRequest],
+    opts: ClientOptions,
+    *,
+    max_concurrency: int | None = None,
+    drain_timeout_s: float | None = None,
+    on_record: Callable[[RequestRecord], None] | None = None,
+    progress_interval_s: float | None = 5.0,
+    progress_out: TextIO | None = None,
+    stop: asyncio.Event | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    duration_s: float | None = None,
+) -> RunResult:
+    """Run `plan` open-loop against `opts.url`; return one record per request scheduled in the run."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError("max_concurrency must be >= 1")
+    drain = opts.request_timeout_s if drain_timeout_s is None else drain_timeout_s
+    stop = stop or asyncio.Event()
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    # Shown in the status line only: the nominal duration, else the last scheduled arrival.
+    shown = duration_s if duration_s is not None else (plan[-1].scheduled_s if plan else 0.0)
+    progress = Progress(total=len(plan), duration_s=shown)
+    records: list[RequestRecord] = []
+    tasks: dict[asyncio.Task[None], RequestRecord] = {}
+    t0 = time.perf_counter()
+    started_unix = time.time()
+
+    def now() -> float:
+        return time.perf_counter() - t0
+
+    def done(rec: RequestRecord) -> None:
+        progress.finished(rec)
+        if on_record is not None:
+            on_record(rec)
+
+    limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
+    async with httpx.AsyncClient(
+        limits=limits, timeout=timeout, trust_env=False, transport=transport
+    ) as http:
+
+        async def send(p: PlannedRequest, rec: RequestRecord) -> None:
+            progress.sent += 1
+            try:
+                await send_request(http, p, opts, rec, now)
+            except Exception as e:  # a failure nobody foresaw still ends as a failed record, not a lost one
+                rec.end_s = now()
+                rec.status, rec.error = "error", f"client failure: {type(e).__name__}: {e}"[:300]
+
+        async def one(p: PlannedRequest, rec: RequestRecord) -> None:
+            if sem is None:
+                await send(p, rec)
+            else:
+                async with sem:
+                    await send(p, rec)
+            done(rec)
+
+        reporter = None
+        if progress_interval_s:
+            out = progress_out or sys.stderr
+            reporter = asyncio.create_task(_report(progress, t0, progress_interval_s, out))
+        interrupted = False
+        try:
+            for pos, p in enumerate(plan):
+                delay = p.scheduled_s - now()
+                if delay > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), timeout=delay)
+                if stop.is_set():
+                    interrupted = True
+                    # Requests whose time had come are part of the run and were never sent.
+                    for q in plan[pos:]:
+                        if q.scheduled_s <= now():
+                            rec = new_record(q)
+                            rec.end_s = now()
+                            rec.error = "run interrupted before it was sent"
+                            records.append(rec)
+                            done(rec)
+                    break
+                rec = new_record(p)
+                records.append(rec)
+                tasks[asyncio.create_task(one(p, rec))] = rec
+            pending: set[asyncio.Task[None]] = set(tasks)
+            if pending and not stop.is_set():
+                stopper = asyncio.create_task(stop.wait())
+                deadline = now() + drain
+                while pending and not stop.is_set() and now() < deadline:
+                    finished, _ = await asyncio.wait(
+                        pending | {stopper}, timeout=deadline - now(), return_when=asyncio.FIRST_COMPLETED
+                    )
+                    pending -= finished
+                stopper.cancel()
+                interrupted = interrupted or stop.is_set()
+            pending = {t for t in tasks if not t.done()}
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for t in pending:
+                if not t.cancelled():
+                    continue  # it finished on its own before the cancel landed
+                rec = tasks[t]
+                rec.end_s = now()
+                if rec.sent_s is None:
+                    rec.status, rec.error = "dropped", "run ended before it was sent"
+                else:
+                    rec.status, rec.error = "timeout", "run ended before it completed"
+                done(rec)
+        finally:
+            if reporter is not None:
+                reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
+                out = progress_out or sys.stderr
+                out.write(("\r" if out.isatty() else "") + progress.line(now()) + "\n")
+                out.flush()
+    records.sort(key=lambda r: r.index)
+    return RunResult(records, started_unix, now(), interrupted, len(plan))
