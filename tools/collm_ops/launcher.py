@@ -28,6 +28,7 @@ from typing import IO
 from urllib.parse import urlparse
 
 import httpx
+from collm_replica.naming import served_name
 
 from collm_ops.servers import ServerProcess, port_open, start_nats, start_redis
 
@@ -185,7 +186,14 @@ class Stack:
         self._spawn(
             "gateway",
             "collm_gateway",
-            self._env("gateway", {"COLLM_HOST": cfg.gateway_host, "COLLM_PORT": str(cfg.gateway_port)}),
+            self._env(
+                "gateway",
+                {
+                    "COLLM_HOST": cfg.gateway_host,
+                    "COLLM_PORT": str(cfg.gateway_port),
+                    "COLLM_BASE_MODEL": served_name(cfg.model),
+                },
+            ),
         )
         try:
             self.wait_ready(deadline_s=t0 + cfg.ready_timeout_s)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from collm_replica.naming import served_name
+
 log = logging.getLogger(__name__)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -240,18 +242,14 @@ def load_model(
     dev, dtype = pick_device(device)
     if spec == "tiny":
         model, tokenizer = build_tiny_model(tiny_seed)
-        name = "tiny"
     elif spec == "smollm2":
         model, tokenizer = _load_gguf(smollm2_gguf_path(), dtype, cache_dir)
-        name = "SmolLM2-135M-Instruct"
     else:
         path = Path(spec).expanduser()
         if path.is_file() and path.suffix == ".gguf":
             model, tokenizer = _load_gguf(path, dtype, cache_dir)
-            name = path.stem
         elif path.is_dir() and (path / "config.json").is_file():
             model, tokenizer = _load_hf_dir(path, dtype)
-            name = path.name
         else:
             raise ModelLoadError(
                 f"COLLM_MODEL={spec!r} is neither `smollm2`, `tiny`, a .gguf file nor a model directory"
@@ -269,5 +267,5 @@ def load_model(
     if max_model_len is not None:
         limit = min(limit, max_model_len)
     return LoadedModel(
-        name=name, model=model, tokenizer=tokenizer, device=dev, dtype=dtype, max_model_len=limit
+        name=served_name(spec), model=model, tokenizer=tokenizer, device=dev, dtype=dtype, max_model_len=limit
     )
