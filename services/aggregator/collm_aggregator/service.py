@@ -1,0 +1,672 @@
+"""The aggregator service: NATS endpoints, the durable update consumer, built-in plans, restarts.
+
+* Micro service `collm-aggregator` with endpoints `open_round`, `status`, `rounds`, `round`, `rollback`,
+  `import` on `subjects.aggregator(verb)` (schemas: `collm_common.wire.admin`, `wire.rounds`).
+* A durable JetStream pull consumer (`consumer_name`) on `subjects.updates_all()`: each `LocalUpdate` is
+  recorded in Redis for its round (HSETNX) and only then acknowledged, then handed to the round's runner.
+  A message that cannot be recorded (Redis down) is nak'ed and comes back; a malformed one is terminated
+  and counted.
+* Telemetry from `subjects.telemetry_all()` tells which replicas are alive, hold local data and cover
+  which domains (built-in plans and the choice of evaluators).
+* At start, every round that was not final is resumed from its durable record (see `runner`).
+
+Only one aggregator instance should run per Redis prefix: round ids come from one counter, but two
+instances would both drive the same active rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+from collm_common import subjects
+from collm_common.adapter_io import AdapterImportError, check_shapes, import_peft_dir, same_base_model
+from collm_common.bus import Bus, BusError, MicroService, ServiceFailure
+from collm_common.clock import Clock
+from collm_common.lora import decode_adapter, encode_adapter
+from collm_common.store import AdapterStore, Conflict, NotFound, StoreError, VersionRecord
+from collm_common.streams import ensure_streams
+from collm_common.wire import WireError, decode
+from collm_common.wire.adapters import AdapterPublished
+from collm_common.wire.admin import (
+    ActiveRound,
+    AdapterVersionInfo,
+    AggregatorStatus,
+    GetRound,
+    ImportAdapter,
+    ListRounds,
+    RollbackAdapter,
+    RoundDetail,
+    RoundList,
+    StatusRequest,
+    UpdateRecord,
+)
+from collm_common.wire.control import ControlReply, StartTraining
+from collm_common.wire.rounds import LocalUpdate, ParticipantPlan, RoundOutcome, RoundPlan
+from collm_common.wire.telemetry import ReplicaTelemetry
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from collm_aggregator import metrics
+from collm_aggregator.planner import PlanConfig, PlanDraft, ReplicaView, Skip, default_plans, eligible
+from collm_aggregator.runner import RoundDeps, RoundRunner
+from collm_aggregator.settings import AggregatorSettings
+from collm_aggregator.strategies import make_strategy
+from collm_aggregator.validation import SENDER_MISMATCH, UNKNOWN_ROUND, Rejection
+
+from .records import RoundRecords
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+def version_info(rec: VersionRecord) -> AdapterVersionInfo:
+    return AdapterVersionInfo(
+        name=rec.name,
+        version=rec.version,
+        version_id=rec.id,
+        sha256=rec.sha256,
+        size_bytes=rec.size_bytes,
+        base_model=rec.base_model,
+        source=rec.source,
+        parent=rec.parent,
+        round_id=rec.round_id,
+        created_unix_s=rec.created_unix_s,
+    )
+
+
+class Aggregator:
+    def __init__(
+        self,
+        settings: AggregatorSettings,
+        bus: Bus,
+        store: AdapterStore,
+        clock: Clock,
+        instance_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.store = store
+        self.clock = clock
+        self.instance_id = instance_id or uuid.uuid4().hex[:8]
+        self.records = RoundRecords(store.r, settings.redis_prefix, settings.rounds_kept)
+        self.strategy = make_strategy(settings.strategy, settings.clip_norm)
+        self.started_unix_s = clock.now()
+        self.runners: dict[int, RoundRunner] = {}
+        self.replicas: dict[str, ReplicaView] = {}
+        self.last_coordinator_plan_unix_s: float | None = None
+        self._last_builtin: dict[str, float] = {}
+        self._skip_reasons: dict[str, str] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._bg: list[asyncio.Task[None]] = []
+        self._open_lock = asyncio.Lock()
+        self.svc: MicroService | None = None
+        self._psub: Any = None
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await ensure_streams(self.bus.js)
+        await self.bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, self._on_telemetry)
+        await self._resume()
+        svc = await self.bus.service(
+            subjects.SERVICE_AGGREGATOR,
+            VERSION,
+            "CoLLM federated rounds: collect, validate, aggregate, evaluate, publish",
+            {"instance_id": self.instance_id, "strategy": self.strategy.name},
+        )
+        self.svc = svc
+        endpoints = (
+            ("open_round", RoundPlan, self.open_round),
+            ("status", StatusRequest, self.status),
+            ("rounds", ListRounds, self.list_rounds),
+            ("round", GetRound, self.show_round),
+            ("rollback", RollbackAdapter, self.rollback),
+            ("import", ImportAdapter, self.import_adapter),
+        )
+        for name, req_type, handler in endpoints:
+            await svc.endpoint(name, subjects.aggregator(name), req_type, handler)
+        self._bg.append(asyncio.create_task(self._consume_updates(), name="aggregator-consumer"))
+        if self.settings.default_plan:
+            self._bg.append(asyncio.create_task(self._plan_loop(), name="aggregator-planner"))
+
+    async def stop(self) -> None:
+        for t in [*self._bg, *self._tasks]:
+            t.cancel()
+        for t in [*self._bg, *self._tasks]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._bg.clear()
+        self._tasks.clear()
+        if self._psub is not None:
+            # A pull subscription left behind by a cancelled fetch would hold the connection's drain
+            # for its full timeout.
+            with contextlib.suppress(Exception):
+                await self._psub.unsubscribe()
+            self._psub = None
+
+    def _spawn(self, runner: RoundRunner) -> None:
+        self.runners[runner.round_id] = runner
+        metrics.ACTIVE_ROUNDS.set(len(self.runners))
+        task = asyncio.create_task(runner.run(), name=f"round-{runner.round_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _round_done(self, round_id: int) -> None:
+        self.runners.pop(round_id, None)
+        metrics.ACTIVE_ROUNDS.set(len(self.runners))
+
+    def _deps(self) -> RoundDeps:
+        return RoundDeps(
+            bus=self.bus,
+            store=self.store,
+            records=self.records,
+            settings=self.settings,
+            clock=self.clock,
+            strategy=self.strategy,
+            eval_replicas=self.eval_replicas,
+            on_final=self._round_done,
+        )
+
+    async def _resume(self) -> None:
+        for rid in await self.records.active_ids():
+            plan = await self.records.plan(rid)
+            outcome = await self.records.outcome(rid)
+            if plan is None or outcome is None:
+                continue
+            log.info("resuming round %s (%s) from its durable record", rid, outcome.state)
+            self._spawn(RoundRunner(self._deps(), plan, resumed_state=outcome.state))
+
+    # --- telemetry and domains --------------------------------------------------------------------------
+    async def _on_telemetry(self, t: ReplicaTelemetry, _msg: object) -> None:
+        # Receive time, not the replica's clock: staleness must not depend on clock skew.
+        self.replicas[t.replica_id] = ReplicaView(
+            t.replica_id, self.clock.now(), t.local_samples, tuple(t.domains)
+        )
+
+    async def adapter_domains(self, adapter: str) -> list[str]:
+        if adapter in self.settings.default_plan_adapters:
+            return list(self.settings.default_plan_adapters[adapter])
+        with contextlib.suppress(StoreError):
+            meta = await self.store.meta(adapter)
+            return [d for d in meta.get("domains", "").split(",") if d]
+        return []
+
+    async def eval_replicas(self, adapter: str, participants: Sequence[str]) -> list[str]:
+        """Participants plus every live replica with local data for the adapter's domains."""
+        domains = await self.adapter_domains(adapter)
+        live = eligible(
+            list(self.replicas.values()), domains, self.clock.now(), self.settings.telemetry_stale_s
+        )
+        return sorted(set(live) | set(participants))
+
+    # --- opening rounds ----------------------------------------------------------------------------------
+    async def open_round(self, plan: RoundPlan, _headers: Mapping[str, str]) -> RoundOutcome:
+        """Coordinator plans (policy != "builtin"); replies as soon as the round is recorded."""
+        if plan.policy != "builtin":
+            self.last_coordinator_plan_unix_s = self.clock.now()
+        return await self._open(plan)
+
+    async def _open(self, plan: RoundPlan) -> RoundOutcome:
+        try:
+            subjects.check_token(plan.adapter, "adapter name")
+            for p in plan.participants:
+                subjects.check_token(p.replica_id, "replica id")
+        except ValueError as exc:
+            raise ServiceFailure(400, str(exc)) from None
+        ids = [p.replica_id for p in plan.participants]
+        if len(set(ids)) != len(ids):
+            raise ServiceFailure(400, f"participants repeat a replica: {ids}")
+        if plan.quorum > len(ids):
+            raise ServiceFailure(400, f"quorum {plan.quorum} exceeds the {len(ids)} participants")
+        now = self.clock.now()
+        if not math.isfinite(plan.deadline_unix_s) or plan.deadline_unix_s <= now:
+            raise ServiceFailure(400, f"deadline {plan.deadline_unix_s} is not in the future (now {now:.3f})")
+        async with self._open_lock:
+            running = [r for r in self.runners.values() if r.plan.adapter == plan.adapter]
+            for r in running:
+                if r.plan.policy == "builtin" and plan.policy != "builtin":
+                    await self._supersede(r)
+                else:
+                    raise ServiceFailure(
+                        409, f"round {r.round_id} of adapter {plan.adapter!r} is still running"
+                    )
+            if plan.round_id == 0:
+                round_id = await self.records.next_round_id()
+            else:
+                if await self.records.exists(plan.round_id):
+                    raise ServiceFailure(409, f"round {plan.round_id} already exists")
+                await self.records.reserve_round_id(plan.round_id)
+                round_id = plan.round_id
+            plan = plan.model_copy(update={"round_id": round_id, "opened_unix_s": now})
+            current = await self.store.current(plan.adapter)
+            reason = ""
+            if current is None:
+                reason = (
+                    f"adapter {plan.adapter!r} has no current version yet (replicas create v1); round skipped"
+                )
+            elif current != plan.base_version:
+                reason = (
+                    f"plan is based on v{plan.base_version}, {plan.adapter} is at v{current}; round skipped"
+                )
+            state = "aborted" if reason else "opened"
+            outcome = RoundOutcome(
+                round_id=round_id,
+                adapter=plan.adapter,
+                state=state,
+                base_version=plan.base_version,
+                strategy=self.strategy.name,
+                reason=reason or plan.reason,
+                ts_unix_s=now,
+                participants=ids,
+                timeline={"opened": now, **({"aborted": now} if reason else {})},
+                deadline_unix_s=plan.deadline_unix_s,
+                policy=plan.policy,
+            )
+            if not await self.records.create(plan, outcome):
+                raise ServiceFailure(409, f"round {round_id} already exists")
+            metrics.ROUNDS_OPENED.labels(plan.policy).inc()
+            with contextlib.suppress(Exception):
+                await self.bus.publish(subjects.round_event(round_id, state), outcome)
+            if reason:
+                metrics.ROUNDS.labels(plan.adapter, "aborted").inc()
+                log.info("round %s aborted at open: %s", round_id, reason)
+                return outcome
+            self._spawn(RoundRunner(self._deps(), plan))
+            log.info("round %s opened for %s@v%s with %s", round_id, plan.adapter, plan.base_version, ids)
+            return outcome
+
+    async def _supersede(self, runner: RoundRunner) -> None:
+        task = next((t for t in self._tasks if t.get_name() == f"round-{runner.round_id}"), None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if not runner.machine.final:
+            runner.machine.abort("superseded by a coordinator plan", self.clock.now())
+            await runner._finish()
+        self._round_done(runner.round_id)
+
+    async def _plan_loop(self) -> None:
+        s = self.settings
+        tick_s = min(1.0, s.default_plan_period_s / 4)
+        while True:
+            try:
+                await self._plan_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("built-in planning failed")
+            await self.clock.sleep(tick_s)
+
+    async def _plan_once(self) -> None:
+        s = self.settings
+        now = self.clock.now()
+        last = self.last_coordinator_plan_unix_s
+        if last is not None and now - last < s.default_plan_idle_s:
+            return
+        adapters = {a: list(d) for a, d in s.default_plan_adapters.items()}
+        for name in await self.store.list_adapters():
+            if name not in adapters:
+                meta = await self.store.meta(name)
+                if meta.get("domains"):  # opted in: `import` with domains, or set by an operator
+                    adapters[name] = [d for d in meta["domains"].split(",") if d]
+        due = {
+            a: d
+            for a, d in adapters.items()
+            if now - self._last_builtin.get(a, -math.inf) >= s.default_plan_period_s
+        }
+        if not due:
+            return
+        currents = {a: await self.store.current(a) for a in due}
+        busy = {r.plan.adapter for r in self.runners.values()}
+        cfg = PlanConfig(
+            token_budget=s.default_token_budget,
+            learning_rate=s.default_learning_rate,
+            deadline_s=s.round_deadline_s,
+            quorum_fraction=s.quorum_fraction,
+            telemetry_stale_s=s.telemetry_stale_s,
+        )
+        for item in default_plans(list(self.replicas.values()), due, currents, busy, cfg, now):
+            if isinstance(item, Skip):
+                if self._skip_reasons.get(item.adapter) != item.reason:  # log and count each new reason once
+                    log.info("built-in plan for %s skipped: %s", item.adapter, item.reason)
+                    self._skip_reasons[item.adapter] = item.reason
+                    metrics.PLANS_SKIPPED.labels(item.adapter).inc()
+                if currents.get(item.adapter) is None and s.default_plan_bootstrap:
+                    if await self._bootstrap(item.adapter, due[item.adapter], now):
+                        self._last_builtin[item.adapter] = now
+                continue
+            self._skip_reasons.pop(item.adapter, None)
+            self._last_builtin[item.adapter] = now
+            await self._open_draft(item)
+
+    async def _bootstrap(self, adapter: str, domains: list[str], now: float) -> bool:
+        """Ask one replica with data to create `adapter@v1` (replicas create v1 on StartTraining without
+        a base version); the adapter's first round follows at the next period."""
+        s = self.settings
+        who = eligible(list(self.replicas.values()), domains, now, s.telemetry_stale_s)
+        if not who:
+            return False
+        cmd = StartTraining(
+            adapter=adapter, token_budget=s.default_token_budget, learning_rate=s.default_learning_rate
+        )
+        try:
+            reply = await self.bus.request(
+                subjects.replica(who[0], "control"), cmd, ControlReply, s.control_timeout_s
+            )
+            log.info("asked %s to create %s@v1: %s", who[0], adapter, reply.message)
+            return True
+        except BusError as exc:
+            log.warning("could not ask %s to create %s@v1: %s", who[0], adapter, exc.message)
+            return False
+
+    async def _open_draft(self, d: PlanDraft) -> None:
+        plan = RoundPlan(
+            adapter=d.adapter,
+            base_version=d.base_version,
+            participants=[
+                ParticipantPlan(replica_id=r, token_budget=d.token_budget, learning_rate=d.learning_rate)
+                for r in d.participants
+            ],
+            quorum=d.quorum,
+            opened_unix_s=d.opened_unix_s,
+            deadline_unix_s=d.deadline_unix_s,
+            policy="builtin",
+            reason=d.reason,
+        )
+        try:
+            await self._open(plan)
+        except ServiceFailure as exc:
+            log.info("built-in round for %s not opened: %s", d.adapter, exc.message)
+
+    # --- updates -------------------------------------------------------------------------------------------
+    async def _consume_updates(self) -> None:
+        s = self.settings
+        config = ConsumerConfig(
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=30,
+            max_ack_pending=256,
+            max_deliver=-1,
+        )
+        while True:
+            try:
+                if self._psub is None:
+                    self._psub = await self.bus.js.pull_subscribe(
+                        subjects.updates_all(), durable=s.consumer_name, config=config
+                    )
+                msgs = await self._psub.fetch(16, timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except Exception as exc:
+                log.warning("update consumer: %s; retrying", exc)
+                with contextlib.suppress(Exception):
+                    await self._psub.unsubscribe()
+                self._psub = None
+                await asyncio.sleep(1.0)
+                continue
+            for msg in msgs:
+                await self._handle_update_msg(msg)
+
+    async def _handle_update_msg(self, msg: Msg) -> None:
+        try:
+            update = decode(LocalUpdate, msg.data)
+        except WireError as exc:
+            log.warning("dropped malformed update on %s: %s", msg.subject, exc)
+            metrics.REJECTED.labels("undecodable").inc()
+            with contextlib.suppress(Exception):
+                await msg.term()
+            return
+        tokens = msg.subject.split(".")
+        sender = tokens[-1] if len(tokens) >= 2 else ""
+        round_token = tokens[-2] if len(tokens) >= 2 else ""
+        size = 0
+        if update.blob_key.startswith(f"{self.store.prefix}:update:"):
+            with contextlib.suppress(Exception):
+                size = int(await self.store.r.strlen(update.blob_key))
+        record = UpdateRecord(update=update, received_unix_s=self.clock.now(), size_bytes=size)
+
+        async def ack() -> None:
+            with contextlib.suppress(Exception):  # a lost ack means a redelivery, which is idempotent
+                await msg.ack()
+
+        try:
+            status = await self._record_and_route(update, record, sender, round_token, ack)
+        except (StoreError, ConnectionError, OSError, TimeoutError) as exc:
+            log.warning(
+                "could not record update %s/%s (%s); will be redelivered",
+                update.round_id,
+                update.replica_id,
+                exc,
+            )
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+            return
+        except Exception as exc:  # a Redis client error or a bug: keep the message for redelivery
+            log.exception("update %s/%s: %s", update.round_id, update.replica_id, exc)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=2.0)
+            return
+        log.info("update %s from %s: %s", update.round_id, update.replica_id, status)
+
+    async def _record_and_route(
+        self,
+        update: LocalUpdate,
+        record: UpdateRecord,
+        sender: str,
+        round_token: str,
+        ack: Callable[[], Awaitable[None]],
+    ) -> str:
+        """Record the update durably for its round, acknowledge it, then hand it to the round.
+
+        Refusals that need no record (sender mismatch, unknown round) are counted, reported and acked:
+        redelivering them could never change the verdict."""
+        runner = self.runners.get(update.round_id)
+        if sender != update.replica_id or round_token != str(update.round_id):
+            why = Rejection(
+                SENDER_MISMATCH,
+                f"message on the subject of {sender!r}/round {round_token} "
+                f"claims {update.replica_id!r}/round {update.round_id}",
+            )
+            if runner is not None:
+                runner.refuse(sender or update.replica_id, why)
+            else:
+                metrics.REJECTED.labels(SENDER_MISMATCH).inc()
+            await ack()
+            return "rejected: sender mismatch"
+        if not await self.records.exists(update.round_id):
+            metrics.REJECTED.labels(UNKNOWN_ROUND).inc()
+            log.warning("update for unknown round %s from %s refused", update.round_id, update.replica_id)
+            await ack()
+            return "rejected: unknown round"
+        if runner is not None and not runner.machine.final:
+            late = runner.machine.phase.value not in ("opened", "collecting")
+            rec = record.model_copy(update={"late": late})
+            await self.records.add_update(update.round_id, rec)
+            if late:
+                await self._carry(rec)
+            await ack()  # durably recorded: a restart resumes the round from this record
+            status = await runner.deliver(rec)
+            if status == "late":
+                await self._carry(rec)
+            return status
+        # The round is over: the update is late; keep it on the record (and carry it, by policy).
+        rec = record.model_copy(update={"late": True})
+        added = await self.records.add_update(update.round_id, rec)
+        if added:
+            outcome = await self.records.outcome(update.round_id)
+            if outcome is not None and update.replica_id in outcome.participants:
+                if update.replica_id not in outcome.late:
+                    await self.records.save_outcome(
+                        outcome.model_copy(update={"late": [*outcome.late, update.replica_id]})
+                    )
+                await self._carry(rec)
+            metrics.LATE.inc()
+            metrics.UPDATES.labels("late").inc()
+        await ack()
+        return "late"
+
+    async def _carry(self, rec: UpdateRecord) -> None:
+        if self.settings.late_policy == "staleness":
+            await self.records.add_carry(rec.update.adapter, rec)
+
+    # --- admin endpoints ------------------------------------------------------------------------------------
+    async def status(self, _req: StatusRequest, _headers: Mapping[str, str]) -> AggregatorStatus:
+        active = []
+        for r in sorted(self.runners.values(), key=lambda r: r.round_id):
+            m = r.machine
+            active.append(
+                ActiveRound(
+                    round_id=r.round_id,
+                    adapter=m.adapter,
+                    state=m.phase.value,
+                    base_version=m.base_version,
+                    participants=list(m.participants),
+                    received=sorted(m.entries),
+                    quorum=m.rules.quorum,
+                    deadline_unix_s=m.rules.deadline_unix_s,
+                    policy=r.plan.policy,
+                )
+            )
+        return AggregatorStatus(
+            instance_id=self.instance_id,
+            started_unix_s=self.started_unix_s,
+            strategy=self.strategy.name,
+            late_policy=self.settings.late_policy,
+            default_plan=self.settings.default_plan,
+            last_coordinator_plan_unix_s=self.last_coordinator_plan_unix_s,
+            active=active,
+            last_round_id=await self.records.last_round_id(),
+            rounds_by_state=await self.records.count_by_state(),
+        )
+
+    async def list_rounds(self, req: ListRounds, _headers: Mapping[str, str]) -> RoundList:
+        return RoundList(rounds=await self.records.list_outcomes(req.adapter, req.state, req.limit))
+
+    async def show_round(self, req: GetRound, _headers: Mapping[str, str]) -> RoundDetail:
+        plan = await self.records.plan(req.round_id)
+        if plan is None:
+            raise ServiceFailure(404, f"round {req.round_id} is not on record")
+        runner = self.runners.get(req.round_id)
+        outcome = runner.outcome() if runner is not None else await self.records.outcome(req.round_id)
+        assert outcome is not None
+        cand = await self.records.candidate(req.round_id)
+        return RoundDetail(
+            plan=plan,
+            outcome=outcome,
+            updates=await self.records.updates(req.round_id),
+            evals=await self.records.evals(req.round_id),
+            candidate_key=cand[0] if cand else None,
+            candidate_sha256=cand[1] if cand else None,
+        )
+
+    async def _announce_version(self, rec: VersionRecord, source: str) -> None:
+        metrics.PUBLICATIONS.labels(source).inc()
+        await self.bus.publish(
+            subjects.adapter_published(rec.name),
+            AdapterPublished(
+                name=rec.name,
+                version=rec.version,
+                version_id=rec.id,
+                sha256=rec.sha256,
+                base_model=rec.base_model,
+                source=source,  # type: ignore[arg-type]
+                round_id=rec.round_id,
+                created_unix_s=rec.created_unix_s,
+            ),
+        )
+
+    async def rollback(self, req: RollbackAdapter, _headers: Mapping[str, str]) -> AdapterVersionInfo:
+        try:
+            subjects.check_token(req.adapter, "adapter name")
+            rec = await self.store.rollback(req.adapter, req.to_version)
+        except ValueError as exc:
+            raise ServiceFailure(400, str(exc)) from None
+        except NotFound as exc:
+            raise ServiceFailure(404, str(exc)) from None
+        except Conflict as exc:
+            raise ServiceFailure(409, f"{exc}; retry the rollback") from None
+        log.info(
+            "rolled %s back to the content of v%s as %s (%s)", req.adapter, req.to_version, rec.id, req.reason
+        )
+        await self._announce_version(rec, "rollback")
+        return version_info(rec)
+
+    async def import_adapter(self, req: ImportAdapter, _headers: Mapping[str, str]) -> AdapterVersionInfo:
+        try:
+            subjects.check_token(req.adapter, "adapter name")
+        except ValueError as exc:
+            raise ServiceFailure(400, str(exc)) from None
+        path = Path(req.path).expanduser()
+        roots = [Path(r).expanduser().resolve() for r in self.settings.import_roots]
+        if roots and not any(path.resolve().is_relative_to(r) for r in roots):
+            raise ServiceFailure(403, f"{path} is outside the import roots {[str(r) for r in roots]}")
+        current = await self.store.current(req.adapter)
+        expected_shapes = None
+        current_spec = None
+        base_model = req.base_model
+        if current is not None:
+            try:
+                cur = decode_adapter(await self.store.get_blob(req.adapter, current))
+            except StoreError as exc:
+                raise ServiceFailure(409, f"current version of {req.adapter} is unreadable: {exc}") from None
+            expected_shapes = {k: tuple(v.shape) for k, v in cur.tensors.items()}
+            current_spec = cur.spec
+            if base_model and cur.base_model and not same_base_model(base_model, cur.base_model):
+                raise ServiceFailure(
+                    422, f"{req.adapter} is trained on {cur.base_model!r}, not {base_model!r}"
+                )
+            base_model = base_model or cur.base_model or None
+        s = self.settings
+        try:
+            weights = await asyncio.to_thread(
+                import_peft_dir,
+                path,
+                expected_base_model=base_model,
+                supported_modules=tuple(s.supported_target_modules),
+                max_rank=s.max_import_rank,
+            )
+        except AdapterImportError as exc:
+            raise ServiceFailure(422, f"cannot import {path}: {exc}") from None
+        if current_spec is not None and weights.spec != current_spec:
+            raise ServiceFailure(
+                422,
+                f"LoRA spec {weights.spec.to_json()} differs from {req.adapter}'s {current_spec.to_json()}; "
+                "import it under a new adapter name",
+            )
+        if expected_shapes is not None:
+            try:
+                check_shapes({k: tuple(v.shape) for k, v in weights.tensors.items()}, expected_shapes)
+            except AdapterImportError as exc:
+                raise ServiceFailure(
+                    422, f"cannot import {path} as a version of {req.adapter}: {exc}"
+                ) from None
+        if not weights.base_model:
+            raise ServiceFailure(422, "the adapter names no base model; pass base_model")
+        blob = encode_adapter(weights)
+        try:
+            rec = await self.store.publish(
+                req.adapter,
+                blob,
+                expected_current=current,
+                base_model=weights.base_model,
+                source="import",
+                parent=current,
+                meta={"imported_from": str(path)},
+            )
+        except Conflict as exc:
+            raise ServiceFailure(409, f"{exc}; retry the import") from None
+        if req.domains is not None:
+            await self.store.set_meta(req.adapter, {"domains": ",".join(req.domains)})
+        log.info("imported %s as %s", path, rec.id)
+        await self._announce_version(rec, "import")
+        return version_info(rec)

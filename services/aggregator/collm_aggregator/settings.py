@@ -1,0 +1,124 @@
+"""Settings of the aggregator (`COLLM_` environment variables; see CommonSettings)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from collm_common.settings import CommonSettings
+from pydantic import Field, model_validator
+
+
+class AggregatorSettings(CommonSettings):
+    # Aggregation.
+    strategy: Literal["product_svd", "fedavg"] = Field(
+        "product_svd",
+        description="How updates are combined: product_svd averages B·A and re-factorises to the same rank "
+        "(exact when the average has rank <= r); fedavg averages A and B separately. See bench/federated.",
+    )
+    clip_norm: float | None = Field(
+        None, gt=0, description="If set, each update's change from the base is clipped to this L2 norm first."
+    )
+    # Collection.
+    quorum_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Built-in plans: fraction of participants whose valid updates close a round.",
+    )
+    round_deadline_s: float = Field(
+        120.0, gt=0, description="Built-in plans: seconds from opening to deadline."
+    )
+    quorum_grace_s: float | None = Field(
+        None,
+        ge=0,
+        description="Close this long after the quorum is reached (None: wait for all or the deadline).",
+    )
+    late_policy: Literal["drop", "staleness"] = Field(
+        "drop",
+        description="drop: late or older-base updates are recorded and not used; staleness: updates trained "
+        "from a base up to max_staleness versions older (and late updates, carried into the adapter's next "
+        "round) count with weight staleness_weight**gap.",
+    )
+    staleness_weight: float = Field(0.5, gt=0, le=1, description="Weight factor per version of staleness.")
+    max_staleness: int = Field(
+        1, ge=1, description="Largest base-version gap accepted under late_policy=staleness."
+    )
+    # Validation.
+    max_delta_norm: float | None = Field(
+        100.0,
+        gt=0,
+        description="Reject updates whose change from the base has a larger L2 norm (None: no bound).",
+    )
+    norm_outlier_factor: float | None = Field(
+        4.0,
+        gt=1,
+        description="With >= 3 valid updates, reject one whose change norm is > this x the others' median.",
+    )
+    # Federated evaluation and the promotion gate.
+    eval_timeout_s: float = Field(
+        60.0, gt=0, description="How long to wait for replicas' evaluation reports."
+    )
+    eval_max_examples: int = Field(
+        32, ge=1, description="Held-out examples each replica scores per candidate."
+    )
+    gate_tolerance: float = Field(
+        0.02,
+        ge=0,
+        description="Publish if candidate loss <= current loss + this (nats/token); else held back.",
+    )
+    publish_without_eval: bool = Field(
+        False, description="Publish when no replica could evaluate (default: hold back, the safe choice)."
+    )
+    # Control of participants.
+    control_timeout_s: float = Field(
+        5.0, gt=0, description="Timeout of one StartTraining request to a replica."
+    )
+    # Built-in plan (until/unless the coordinator sends plans).
+    default_plan: bool = Field(
+        True, description="Run built-in plans when no coordinator plan arrived recently."
+    )
+    default_plan_period_s: float = Field(
+        60.0, gt=0, description="Seconds between built-in rounds of an adapter."
+    )
+    default_plan_idle_s: float = Field(
+        180.0, gt=0, description="Built-in plans start only when no coordinator plan arrived for this long."
+    )
+    default_token_budget: int = Field(
+        4096, ge=1, description="Built-in plans: training tokens per participant."
+    )
+    default_learning_rate: float = Field(2e-4, gt=0, description="Built-in plans: local learning rate.")
+    default_plan_adapters: dict[str, list[str]] = Field(
+        default_factory=lambda: {"shared": []},
+        description='Built-in plans: adapter -> domains (JSON, e.g. {"shared": [], "math": ["math"]}; '
+        "[] = any domain). Adapters in the store whose meta field 'domains' is set are planned too.",
+    )
+    default_plan_bootstrap: bool = Field(
+        True,
+        description="When an adapter of default_plan_adapters has no version yet, ask one replica with data "
+        "to create its v1 (StartTraining without a round); its rounds start at the next period.",
+    )
+    telemetry_stale_s: float = Field(15.0, gt=0, description="Replicas silent for longer are not planned.")
+    # Store and records.
+    retention_versions: int = Field(
+        5, ge=1, description="Adapter versions whose blobs are kept (plus current)."
+    )
+    rounds_kept: int = Field(1000, ge=10, description="Round records kept in Redis for `rounds list|show`.")
+    update_ttl_s: int = Field(86400, ge=60, description="Lifetime of candidate blobs in the store.")
+    consumer_name: str = Field(
+        "collm-aggregator", pattern=r"^[A-Za-z0-9_-]+$", description="Durable JetStream consumer of updates."
+    )
+    import_roots: list[str] = Field(
+        default_factory=list,
+        description="Directories under which `import` may read PEFT adapters (empty: any readable path).",
+    )
+    supported_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Target modules an imported adapter may use (what the replica's engine can serve).",
+    )
+    max_import_rank: int = Field(64, ge=1, description="Largest LoRA rank accepted on import.")
+
+    @model_validator(mode="after")
+    def _check(self) -> AggregatorSettings:
+        if self.default_plan_idle_s < self.default_plan_period_s:
+            raise ValueError("default_plan_idle_s must be >= default_plan_period_s")
+        return self

@@ -1,0 +1,1 @@
+"""Test doubles: clearly named stand-ins for real CoLLM processes, for tests only."""

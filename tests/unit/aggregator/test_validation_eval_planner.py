@@ -1,0 +1,132 @@
+"""Update validation, federated-eval summaries, the promotion gate and the built-in planner."""
+
+import math
+
+import numpy as np
+import pytest
+from collm_aggregator.evaluation import LossEntry, promotion_gate, summarize
+from collm_aggregator.planner import PlanConfig, PlanDraft, ReplicaView, Skip, default_plans, quorum_for
+from collm_aggregator.validation import (
+    BASE_MODEL,
+    KEYS,
+    NORM,
+    NOT_FINITE,
+    SHAPE,
+    SPEC,
+    Expected,
+    check_tensors,
+)
+
+pytestmark = pytest.mark.unit
+
+KA, KB = "m.q_proj.lora_A.weight", "m.q_proj.lora_B.weight"
+
+
+def base() -> dict[str, np.ndarray]:
+    return {KA: np.ones((2, 3), np.float32), KB: np.zeros((4, 2), np.float32)}
+
+
+EXPECTED = Expected(tensors=base(), spec_json='{"r": 2}', base_model="m0", max_delta_norm=10.0)
+
+
+def check(t: dict[str, np.ndarray], spec: str = '{"r": 2}', model: str = "m0"):
+    return check_tensors(t, spec, model, EXPECTED)
+
+
+def test_valid_update_reports_its_change_norm() -> None:
+    t = base()
+    t[KB] = t[KB] + 0.5
+    rejection, norm = check(t)
+    assert rejection is None and norm == pytest.approx(math.sqrt(8 * 0.25))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "code"),
+    [
+        (lambda t: t.__setitem__(KB, np.full((4, 2), np.nan, np.float32)), NOT_FINITE),
+        (lambda t: t.__setitem__(KA, np.full((2, 3), np.inf, np.float32)), NOT_FINITE),
+        (lambda t: t.__setitem__(KB, np.zeros((5, 2), np.float32)), SHAPE),
+        (lambda t: t.pop(KB), KEYS),
+        (lambda t: t.__setitem__("m.k_proj.lora_A.weight", np.zeros((2, 3), np.float32)), KEYS),
+        (lambda t: t.__setitem__(KB, np.full((4, 2), 100.0, np.float32)), NORM),
+    ],
+)
+def test_bad_updates_are_rejected_with_a_code(mutate, code: str) -> None:
+    t = base()
+    mutate(t)
+    rejection, _ = check(t)
+    assert rejection is not None and rejection.code == code and rejection.reason
+
+
+def test_spec_and_base_model_must_match() -> None:
+    assert check(base(), spec='{"r": 4}')[0].code == SPEC
+    assert check(base(), model="other")[0].code == BASE_MODEL
+
+
+def test_summary_weights_by_examples_and_pairs_before_after() -> None:
+    s = summarize(
+        [
+            LossEntry("r0", "math", 30, 2.0, 1.0),
+            LossEntry("r1", "math", 10, 4.0, 3.0),
+            LossEntry("r2", "code", 20, None, 5.0),  # cannot score the current version: not in the pair
+            LossEntry("r3", "code", 0, 1.0, 1.0),  # no examples: ignored
+        ]
+    )
+    assert s.before == pytest.approx((30 * 2 + 10 * 4) / 40)
+    assert s.after == pytest.approx((30 * 1 + 10 * 3) / 40)
+    assert s.domains_after == {"math": pytest.approx(1.5), "code": pytest.approx(5.0)}
+    assert s.domains_before == {"math": pytest.approx(2.5)}
+    assert s.num_examples == 60 and s.replicas == ("r0", "r1", "r2")
+    empty = summarize([])
+    assert (empty.before, empty.after) == (None, None)
+    nan = summarize([LossEntry("r0", "x", 5, 1.0, float("nan"))])
+    assert nan.after == math.inf
+
+
+def test_gate() -> None:
+    assert promotion_gate(2.0, 2.0, 0.0, False).publish
+    assert promotion_gate(2.0, 2.05, 0.1, False).publish
+    assert not promotion_gate(2.0, 2.2, 0.1, False).publish
+    assert not promotion_gate(2.0, math.inf, 0.1, False).publish
+    assert promotion_gate(None, 2.0, 0.1, False).publish
+    assert not promotion_gate(None, None, 0.1, False).publish
+    assert promotion_gate(None, None, 0.1, True).publish
+
+
+CFG = PlanConfig(
+    token_budget=100, learning_rate=1e-4, deadline_s=30, quorum_fraction=0.5, telemetry_stale_s=10
+)
+NOW = 1000.0
+
+
+def test_built_in_plan_picks_live_replicas_with_data_for_the_domains() -> None:
+    replicas = [
+        ReplicaView("r0", NOW - 1, 50, ("math",)),
+        ReplicaView("r1", NOW - 1, 50, ("code",)),
+        ReplicaView("r2", NOW - 1, 0, ("math",)),  # no local data
+        ReplicaView("r3", NOW - 60, 50, ("math",)),  # silent for too long
+        ReplicaView("r4", NOW - 2, 50, ("math", "code")),
+    ]
+    out = default_plans(replicas, {"math": ["math"], "shared": []}, {"math": 3, "shared": 1}, set(), CFG, NOW)
+    math_plan, shared_plan = out
+    assert isinstance(math_plan, PlanDraft) and math_plan.participants == ("r0", "r4")
+    assert (math_plan.base_version, math_plan.quorum, math_plan.deadline_unix_s) == (3, 1, NOW + 30)
+    assert isinstance(shared_plan, PlanDraft) and shared_plan.participants == ("r0", "r1", "r4")
+    assert shared_plan.quorum == 2
+
+
+def test_built_in_plan_skips_with_reasons() -> None:
+    replicas = [ReplicaView("r0", NOW, 5, ("math",))]
+    out = default_plans(
+        replicas, {"a": [], "b": [], "c": ["law"]}, {"a": None, "b": 1, "c": 1}, {"b"}, CFG, NOW
+    )
+    assert all(isinstance(o, Skip) for o in out)
+    reasons = {o.adapter: o.reason for o in out}
+    assert "no current version" in reasons["a"]
+    assert "still running" in reasons["b"]
+    assert "0 replica(s)" in reasons["c"]
+
+
+def test_quorum_for() -> None:
+    assert [quorum_for(n, 0.5) for n in (1, 2, 3, 4)] == [1, 1, 2, 2]
+    assert quorum_for(3, 1.0) == 3
