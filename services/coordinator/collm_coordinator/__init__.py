@@ -1,1 +1,1 @@
-"""placeholder"""
+"""CoLLM coordinator: the two-timescale algorithm (`core/`, pure) and its NATS service shell."""

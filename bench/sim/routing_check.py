@@ -1,0 +1,83 @@
+"""collm with and without publishing its routing weights to the gateway (the default is not to publish).
+
+    flock /tmp/collm-heavy.lock .venv/bin/python bench/sim/routing_check.py \\
+        --calibration bench/calibration/smollm2.json
+
+Same workload and seed as the sweep (conv trace, 8 replicas), at fractions of the estimated capacity;
+prints goodput, attainment and fine-tuning tokens for `publish_weights` false (the gateway routes
+least-loaded) and true (the gateway's weighted draw on the coordinator's weights), and writes
+`bench/results/sim/routing_check.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sweep import capacity_per_replica  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calibration", type=Path, default=REPO / "bench" / "calibration" / "smollm2.json")
+    ap.add_argument("--traces-dir", default=str(REPO.parent / "shared" / "data" / "traces"))
+    ap.add_argument("--trace", default="conv")
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--fractions", default="0.3,0.6,0.75,0.85")
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "sim" / "routing_check.json")
+    args = ap.parse_args(argv)
+
+    from collm_sim import SimConfig, WorkloadSpec, build_workload, simulate
+    from collm_sim.cli import CalibrationMissing, load_calibration
+    from collm_sim.config import EngineSpec
+
+    try:
+        cal = load_calibration(args.calibration)
+    except CalibrationMissing as exc:
+        sys.stderr.write(f"routing_check: {exc}\n")
+        return 2
+    base = {"arrivals": "trace", "trace": args.trace, "traces_dir": args.traces_dir, "input_scale": 0.25,
+            "output_scale": 0.5, "max_context_tokens": 2048, "duration_s": args.duration}  # fmt: skip
+    probe = build_workload(WorkloadSpec(**base, rate_rps=1.0), tuple(q.domain for q in cal.quality))
+    eng = EngineSpec()
+    ttft = 3.0 * cal.cost.prefill_ms(int(np.percentile(probe.input_tokens, 99)))
+    tpot = 3.0 * cal.cost.decode_ms(eng.max_batch)
+    cap = capacity_per_replica(cal, probe, eng.max_batch) * args.replicas
+    rows = []
+    for frac in [float(x) for x in args.fractions.split(",")]:
+        rate = round(cap * frac, 3)
+        for publish in (False, True):
+            wl = WorkloadSpec(**base, rate_rps=rate, ttft_slo_ms=ttft, tpot_slo_ms=tpot)
+            cfg = SimConfig(
+                replicas=args.replicas, policy="collm", workload=wl, core={"publish_weights": publish}
+            )
+            res = simulate(cfg, cal)
+            row = {
+                "rate_rps": rate,
+                "publish_weights": publish,
+                "goodput_rps": res.summary["goodput_rps"],
+                "attainment": res.summary["attainment"],
+                "ft_tokens": res.sim["ft_tokens"],
+                "ttft_ms_p99": res.summary["latency_ms"]["ttft"]["p99"],
+            }
+            rows.append(row)
+            sys.stdout.write(
+                f"rate {rate:7.3f}  publish_weights={str(publish):5}  goodput {row['goodput_rps']:.3f}  "
+                f"attainment {row['attainment']:.3f}  ft tokens {row['ft_tokens']}  "
+                f"TTFT p99 {row['ttft_ms_p99']:.0f} ms\n"
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "runs": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""CoLLM's coordinator core: the two-timescale algorithm as a pure state machine.
+
+    decisions = CoordinatorCore(CoreConfig(...), policy="collm").on_tick(now_s, TickInputs(...))
+
+No I/O happens here (state_machine.py); the service, the simulator and the tests drive the same core.
+
+Two loops share every replica between serving (urgent, short-term value: goodput under SLOs) and
+federated fine-tuning (elastic, long-term value: quality gain).
+
+Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plus-penalty:
+
+    maximise    V * sum_a d_a * gain_a(x_a)  -  Z * phi(u)
+    subject to  u = D_forecast / sum_i (1 - s_i) <= util_cap,   0 <= s_i <= max_share
+
+  * s_i: training share of replica i over the round; its token budget is b_i = s_i * T * r_i (T the
+    round length `round_deadline_s`, r_i its training tokens/s, learned from telemetry).
+  * gain_a(x_a) = k_a * ln((tau + T_a + x_a) / (tau + T_a)): expected held-out loss decrease of adapter a
+    for x_a effective tokens (diminishing returns; k_a learned from the loss history of finished rounds,
+    prior from the calibration's quality curve); x_a sums each participant's effective tokens
+    E_i * (1 - exp(-b_i / E_i)), E_i its useful local data (volume; fresh samples count fully).
+  * d_a: the adapter's share of requests (the served quality is what counts).
+  * D_forecast: the next round's serving demand in replica units (max of the recent mean and the
+    window mean plus `burst_headroom_sigmas` sigma); phi(u) = u / (1 - u), the SLO risk.
+  * Z: virtual queue of the long-term attainment target, Z <- max(0, Z + gain * (target - attainment)
+    * dt / slow_interval_s) at every fast tick; it grows while attainment falls short, so training
+    yields to serving until the target is met again.
+  Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
+
+Fast loop, every `fast_interval_s` (fast_loop.py): each participant's share is its planned share,
+cut to 0 at once when its own SLOs are at risk (a queue, windowed attainment under the target),
+scaled down at once for all when the cluster's demand exceeds what the plan leaves (`burst`, judged on
+a 3 s mean or a large one-second spike), and raised back gradually (`share_recover_per_tick`);
+routing weights favour replicas with slack and with the requested adapter resident; stale replicas get
+no weight. The weights reach the gateway only with `publish_weights`: with the gateway's current rule
+(a weighted random draw) its least-loaded fallback serves better (bench/README.md, Simulator).
+
+Load units: a replica's load is the fraction of its full-batch capacity its token throughput uses,
+decode tokens/s x decode_step_ms(max_batch) / max_batch + prefill tokens/s x prefill_ms_per_token (ms
+per second / 1000), not its busy time (one running request keeps a batching engine busy all the time).
+
+Knobs (CoreConfig; the service's `COLLM_COORDINATOR_<KNOB>` settings): fast_interval_s,
+slow_interval_s, round_deadline_s, stale_after_s, warmup_s, attainment_target, util_cap,
+quality_weight_v (V), virtual_queue_gain, max_share, share_step, share_recover_per_tick, share_ttl_s,
+routing_ttl_s, queue_risk_frac, risk_attainment, non_resident_factor, publish_weights, ttft_slo_ms,
+tpot_slo_ms, slo_risk_frac, forecast_window_s, burst_headroom_sigmas, recent_window_s,
+backlog_horizon_s, burst_window_s, burst_spike_factor, burst_util, quality_token_scale (tau),
+quality_prior_gain, quality_prior_weight, data_tokens_per_sample, data_useful_epochs,
+stale_data_weight, learning_rate, quorum_frac, min_budget_tokens, probe_budget_tokens, probe_share,
+adapters; baselines: separate_train_frac, fixed_ratio_k, leftover_share.
+
+Baselines behind the same interface (baselines.py): `separate`, `fixed_ratio`, `leftover`.
+"""
+
+from collm_coordinator.core.config import POLICIES, CoreConfig, CostPrior
+from collm_coordinator.core.state_machine import CoordinatorCore
+from collm_coordinator.core.types import (
+    AdapterVersionView,
+    Decisions,
+    Diagnostics,
+    FastDecision,
+    ParticipantBudget,
+    ReplicaObservation,
+    ResidentAdapterView,
+    RoundEvent,
+    RoundPlanDecision,
+    RoutingDecision,
+    ShareDecision,
+    SkippedAdapter,
+    SlowDecision,
+    TickInputs,
+    TrainingProgress,
+)
+
+__all__ = [
+    "POLICIES",
+    "AdapterVersionView",
+    "CoordinatorCore",
+    "CoreConfig",
+    "CostPrior",
+    "Decisions",
+    "Diagnostics",
+    "FastDecision",
+    "ParticipantBudget",
+    "ReplicaObservation",
+    "ResidentAdapterView",
+    "RoundEvent",
+    "RoundPlanDecision",
+    "RoutingDecision",
+    "ShareDecision",
+    "SkippedAdapter",
+    "SlowDecision",
+    "TickInputs",
+    "TrainingProgress",
+]

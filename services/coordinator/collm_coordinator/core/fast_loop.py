@@ -1,0 +1,125 @@
+"""CoLLM's fast loop: each replica's fine-tuning share and the gateway's routing weights, every tick.
+
+Shares. The slow loop planned a share p_i for every round participant. Each tick the fast loop grants
+at most that, and less at once when SLOs are at risk:
+
+* a replica whose own SLOs are at risk (queue at or above `queue_risk_frac` x its batch, measured
+  attainment under the target, TTFT/TPOT p99 within `slo_risk_frac` of the SLO, serving load above
+  `util_cap`) gets share 0 in this very tick (`slo_risk`);
+* when the cluster's demand D (the mean of the last `burst_window_s`, or this second's demand over
+  `burst_spike_factor` when that is larger, so a real burst counts in its first tick) exceeds the
+  inference capacity left by the planned shares, burst_util * sum_i (1 - p_i) (p_i = 0 for replicas at
+  risk; burst_util >= util_cap, because the plan already keeps a margin for ordinary fluctuation),
+  every remaining planned share is scaled by the same factor f < 1 so that the capacity covers D again
+  (`burst`);
+* otherwise a share rises back toward its plan by at most `share_recover_per_tick` per tick
+  (`recovering`, then `slack`): decrease at once, increase gradually, so a burst that comes back does
+  not meet replicas that already resumed full training.
+
+Routing. The gateway's own rule without weights is least-loaded (join the shortest queue, with a penalty
+for a non-resident adapter), and its rule with weights is a weighted random draw. Every replica runs the
+SLO-aware co-scheduler under collm, so training yields to whatever load arrives and the instantaneous
+balance of least-loaded matters more than steering load off training replicas: in simulation, published
+weights cost goodput against the gateway's least-loaded rule (bench/README.md, Simulator). So the collm
+fast loop computes its weights every tick (decisions, `status`) but publishes them to the gateway only
+with `publish_weights` (COLLM_COORDINATOR_PUBLISH_WEIGHTS=true). A replica's weight is h_i * (0.5 * c_i +
+free_i), where c_i = 1 - share_i is the capacity it keeps for serving, free_i = max(0, util_cap * c_i -
+load_i) its slack right now, and h_i = 1 / (1 + queue_i / batch_i), halved when its SLOs are at risk. So
+load goes where there is slack and away from replicas that train or already queue. Per adapter, replicas
+that hold the adapter keep their weight and the others get `non_resident_factor` of it (affinity saves an
+adapter load and keeps fewer distinct adapters per batch). Stale replicas get no weight at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from collm_coordinator.core.state import ClusterView
+from collm_coordinator.core.types import FastDecision, RoutingDecision, ShareDecision
+
+
+def _q(x: float) -> float:
+    return round(max(0.0, min(1.0, x)), 3)
+
+
+def collm_shares(view: ClusterView) -> tuple[list[ShareDecision], str]:
+    cfg = view.config
+    live = sorted(view.live)
+    # Replicas at risk train nothing this tick, so their whole capacity counts toward the burst check.
+    plan = {r: (0.0 if r in view.at_risk else view.plan_shares.get(r, 0.0)) for r in live}
+    planned_total = sum(plan.values())
+    free = sum(1.0 - p for p in plan.values())
+    capacity = cfg.burst_util * free
+    factor = 1.0
+    demand = max(view.demand_short, view.demand_now / cfg.burst_spike_factor)
+    why = f"demand {demand:.2f} within capacity {capacity:.2f} at planned shares"
+    if planned_total > 0 and demand > capacity:
+        needed = demand / cfg.burst_util - free
+        factor = max(0.0, 1.0 - needed / planned_total)
+        why = f"burst: demand {demand:.2f} > capacity {capacity:.2f} at planned shares; shares x{factor:.2f}"
+    out: list[ShareDecision] = []
+    for rid in live:
+        p = view.plan_shares.get(rid, 0.0)
+        prev = view.prev_shares.get(rid, 0.0)
+        risk = view.at_risk.get(rid)
+        if p <= 0:
+            out.append(ShareDecision(rid, 0.0, "idle", "not training in an open round"))
+        elif risk:
+            out.append(ShareDecision(rid, 0.0, "slo_risk", risk))
+        elif factor < 1.0:
+            share = min(p * factor, prev)  # a burst never raises a share
+            out.append(ShareDecision(rid, _q(share), "burst", f"planned {p:.2f}, cut: {why}"))
+        elif prev + cfg.share_recover_per_tick < p:
+            share = prev + cfg.share_recover_per_tick
+            out.append(ShareDecision(rid, _q(share), "recovering", f"rising toward planned {p:.2f}"))
+        else:
+            out.append(ShareDecision(rid, _q(p), "slack", f"planned {p:.2f}; {why}"))
+    return out, why
+
+
+def routing_weights(view: ClusterView, shares: dict[str, float], reason: str) -> RoutingDecision | None:
+    """Weights toward slack (see module docstring); None when no replica is live."""
+    cfg = view.config
+    raw: dict[str, float] = {}
+    for rid, obs in view.live.items():
+        c = max(0.0, 1.0 - shares.get(rid, 0.0))
+        free = max(0.0, cfg.util_cap * c - view.infer_load.get(rid, 0.0))
+        h = 1.0 / (1.0 + obs.queue_len / max(1, obs.max_batch))
+        if rid in view.at_risk:
+            h *= 0.5
+        raw[rid] = h * (0.5 * c + free)
+    return normalised_routing(view, raw, reason)
+
+
+def normalised_routing(view: ClusterView, raw: dict[str, float], reason: str) -> RoutingDecision | None:
+    cfg = view.config
+    if not view.live:
+        return None
+    total = sum(raw.values())
+    if total <= 0:
+        # Every live replica is fully committed: spread evenly rather than publish nothing.
+        raw = dict.fromkeys(view.live, 1.0)
+        total = float(len(raw))
+        reason = f"{reason}; no replica has serving capacity left: even weights"
+    weights = {r: round(w / total, 4) for r, w in sorted(raw.items())}
+    adapter_weights: dict[str, dict[str, float]] = {}
+    adapters = sorted({a.name for o in view.live.values() for a in o.adapters})
+    for name in adapters:
+        aw = {}
+        for rid, w in weights.items():
+            resident = any(a.name == name for a in view.live[rid].adapters)
+            aw[rid] = w if resident else w * cfg.non_resident_factor
+        s = sum(aw.values())
+        if s > 0:
+            adapter_weights[name] = {r: round(w / s, 4) for r, w in aw.items()}
+    return RoutingDecision(weights, adapter_weights, cfg.routing_ttl_s, reason)
+
+
+def collm_fast(view: ClusterView) -> FastDecision:
+    shares, why = collm_shares(view)
+    by_id = {s.replica_id: s.share for s in shares}
+    routing = routing_weights(view, by_id, "toward slack and resident adapters")
+    if routing is not None and not view.config.publish_weights:
+        routing = replace(routing, publish=False)
+    stale = f"; routed around stale {','.join(view.stale)}" if view.stale else ""
+    return FastDecision(tuple(shares), routing, view.config.share_ttl_s, why + stale)

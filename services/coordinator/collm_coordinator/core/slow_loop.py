@@ -1,0 +1,231 @@
+"""CoLLM's slow loop: one plan per federated round (participants and token budgets per adapter).
+
+Objective, once per round (drift-plus-penalty):
+
+    maximise   V * sum_a d_a * gain_a(x_a)  -  Z * phi(u(s))
+
+    over       s_i in [0, max_share]            the training share of live replica i
+    where      b_i = s_i * T * r_i              its token budget (T: round length, r_i: tokens/s when
+                                                it only trains, learned from telemetry, prior from the
+                                                calibration)
+               x_a = sum_i e_i(b_i)             effective tokens of adapter a (quality.py: data volume
+                                                and freshness of each participant)
+               gain_a                           expected eval-loss decrease (quality.py: concave, learned
+                                                from the loss history)
+               d_a                              the adapter's share of requests (served quality counts)
+               u(s) = D / sum_i (1 - s_i)       the cluster's forecast serving utilisation: D is the
+                                                forecast demand of the next round (replica units; the
+                                                recent mean or the window mean plus `burst_headroom_sigmas`
+                                                standard deviations, whichever is larger), spread by
+                                                routing over the capacity training leaves
+               phi(u) = u / (1 - u)             SLO risk: queueing delay grows without bound as u -> 1
+    subject to u(s) <= util_cap                 forecast load plus training keeps every replica at or
+                                                below the utilisation at which SLOs hold
+               replicas whose SLOs are at risk now, stale replicas and replicas without local data
+               for the adapter do not take part; budgets under `min_budget_tokens` are dropped.
+
+Z is the virtual queue of the long-term attainment target (state.py): Z <- max(0, Z + gain *
+(target - attainment)), so training yields to serving exactly while attainment falls short, and V sets
+how much quality one unit of SLO risk is worth. With Z = 0 training fills the capacity up to
+`util_cap` wherever it still buys quality.
+
+Solution: greedy in steps of `share_step`: take the (adapter, replica) step with the largest marginal
+gain while its gain exceeds the marginal penalty and the cap holds. The gain is concave in each x_a
+and in each b_i, and the penalty is the same for every replica, so a lazy max-heap finds each best step
+in O(log n): the plan for 256 replicas costs a few thousand heap operations.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from collm_coordinator.core.quality import effective_tokens, log_gain
+from collm_coordinator.core.state import ClusterView
+from collm_coordinator.core.types import ParticipantBudget, RoundPlanDecision, SkippedAdapter, SlowDecision
+
+
+def risk(u: float) -> float:
+    return math.inf if u >= 1.0 else u / (1.0 - u)
+
+
+@dataclass
+class _Candidate:
+    adapter: str
+    replica_id: str
+    rate_per_s: float
+    data_tokens: float
+    share: float = 0.0
+
+    def tokens(self, t_s: float, share: float | None = None) -> float:
+        return (self.share if share is None else share) * t_s * self.rate_per_s
+
+
+def adapters_to_plan(view: ClusterView) -> tuple[list[tuple[str, int, list[str]]], list[SkippedAdapter]]:
+    """(adapter, base version, candidate replicas) of every adapter that can start a round now."""
+    ready: list[tuple[str, int, list[str]]] = []
+    skipped: list[SkippedAdapter] = []
+    for adapter in sorted(view.adapter_domains):
+        if adapter in view.rounds:
+            skipped.append(SkippedAdapter(adapter, f"round in flight ({view.rounds[adapter].state})"))
+            continue
+        version = view.versions.get(adapter)
+        if not version:
+            skipped.append(SkippedAdapter(adapter, "no version known (create v1 in the store first)"))
+            continue
+        candidates = view.replicas_for(adapter)
+        if not candidates:
+            skipped.append(SkippedAdapter(adapter, "no live replica holds local data for it"))
+            continue
+        ready.append((adapter, version, candidates))
+    return ready, skipped
+
+
+def make_plan(
+    view: ClusterView,
+    adapter: str,
+    base_version: int,
+    budgets: list[tuple[str, int, float, float, str]],
+    reason: str,
+) -> RoundPlanDecision:
+    """A plan from (replica, tokens, share, expected gain, reason) rows."""
+    cfg = view.config
+    parts = tuple(ParticipantBudget(r, int(b), round(s, 3), g, why) for r, b, s, g, why in budgets)
+    return RoundPlanDecision(
+        adapter=adapter,
+        base_version=base_version,
+        participants=parts,
+        quorum=max(1, math.ceil(cfg.quorum_frac * len(parts))),
+        opened_s=view.now_s,
+        deadline_s=view.now_s + cfg.round_deadline_s,
+        learning_rate=cfg.learning_rate,
+        expected_gain=sum(p.expected_gain for p in parts),
+        reason=reason,
+    )
+
+
+# Below this expected loss decrease (nats) per share step, a step is not worth its interference.
+MIN_GAIN_PER_STEP = 1e-6
+
+
+def collm_slow(view: ClusterView) -> SlowDecision:
+    cfg = view.config
+    t_s = cfg.round_deadline_s
+    V, Z = cfg.quality_weight_v, view.virtual_queue
+    demand = view.forecast_demand
+    ready, skipped = adapters_to_plan(view)
+
+    # Shares already committed to rounds in flight stay committed.
+    share = {r: view.plan_shares.get(r, 0.0) for r in view.live}
+
+    def util(extra: float = 0.0) -> float:
+        cap = sum(1.0 - share[r] for r in share) - extra
+        return math.inf if cap <= 0 else demand / cap
+
+    head = (
+        f"forecast demand {demand:.2f} replicas, {len(view.live)} live, Z={Z:.3f}, V={V:g}, "
+        f"utilisation {util():.2f} (cap {cfg.util_cap:.2f})"
+    )
+    if not ready:
+        return SlowDecision(
+            (), tuple(skipped), demand, view.forecast_arrivals_per_s, Z, head + "; nothing to plan"
+        )
+
+    cands: dict[tuple[str, str], _Candidate] = {}
+    probes: list[tuple[str, str]] = []
+    for adapter, _, replicas in ready:
+        for rid in replicas:
+            if rid in view.at_risk:
+                continue
+            rate = view.train_rate_per_s.get(rid)
+            if rate is None or rate <= 0:
+                probes.append((adapter, rid))
+                continue
+            cands[(adapter, rid)] = _Candidate(adapter, rid, rate, view.data_tokens.get((rid, adapter), 0.0))
+
+    x = {a: 0.0 for a, _, _ in ready}
+
+    def marginal(c: _Candidate) -> float:
+        q = view.quality[c.adapter]
+        before = effective_tokens(c.tokens(t_s), c.data_tokens)
+        after = effective_tokens(c.tokens(t_s, c.share + cfg.share_step), c.data_tokens)
+        dx = after - before
+        k = q.gain_coefficient * view.adapter_demand.get(c.adapter, 1.0)
+        return log_gain(k, cfg.quality_token_scale, q.trained_tokens + x[c.adapter], dx)
+
+    heap: list[tuple[float, int, str, str]] = []
+    seq = 0
+    for key, c in cands.items():
+        heapq.heappush(heap, (-marginal(c), seq, *key))
+        seq += 1
+    stop = "no step adds quality"
+    while heap:
+        neg, _, adapter, rid = heapq.heappop(heap)
+        c = cands[(adapter, rid)]
+        if share[rid] + cfg.share_step > cfg.max_share + 1e-9:
+            continue  # this replica is full; other adapters' candidates on it are skipped too
+        g = marginal(c)
+        if heap and g < -heap[0][0] - 1e-12:
+            heapq.heappush(heap, (-g, seq, adapter, rid))  # lazy: stale priority, re-queue
+            seq += 1
+            continue
+        if g < MIN_GAIN_PER_STEP:
+            stop = "marginal quality gain below the floor"
+            break
+        u_now, u_next = util(), util(cfg.share_step)
+        if u_next > cfg.util_cap:
+            stop = f"utilisation would exceed cap {cfg.util_cap:.2f}"
+            break
+        penalty = Z * (risk(u_next) - risk(u_now))
+        if V * g <= penalty:
+            stop = f"gain {V * g:.4g} <= risk penalty {penalty:.4g}"
+            break
+        x[adapter] += effective_tokens(
+            c.tokens(t_s, c.share + cfg.share_step), c.data_tokens
+        ) - effective_tokens(c.tokens(t_s), c.data_tokens)
+        c.share += cfg.share_step
+        share[rid] += cfg.share_step
+        heapq.heappush(heap, (-marginal(c), seq, adapter, rid))
+        seq += 1
+
+    plans: list[RoundPlanDecision] = []
+    for adapter, version, _ in ready:
+        rows: list[tuple[str, int, float, float, str]] = []
+        q = view.quality[adapter]
+        for (a, rid), c in sorted(cands.items()):
+            if a != adapter or c.share <= 0:
+                continue
+            tokens = round(c.tokens(t_s))
+            if tokens < cfg.min_budget_tokens:
+                continue
+            e = effective_tokens(tokens, c.data_tokens)
+            rows.append(
+                (
+                    rid,
+                    tokens,
+                    c.share,
+                    0.0,
+                    f"share {c.share:.2f} x {t_s:.0f}s x {c.rate_per_s:.0f} tok/s; {e:.0f} effective",
+                )
+            )
+        # Replicas whose training speed is unknown yet: a small probe teaches it (and still trains).
+        for a, rid in probes:
+            ps = min(cfg.probe_share, cfg.max_share - share.get(rid, 0.0))
+            if a == adapter and ps > 0 and util(ps) <= cfg.util_cap:
+                share[rid] += ps
+                rows.append((rid, cfg.probe_budget_tokens, ps, 0.0, "probe: training speed unknown"))
+        if not rows:
+            skipped.append(SkippedAdapter(adapter, f"no participant: {stop}"))
+            continue
+        total_gain = log_gain(q.gain_coefficient, cfg.quality_token_scale, q.trained_tokens, x[adapter])
+        per = total_gain / len(rows)
+        rows = [(r, b, s, per, why) for r, b, s, _, why in rows]
+        plans.append(
+            make_plan(
+                view, adapter, version, rows, f"{head}; expected gain {total_gain:.4f} nats; stop: {stop}"
+            )
+        )
+    return SlowDecision(
+        tuple(plans), tuple(skipped), demand, view.forecast_arrivals_per_s, Z, f"{head}; stop: {stop}"
+    )

@@ -1,0 +1,119 @@
+"""The coordinator core: a pure discrete-event state machine, `on_tick(now_s, inputs) -> Decisions`.
+
+This module does no I/O: no NATS, Redis, asyncio, Prometheus or clock of its own. The driver (the
+service, the simulator, a test) calls `on_tick` with its clock's time and everything new since the
+previous call; the core runs each loop that is due and says when it wants to be called next
+(`Decisions.next_tick_s`). The fast loop is due every `fast_interval_s`, the slow loop every
+`slow_interval_s` (the first one `warmup_s` after the first tick, once telemetry has arrived). When
+both are due the slow loop runs first and the fast loop second, so a new plan's shares are already
+capped by the current load in the same tick: the fast loop always has the last word.
+"""
+
+from __future__ import annotations
+
+from collm_coordinator.core.config import CoreConfig
+from collm_coordinator.core.policies import Policy, make_policy
+from collm_coordinator.core.state import ClusterState
+from collm_coordinator.core.types import Decisions, Diagnostics, FastDecision, SlowDecision, TickInputs
+
+
+class CoordinatorCore:
+    def __init__(self, config: CoreConfig, policy: str = "collm") -> None:
+        self.config = config
+        self._policy: Policy = make_policy(policy)
+        self.state = ClusterState(config)
+        self._next_fast_s: float | None = None
+        self._next_slow_s: float | None = None
+        self._last_fast_s: float | None = None
+        self.last: Decisions | None = None
+        self.last_fast: FastDecision | None = None
+        self.last_slow: SlowDecision | None = None
+
+    @property
+    def policy(self) -> str:
+        return self._policy.name
+
+    def set_policy(self, name: str) -> None:
+        """Switch policy at run time; history, rounds in flight and the virtual queue carry over."""
+        if name != self._policy.name:
+            self._policy = make_policy(name)
+            # The next tick runs the fast loop under the new policy, whatever the cadence says.
+            if self._next_fast_s is not None:
+                self._next_fast_s = float("-inf")
+
+    def on_tick(self, now_s: float, inputs: TickInputs) -> Decisions:
+        cfg = self.config
+        st = self.state
+        st.notes.clear()
+        for obs in inputs.telemetry:
+            st.ingest_telemetry(obs)
+        for v in inputs.adapter_versions:
+            st.ingest_version(v)
+        for ev in inputs.round_events:
+            st.ingest_round_event(ev)
+        st.expire(now_s)
+        if self._next_fast_s is None:
+            self._next_fast_s = now_s
+            self._next_slow_s = now_s + cfg.warmup_s
+        assert self._next_slow_s is not None
+
+        fast_due = now_s >= self._next_fast_s - 1e-9
+        slow_due = now_s >= self._next_slow_s - 1e-9
+        if fast_due:
+            dt = cfg.fast_interval_s if self._last_fast_s is None else now_s - self._last_fast_s
+            st.update_virtual_queue(dt)
+        view = st.view(now_s, record_history=fast_due)
+
+        slow: SlowDecision | None = None
+        if slow_due:
+            slow = self._policy.slow(view)
+            for plan in slow.plans:
+                st.add_plan(
+                    plan,
+                    {
+                        p.replica_id: view.data_tokens.get((p.replica_id, plan.adapter), 0.0)
+                        for p in plan.participants
+                    },
+                )
+            self._next_slow_s = _next_due(self._next_slow_s, cfg.slow_interval_s, now_s)
+            self.last_slow = slow
+            view = st.view(now_s, record_history=False)  # the fast loop sees the new plan's shares
+
+        fast: FastDecision | None = None
+        if fast_due or slow_due:
+            fast = self._policy.fast(view)
+            st.shares = {s.replica_id: s.share for s in fast.shares}
+            for rid in view.stale:
+                st.shares.pop(rid, None)
+            self._last_fast_s = now_s
+            self._next_fast_s = _next_due(
+                max(self._next_fast_s, now_s - cfg.fast_interval_s), cfg.fast_interval_s, now_s
+            )
+            self.last_fast = fast
+
+        diag = Diagnostics(
+            live=tuple(sorted(view.live)),
+            stale=view.stale,
+            arrivals_per_s=view.arrivals_now_per_s,
+            demand=view.demand_now,
+            attainment=view.attainment,
+            virtual_queue=view.virtual_queue,
+            active_rounds=tuple(sorted(st.rounds)),
+            notes=tuple(st.notes),
+        )
+        decisions = Decisions(
+            now_s=now_s,
+            policy=self._policy.name,
+            fast=fast,
+            slow=slow,
+            next_tick_s=min(self._next_fast_s, self._next_slow_s),
+            diagnostics=diag,
+        )
+        self.last = decisions
+        return decisions
+
+
+def _next_due(prev_due: float, interval_s: float, now_s: float) -> float:
+    """Keep the cadence; after a long pause skip the missed ticks instead of running them all."""
+    nxt = prev_due + interval_s
+    return nxt if nxt > now_s else now_s + interval_s

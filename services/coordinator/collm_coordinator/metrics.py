@@ -1,0 +1,55 @@
+"""Every Prometheus metric of the coordinator (`collm_coordinator_*`), in one place.
+
+Decision reasons are exported twice: as an Enum per replica (the reason in force now, for dashboards)
+and as labelled counters (how often each reason was decided, for rates).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Enum, Gauge, Histogram
+
+REASON_STATES = [
+    "slack",
+    "recovering",
+    "burst",
+    "slo_risk",
+    "stale",
+    "idle",
+    "serve_only",
+    "train_only",
+    "fixed_ratio",
+    "leftover",
+]
+POLICY_STATES = ["collm", "separate", "fixed_ratio", "leftover"]
+
+TICKS = Counter("collm_coordinator_ticks_total", "Coordinator loop runs", ["loop"])
+TICK_SECONDS = Histogram(
+    "collm_coordinator_tick_seconds",
+    "Time of one on_tick call (pure core)",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+POLICY = Enum("collm_coordinator_policy", "Policy in force", states=POLICY_STATES)
+SHARE = Gauge("collm_coordinator_ft_share", "Fine-tuning share decided for a replica", ["replica"])
+WEIGHT = Gauge("collm_coordinator_routing_weight", "Routing weight published for a replica", ["replica"])
+REASON = Enum(
+    "collm_coordinator_share_reason", "Reason of a replica's current share", ["replica"], states=REASON_STATES
+)
+DECISIONS = Counter("collm_coordinator_decisions_total", "Share decisions by reason", ["reason"])
+VIRTUAL_QUEUE = Gauge("collm_coordinator_virtual_queue", "Virtual queue Z of the attainment target")
+ATTAINMENT = Gauge("collm_coordinator_attainment", "SLO attainment measured over the last fast tick")
+DEMAND = Gauge("collm_coordinator_demand_replicas", "Current serving demand, in fully busy replicas")
+FORECAST = Gauge(
+    "collm_coordinator_forecast_demand_replicas", "Forecast serving demand of the next round, in replicas"
+)
+LIVE = Gauge("collm_coordinator_live_replicas", "Replicas reporting telemetry")
+STALE = Gauge("collm_coordinator_stale_replicas", "Replicas silent past the staleness bound")
+ROUNDS = Counter("collm_coordinator_rounds_total", "Round plans by outcome of opening", ["result"])
+PLANNED_TOKENS = Counter("collm_coordinator_planned_tokens_total", "Training tokens planned", ["adapter"])
+CONTROL_FAILURES = Counter(
+    "collm_coordinator_control_failures_total", "Share commands that failed or timed out", ["replica", "code"]
+)
+CONTROL_SKIPPED = Counter(
+    "collm_coordinator_control_skipped_total",
+    "Share commands not sent because the previous one to that replica had not answered",
+    ["replica"],
+)

@@ -1,0 +1,126 @@
+"""The fast loop: a burst cuts fine-tuning shares within one tick and routing shifts to slack."""
+
+from __future__ import annotations
+
+import pytest
+from collm_coordinator.core import CoordinatorCore
+
+from tests.unit.coordinator.cluster import config, obs, steady, tick
+
+pytestmark = pytest.mark.unit
+
+IDS = ("r0", "r1", "r2", "r3")
+
+
+def shares(d) -> dict[str, float]:
+    return {s.replica_id: s.share for s in d.fast.shares}
+
+
+def codes(d) -> dict[str, str]:
+    return {s.replica_id: s.reason_code for s in d.fast.shares}
+
+
+def trained_cluster() -> tuple[CoordinatorCore, object]:
+    """Four lightly loaded replicas, a round planned at t=3 and shares recovered to plan by t=12."""
+    core = CoordinatorCore(config(), "collm")
+    d = steady(core, 0.0, 12.0, dict.fromkeys(IDS, 0.2))
+    assert d is not None and d.fast is not None
+    assert core.state.rounds, "a round should be in flight"
+    assert sum(shares(d).values()) > 0.5, "light load: the plan trains"
+    return core, d
+
+
+def test_burst_cuts_shares_within_one_tick_and_routes_to_slack() -> None:
+    core, before = trained_cluster()
+    # One tick later a burst lands: r1 queues deeply, every replica is busier.
+    t = 13.0
+    after = tick(
+        core,
+        t,
+        obs("r0", t, busy=0.5),
+        obs("r1", t, busy=0.95, queue=12),
+        obs("r2", t, busy=0.5),
+        obs("r3", t, busy=0.5),
+    )
+    s0, s1 = shares(before), shares(after)
+    assert all(s1[r] <= s0[r] for r in IDS)
+    assert s1["r1"] == 0.0 and codes(after)["r1"] == "slo_risk"
+    # The cluster-wide burst cuts every other participant too, in this same tick.
+    assert all(codes(after)[r] == "burst" for r in ("r0", "r2", "r3") if s0[r] > 0)
+    assert sum(s1.values()) < sum(s0.values())
+    # What training leaves covers the burst's demand (a one-second spike counts at 1/burst_spike_factor).
+    cfg = core.config
+    left = cfg.burst_util * sum(1.0 - s1[r] for r in IDS)
+    assert left >= after.diagnostics.demand / cfg.burst_spike_factor - 1e-6
+    w0, w1 = before.fast.routing.weights, after.fast.routing.weights
+    assert w1["r1"] < w0["r1"]
+    assert w1["r1"] == min(w1.values())
+    assert sum(w1[r] for r in ("r0", "r2", "r3")) > sum(w0[r] for r in ("r0", "r2", "r3"))
+
+
+def test_share_recovers_gradually_after_burst() -> None:
+    core, before = trained_cluster()
+    planned = shares(before)
+    t = 13.0
+    tick(core, t, *(obs(r, t, busy=0.95, queue=12) for r in IDS))
+    prev = dict.fromkeys(IDS, 0.0)
+    for k in range(1, 6):
+        t = 13.0 + k
+        d = tick(core, t, *(obs(r, t, busy=0.2) for r in IDS))
+        now = shares(d)
+        for r in IDS:
+            assert now[r] <= prev[r] + core.config.share_recover_per_tick + 1e-9
+            assert now[r] <= planned[r] + 1e-9
+        prev = now
+
+
+def test_single_replica_risk_does_not_cut_the_others_without_cluster_burst() -> None:
+    core, before = trained_cluster()
+    t = 13.0
+    after = tick(core, t, obs("r0", t, busy=0.2), obs("r1", t, busy=0.2, queue=9), obs("r2", t, busy=0.2),
+                 obs("r3", t, busy=0.2))  # fmt: skip
+    assert codes(after)["r1"] == "slo_risk" and shares(after)["r1"] == 0.0
+    for r in ("r0", "r2", "r3"):
+        assert shares(after)[r] == pytest.approx(shares(before)[r])
+
+
+def test_low_attainment_alone_puts_a_replica_at_risk() -> None:
+    core, _ = trained_cluster()
+    t = 13.0
+    after = tick(core, t, *(obs(r, t, busy=0.2, attainment=0.5 if r == "r2" else 1.0) for r in IDS))
+    assert codes(after)["r2"] == "slo_risk"
+
+
+def test_routing_prefers_resident_adapter() -> None:
+    core = CoordinatorCore(config(), "collm")
+    t = 0.0
+    d = tick(core, t, obs("r0", t, adapters=("med",)), obs("r1", t, adapters=("bank",)))
+    aw = d.fast.routing.adapter_weights
+    assert aw["med"]["r0"] > aw["med"]["r1"]
+    assert aw["bank"]["r1"] > aw["bank"]["r0"]
+    assert sum(aw["med"].values()) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_collm_weights_are_computed_but_not_published_by_default() -> None:
+    core = CoordinatorCore(config(publish_weights=False), "collm")
+    d = tick(core, 0.0, obs("r0", 0.0), obs("r1", 0.0))
+    assert d.fast.routing is not None and d.fast.routing.publish is False
+    core = CoordinatorCore(config(), "separate")
+    d = tick(core, 0.0, obs("r0", 0.0), obs("r1", 0.0))
+    assert d.fast.routing is not None and d.fast.routing.publish is True
+
+
+def test_one_noisy_second_is_not_a_burst_but_a_sustained_rise_is() -> None:
+    core, before = trained_cluster()
+    planned = shares(before)
+    # One replica's second is busier than usual (a long prompt): a spike below burst_spike_factor.
+    t = 13.0
+    d = tick(core, t, *(obs(r, t, busy=0.2 if r != "r0" else 0.45) for r in IDS))
+    assert all(c in ("slack", "recovering") for c in codes(d).values()), codes(d)
+    assert shares(d) == pytest.approx(planned)
+    # The same level held for the whole burst window is a burst.
+    for k in range(1, 4):
+        t = 13.0 + k
+        d = tick(core, t, *(obs(r, t, busy=0.45) for r in IDS))
+    assert any(c == "burst" for c in codes(d).values())
+    assert sum(shares(d).values()) < sum(planned.values())

@@ -1,0 +1,54 @@
+"""The virtual queue Z grows while attainment falls short of the target, and drains otherwise."""
+
+from __future__ import annotations
+
+import pytest
+from collm_coordinator.core import CoordinatorCore
+
+from tests.unit.coordinator.cluster import config, obs, tick
+
+pytestmark = pytest.mark.unit
+
+
+def run(core: CoordinatorCore, t0: int, t1: int, attainment: float) -> list[float]:
+    zs = []
+    for t in range(t0, t1):
+        d = tick(core, float(t), *(obs(r, float(t), busy=0.2, attainment=attainment) for r in ("r0", "r1")))
+        zs.append(d.diagnostics.virtual_queue)
+    return zs
+
+
+def test_virtual_queue_grows_while_short_and_drains_after() -> None:
+    core = CoordinatorCore(config(attainment_target=0.95), "collm")
+    short = run(core, 0, 20, attainment=0.7)
+    assert short[0] >= 0
+    assert all(b > a for a, b in zip(short[1:], short[2:], strict=False)), short
+    peak = short[-1]
+    assert peak > 0
+    good = run(core, 20, 200, attainment=1.0)
+    assert all(b <= a for a, b in zip(good, good[1:], strict=False))
+    assert good[-1] == 0.0 and peak > good[0]
+
+
+def test_virtual_queue_growth_follows_the_shortfall() -> None:
+    a = CoordinatorCore(config(attainment_target=0.95), "collm")
+    b = CoordinatorCore(config(attainment_target=0.95), "collm")
+    za = run(a, 0, 10, attainment=0.9)[-1]
+    zb = run(b, 0, 10, attainment=0.6)[-1]
+    assert zb > za > 0
+
+
+def test_large_virtual_queue_plans_less_training() -> None:
+    def planned(z: float) -> int:
+        core = CoordinatorCore(config(), "collm")
+        t = 0.0
+        while True:
+            core.state.virtual_queue = z
+            d = tick(core, t, *(obs(f"r{i}", t, busy=0.3) for i in range(4)))
+            if d.slow:
+                return sum(p.token_budget for plan in d.slow.plans for p in plan.participants)
+            t += 1.0
+
+    free, tight, frozen = planned(0.0), planned(2.0), planned(1e6)
+    assert free > tight > frozen
+    assert frozen == 0

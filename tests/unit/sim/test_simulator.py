@@ -1,0 +1,179 @@
+"""The simulator: deterministic for a seed, DESIGN.md's goodput accounting, the engine's timing."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from collm_sim import SimConfig, Simulation, WorkloadSpec, simulate
+from collm_sim.config import EngineSpec
+from collm_sim.quality import QualityModel
+from collm_sim.workload import Workload
+
+from tests.unit.sim.calib import calibration_for_tests
+
+pytestmark = pytest.mark.unit
+
+
+def workload(
+    arrivals: list[float], n_in: int = 100, n_out: int = 5, ttft: float = 2000.0, tpot: float = 250.0
+) -> Workload:
+    n = len(arrivals)
+    return Workload(
+        arrival_s=np.array(arrivals, dtype=float),
+        input_tokens=np.full(n, n_in, dtype=np.int64),
+        output_tokens=np.full(n, n_out, dtype=np.int64),
+        domain=np.zeros(n, dtype=np.int64),
+        domains=("bank", "med"),
+        ttft_slo_ms=ttft,
+        tpot_slo_ms=tpot,
+        duration_s=max(arrivals) + 1 if arrivals else 1.0,
+        description="test",
+    )
+
+
+def synthetic(rate: float = 20.0, duration: float = 120.0, seed: int = 0, **kw: object) -> WorkloadSpec:
+    return WorkloadSpec(arrivals="gamma", trace=None, rate_rps=rate, duration_s=duration, burstiness=0.5,
+                        input_tokens=120, output_tokens=24, seed=seed, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_one_request_has_the_engine_timing() -> None:
+    # One 100-token prompt, 5 output tokens, alone on one replica: prefill in one chunk of 100 tokens
+    # (10 + 100 x 1 ms = 110 ms) emits the first token; four decode steps of 20 ms each emit the rest.
+    cfg = SimConfig(replicas=1, policy="separate", samples_per_replica=0)
+    res = Simulation(cfg, calibration_for_tests(), workload([0.5])).run()
+    (rec,) = res.records
+    assert rec.status == "ok"
+    assert rec.ttft_ms == pytest.approx(110.0)
+    assert rec.e2e_ms == pytest.approx(110.0 + 4 * 20.0)
+    assert rec.completion_tokens == 5 and rec.adapter_version == "bank@v1"
+    assert res.summary["counts"]["good"] == 1
+    assert res.summary["latency_ms"]["tpot"]["p50"] == pytest.approx(20.0)
+
+
+def test_lora_overhead_scales_the_step() -> None:
+    cfg = SimConfig(replicas=1, policy="separate", samples_per_replica=0)
+    res = Simulation(cfg, calibration_for_tests(lora_overhead=0.5), workload([0.5])).run()
+    assert res.records[0].ttft_ms == pytest.approx(110.0 * 1.5)
+
+
+def test_goodput_counts_only_good_and_attainment_counts_everything() -> None:
+    # A burst of 12 requests at one instant into one replica with a queue of 4: the first is admitted to
+    # the batch at once, 4 wait, the other 7 are rejected (the gateway's retries have nowhere else to go);
+    # the late ones of those served miss a tight TTFT SLO.
+    eng = replace(EngineSpec(), max_queue=4, max_batch=2)
+    cfg = SimConfig(replicas=1, policy="separate", samples_per_replica=0, engine=eng)
+    res = Simulation(cfg, calibration_for_tests(), workload([1.0] * 12, ttft=300.0)).run()
+    s = res.summary
+    by = s["counts"]["by_status"]
+    assert (by["ok"], by["rejected"]) == (5, 7)
+    assert s["counts"]["submitted"] == 12
+    assert by["ok"] + by["rejected"] + by["timeout"] == 12
+    good = sum(1 for r in res.records if r.status == "ok" and r.ttft_ms <= 300.0)
+    assert s["counts"]["good"] == good < by["ok"]
+    assert s["attainment"] == pytest.approx(good / 12)
+    assert s["goodput_rps"] == pytest.approx(good / s["duration_s"])
+
+
+def test_waiting_past_the_deadline_is_a_timeout() -> None:
+    eng = replace(EngineSpec(), max_batch=1)
+    cfg = SimConfig(replicas=1, policy="separate", samples_per_replica=0, engine=eng, request_timeout_s=0.5)
+    # Long outputs hold the only batch slot; the later requests wait past 0.5 s and are dropped.
+    res = Simulation(cfg, calibration_for_tests(), workload([0.0, 0.01, 0.02], n_out=60)).run()
+    statuses = [r.status for r in res.records]
+    assert statuses[0] == "ok" and statuses.count("timeout") == 2
+    assert res.summary["counts"]["good"] <= 1
+
+
+@pytest.mark.parametrize("policy", ["collm", "separate", "fixed_ratio", "leftover"])
+def test_deterministic_for_a_seed(policy: str) -> None:
+    cal = calibration_for_tests()
+    core = {"slow_interval_s": 20.0, "round_deadline_s": 15.0}
+    cfg = SimConfig(replicas=4, policy=policy, workload=synthetic(rate=10.0, duration=50.0), core=core)
+    a, b = simulate(cfg, cal), simulate(cfg, cal)
+    assert [r.to_json() for r in a.records] == [r.to_json() for r in b.records]
+    for key in (
+        "ft_tokens",
+        "ft_tokens_published",
+        "rounds",
+        "quality_gain_by_domain",
+        "events",
+        "iterations",
+    ):
+        assert a.sim[key] == b.sim[key], key
+    assert a.summary["goodput_rps"] == b.summary["goodput_rps"]
+    c = simulate(replace(cfg, workload=synthetic(rate=10.0, duration=50.0, seed=1), seed=1), cal)
+    assert [r.to_json() for r in c.records] != [r.to_json() for r in a.records]
+
+
+def test_rounds_train_and_publish_and_quality_follows_the_curve() -> None:
+    cal = calibration_for_tests()
+    cfg = SimConfig(replicas=4, policy="leftover", workload=synthetic(rate=2.0, duration=100.0),
+                    core={"slow_interval_s": 30.0, "round_deadline_s": 20.0})  # fmt: skip
+    sim = Simulation(cfg, cal)
+    res = sim.run()
+    assert res.sim["rounds"]["published"] >= 4
+    assert res.sim["ft_tokens_published"] > 0
+    assert res.sim["ft_tokens_published"] <= res.sim["ft_tokens"]
+    q = QualityModel(cal.quality)
+    for d, gain in res.sim["quality_gain_by_domain"].items():
+        assert gain == pytest.approx(q.gain(d, sim.trained_tokens[d]))
+        assert gain > 0
+    # Requests record the exact version that served them; later versions have lower loss.
+    versions = {r.adapter_version for r in res.records if r.status == "ok"}
+    assert any(v.endswith("@v1") for v in versions) and any(not v.endswith("@v1") for v in versions)
+    assert res.summary["quality"]["available"] is not False
+
+
+def test_separate_keeps_requests_off_the_training_side() -> None:
+    cal = calibration_for_tests()
+    cfg = SimConfig(replicas=4, policy="separate", workload=synthetic(rate=3.0, duration=60.0))
+    sim = Simulation(cfg, cal)
+    sim.run()
+    train = {rid for rid, r in sim.replicas.items() if r.ft_tokens_total > 0}
+    assert len(train) == 1
+    served = {r.replica for r in sim.requests if r.arrival_s > 10.0}
+    assert not served & train
+
+
+def test_collm_cuts_training_when_load_rises() -> None:
+    cal = calibration_for_tests()
+    core = {"slow_interval_s": 30.0, "round_deadline_s": 25.0}
+    light = simulate(
+        SimConfig(replicas=4, policy="collm", workload=synthetic(rate=1.0, duration=90.0), core=core), cal
+    )
+    heavy = simulate(
+        SimConfig(replicas=4, policy="collm", workload=synthetic(rate=40.0, duration=90.0), core=core), cal
+    )
+    assert light.sim["ft_tokens"] > 2 * heavy.sim["ft_tokens"]
+
+
+def test_quality_model_interpolates_between_measured_points() -> None:
+    q = QualityModel(calibration_for_tests().quality, extrapolate="hold")
+    assert q.loss("med", 0) == 3.0
+    assert q.loss("med", 1_000) == pytest.approx(2.8)
+    mid = q.loss("med", math.expm1((math.log1p(1_000) + math.log1p(10_000)) / 2))
+    assert mid == pytest.approx((2.8 + 2.5) / 2)
+    assert q.loss("med", 10**9) == pytest.approx(2.2), "hold: no gain past the last measured point"
+    assert q.gain("med", 100_000) == pytest.approx(0.8)
+
+
+def test_quality_model_extrapolates_along_the_fitted_curve_up_to_a_bound() -> None:
+    q = QualityModel(calibration_for_tests().quality, extrapolate="log", max_factor=10.0)
+    at_last = q.loss("med", 100_000)
+    assert at_last == pytest.approx(2.2)
+    further = q.loss("med", 500_000)
+    assert further < at_last
+    assert q.loss("med", 1_000_000) == pytest.approx(q.loss("med", 10**9)), "held past max_factor"
+    # Never worse with more tokens.
+    losses = [q.loss("med", t) for t in (0, 500, 1_000, 5_000, 10_000, 50_000, 100_000, 300_000, 2_000_000)]
+    assert all(b <= a + 1e-12 for a, b in zip(losses, losses[1:], strict=False))
+
+
+def test_unknown_domain_and_bad_config_are_refused() -> None:
+    with pytest.raises(ValueError, match="no quality curve"):
+        Simulation(SimConfig(domains=("law",)), calibration_for_tests())
+    with pytest.raises(ValueError, match="unknown policy"):
+        SimConfig(policy="fastest")

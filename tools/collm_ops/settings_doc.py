@@ -1,0 +1,76 @@
+"""Markdown tables of every service's settings, generated from the settings classes themselves.
+
+`python -m collm_ops.settings_doc` prints what the README's settings section holds; a test checks that
+the README names every variable, so the documentation cannot fall behind the code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+
+from collm_common.settings import CommonSettings
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
+
+SERVICES: dict[str, str] = {
+    "gateway": "collm_gateway.settings:GatewaySettings",
+    "replica": "collm_replica.settings:ReplicaSettings",
+    "coordinator": "collm_coordinator.settings:CoordinatorSettings",
+    "aggregator": "collm_aggregator.settings:AggregatorSettings",
+}
+
+
+def settings_class(path: str) -> type[BaseSettings]:
+    module, _, name = path.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, BaseSettings)
+    return cls
+
+
+def env_name(cls: type[BaseSettings], field: str) -> str:
+    return str(cls.model_config.get("env_prefix", "")).upper() + field.upper()
+
+
+def _default(info: FieldInfo) -> str:
+    if info.default_factory is not None:
+        return "(computed)"
+    value = info.default
+    if value is None:
+        return "unset"
+    if isinstance(value, tuple | list):
+        return ",".join(str(v) for v in value) or "(empty)"
+    return str(value)
+
+
+def rows(cls: type[BaseSettings], own_only: bool) -> Iterator[tuple[str, str, str]]:
+    common = set(CommonSettings.model_fields)
+    for name, info in cls.model_fields.items():
+        if own_only and name in common:
+            continue
+        desc = (info.description or "").replace("|", "\\|").replace("\n", " ")
+        yield env_name(cls, name), _default(info).replace("|", "\\|"), desc
+
+
+def table(cls: type[BaseSettings], own_only: bool = True) -> str:
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{env}` | `{default}` | {desc} |" for env, default, desc in rows(cls, own_only)]
+    return "\n".join(lines)
+
+
+def all_env_names() -> set[str]:
+    names = {env for env, _, _ in rows(CommonSettings, own_only=False)}
+    for path in SERVICES.values():
+        names |= {env for env, _, _ in rows(settings_class(path), own_only=True)}
+    return names
+
+
+def render() -> str:
+    parts = ["### Every service\n", table(CommonSettings, own_only=False), ""]
+    for service, path in SERVICES.items():
+        parts += [f"### {service}\n", table(settings_class(path)), ""]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(render())  # noqa: T201

@@ -1,0 +1,101 @@
+"""What one simulation runs: cluster size, policy, workload, engine and gateway sizes, seed.
+
+Engine and gateway sizes default to the services' own setting defaults (read from `ReplicaSettings`
+and `GatewaySettings`), so the simulated replica batches, queues and trains like a real one unless a
+run says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from collm_gateway.settings import GatewaySettings
+from collm_replica.settings import ReplicaSettings
+
+from collm_sim.workload import WorkloadSpec
+
+POLICIES = ("collm", "separate", "fixed_ratio", "leftover")
+
+
+_R = {name: f.default for name, f in ReplicaSettings.model_fields.items()}
+_G = {name: f.default for name, f in GatewaySettings.model_fields.items()}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One replica's engine (ReplicaSettings defaults)."""
+
+    max_batch: int = _R["max_batch"]
+    max_batch_tokens: int = _R["max_batch_tokens"]
+    prefill_chunk_tokens: int = _R["prefill_chunk_tokens"]
+    kv_budget_tokens: int = _R["kv_budget_tokens"]
+    max_queue: int = _R["max_queue"]
+    train_micro_tokens: int = _R["train_micro_tokens"]
+    train_batch_tokens: int = _R["train_batch_tokens"]
+    fixed_every_iterations: int = _R["fixed_every_iterations"]
+    ft_share_default: float = _R["ft_share_default"]
+    round_deadline_margin_s: float = _R["round_deadline_margin_s"]
+    slo_window_s: float = _R["slo_window_s"]
+    telemetry_interval_s: float = _R["telemetry_interval_s"]
+    # The simulated replica reports the busy fractions of each interval (the coordinator's best signal).
+    report_busy_fractions: bool = True
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """Routing and retries (GatewaySettings defaults)."""
+
+    telemetry_stale_s: float = _G["telemetry_stale_s"]
+    telemetry_stale_intervals: float = _G["telemetry_stale_intervals"]
+    weights_hold_frac: float = _G["weights_hold_frac"]
+    adapter_miss_penalty: float = _G["adapter_miss_penalty"]
+    max_retries: int = _G["max_retries"]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    replicas: int = 8
+    policy: str = "collm"
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
+    # Overrides of the coordinator's CoreConfig knobs (by name), e.g. {"util_cap": 0.8}.
+    core: Mapping[str, object] = field(default_factory=dict)
+    # None: the co-scheduler of the policy (plugins.COSCHEDULER_FOR_POLICY).
+    coscheduler: str | None = None
+    # Local training samples each replica holds (its domain is domains[i % len(domains)]).
+    samples_per_replica: int = 500
+    # Domains (= adapters) of the cluster; None: every domain the calibration has a quality curve for.
+    domains: tuple[str, ...] | None = None
+    # A waiting request older than this is dropped (the gateway's deadline; counted as a timeout).
+    request_timeout_s: float = 60.0
+    # Aggregation, federated evaluation and publication after a round closes.
+    publish_delay_s: float = 2.0
+    # separate: "serving_cluster" (least-loaded over the serving replicas, as its own gateway would) or
+    # "weights" (the shared gateway's weighted draw on the coordinator's weights).
+    separate_routing: str = "serving_cluster"
+    # "gateway": the gateway's rule as shipped; "mask": published weights only exclude replicas (weight 0)
+    # and the rest are ranked least-loaded (a what-if, not the shipped gateway).
+    router: str = "gateway"
+    # Quality past the calibration's last measured point: "log" (fitted curve, up to max_factor x the
+    # measured tokens) or "hold" (no gain beyond what was measured); see quality.py.
+    quality_extrapolate: str = "log"
+    quality_max_factor: float = 100.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        if self.samples_per_replica < 0:
+            raise ValueError("samples_per_replica must be >= 0")
+        if self.router not in ("gateway", "mask"):
+            raise ValueError("router must be 'gateway' or 'mask'")
+        if self.separate_routing not in ("serving_cluster", "weights"):
+            raise ValueError("separate_routing must be 'serving_cluster' or 'weights'")
+        if self.quality_extrapolate not in ("log", "hold") or not self.quality_max_factor >= 1:
+            raise ValueError("quality_extrapolate must be 'log' or 'hold' and quality_max_factor >= 1")
+        if not self.request_timeout_s > 0 or self.publish_delay_s < 0:
+            raise ValueError("request_timeout_s must be > 0 and publish_delay_s >= 0")

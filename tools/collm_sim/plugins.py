@@ -1,0 +1,45 @@
+"""The policies the simulator runs unchanged, named in one place.
+
+The simulator does not model these decisions: it calls the very code the services run.
+
+* coordinator: `collm_coordinator.core.CoordinatorCore` (both loops, every policy);
+* gateway routing: `collm_gateway.routing.rank_replicas` (weighted draw on fresh coordinator weights,
+  least-loaded otherwise, stale replicas never ranked);
+* replica: `collm_replica.batching.plan_iteration` (continuous batching with chunked prefill) and the
+  co-schedulers of `collm_replica.cosched` (`slo`, `fixed`, `leftover`), with `effective_share` for the
+  coordinator's share and its TTL.
+
+Which co-scheduler a replica runs follows the policy under test, as the live benchmark configures the
+replicas (`COLLM_COSCHEDULER`): the two-timescale policy and the static split use the SLO-aware one,
+the fixed-ratio baseline the fixed one (Loquetier), the leftover baseline the leftover one (FlexLLM).
+"""
+
+from __future__ import annotations
+
+from collm_coordinator.core import CoordinatorCore, CoreConfig
+from collm_gateway.routing import ReplicaSnapshot, RoutingConfig, WeightsSnapshot, rank_replicas
+from collm_replica.batching import BatchConfig, SeqView, plan_iteration
+from collm_replica.cosched import CoSchedInput, CoScheduler, TrainCost, effective_share, make_coscheduler
+from collm_replica.costs import FinishedSample, LatencyWindow
+
+COSCHEDULER_FOR_POLICY = {"collm": "slo", "separate": "slo", "fixed_ratio": "fixed", "leftover": "leftover"}
+
+__all__ = [
+    "COSCHEDULER_FOR_POLICY",
+    "BatchConfig",
+    "CoSchedInput",
+    "CoScheduler",
+    "CoordinatorCore",
+    "CoreConfig",
+    "FinishedSample",
+    "LatencyWindow",
+    "ReplicaSnapshot",
+    "RoutingConfig",
+    "SeqView",
+    "TrainCost",
+    "WeightsSnapshot",
+    "effective_share",
+    "make_coscheduler",
+    "plan_iteration",
+    "rank_replicas",
+]

@@ -1,0 +1,425 @@
+"""A simulated replica: the engine's iteration loop with costs from the calibration file, no model.
+
+Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtual time:
+
+1. drop waiting requests past their deadline;
+2. `batching.plan_iteration` picks decode tokens and prefill chunks (and admits FCFS);
+3. the replica's co-scheduler (`collm_replica.cosched`) decides the training micro-step, given the
+   coordinator's share (with its TTL: `effective_share`) and the requests' deadlines;
+4. the inference step costs `decode_step_ms(decodes)` plus `prefill_ms_per_token` per prefill token
+   (`prefill_fixed_ms` when the step has no decodes), times (1 + `lora_overhead_frac_per_adapter` per
+   distinct adapter in the batch); the training micro-step costs `train_fixed_ms + train_ms_per_token *
+   tokens` and runs after it, so requests wait for it, exactly as on the real engine (one process, one
+   device, no overlap);
+5. tokens are emitted at the end of the inference step: a prompt's last prefill chunk emits its first
+   token (TTFT), every decode one more token.
+
+The co-scheduler is given the calibration's costs as its predictions (the live engine learns the same
+costs online). Telemetry is built like the live replica's (a window of `slo_window_s` for latency
+percentiles and attainment, rates over the interval).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from itertools import islice
+
+from collm_common.calibration import CostModel
+from collm_common.wire.telemetry import ReplicaTelemetry, ResidentAdapter, TrainingJobStatus
+
+from collm_sim.config import EngineSpec
+from collm_sim.plugins import (
+    BatchConfig,
+    CoSchedInput,
+    CoScheduler,
+    FinishedSample,
+    LatencyWindow,
+    SeqView,
+    TrainCost,
+    effective_share,
+    plan_iteration,
+)
+
+
+class Req:
+    """One request's life in the simulation."""
+
+    __slots__ = (
+        "idx",
+        "sid",
+        "arrival_s",
+        "prompt_len",
+        "out_len",
+        "domain",
+        "computed",
+        "generated",
+        "t_first",
+        "t_end",
+        "status",
+        "replica",
+        "version",
+        "view",
+        "reserve",
+        "attempts",
+    )
+
+    def __init__(self, idx: int, arrival_s: float, prompt_len: int, out_len: int, domain: str) -> None:
+        self.idx = idx
+        self.sid = str(idx)
+        self.arrival_s = arrival_s
+        self.prompt_len = prompt_len
+        self.out_len = out_len
+        self.domain = domain
+        self.computed = 0
+        self.generated = 0
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.status = "pending"
+        self.replica: str | None = None
+        self.version: str | None = None
+        self.reserve = prompt_len + out_len
+        self.view = SeqView(self.sid, prompt_len, 0, self.reserve)
+        self.attempts = 0
+
+
+class Job:
+    """A replica's local training job for one round."""
+
+    __slots__ = ("adapter", "round_id", "base_version", "budget", "tokens_done", "stop_s", "active")
+
+    def __init__(self, adapter: str, round_id: int, base_version: int, budget: int, stop_s: float) -> None:
+        self.adapter = adapter
+        self.round_id = round_id
+        self.base_version = base_version
+        self.budget = budget
+        self.tokens_done = 0
+        self.stop_s = stop_s
+        self.active = True
+
+
+FinishFn = Callable[["Req"], None]
+JobDoneFn = Callable[["SimReplica", Job, float], None]
+
+
+class SimReplica:
+    def __init__(
+        self,
+        replica_id: str,
+        cost: CostModel,
+        engine: EngineSpec,
+        cosched: CoScheduler,
+        domain: str,
+        samples: int,
+        versions: dict[str, int],
+        ttft_slo_ms: float | None,
+        tpot_slo_ms: float | None,
+        request_timeout_s: float,
+        on_finish: FinishFn,
+        on_job_done: JobDoneFn,
+    ) -> None:
+        self.replica_id = replica_id
+        self.engine = engine
+        self.cosched = cosched
+        self.domain = domain
+        self.samples = samples
+        self.versions = versions  # the cluster's current version of each adapter (shared, read-only here)
+        self.batch_cfg = BatchConfig(
+            engine.max_batch, engine.max_batch_tokens, engine.prefill_chunk_tokens, engine.kv_budget_tokens
+        )
+        # Decode step cost by number of decoding sequences, computed once (the cost model interpolates).
+        self.decode_ms = [0.0] + [cost.decode_ms(b) for b in range(1, engine.max_batch_tokens + 1)]
+        self.prefill_fixed_ms = cost.prefill_fixed_ms
+        self.prefill_per_token_ms = cost.prefill_ms_per_token
+        self.lora_frac = cost.lora_overhead_frac_per_adapter
+        self.train_cost = TrainCost(cost.train_fixed_ms, cost.train_ms_per_token)
+        self.ttft_slo_s = (ttft_slo_ms or 1e12) / 1e3
+        self.tpot_slo_s = (tpot_slo_ms or 1e12) / 1e3
+        self.ttft_slo_ms = ttft_slo_ms
+        self.tpot_slo_ms = tpot_slo_ms
+        self.request_timeout_s = request_timeout_s
+        self.on_finish = on_finish
+        self.on_job_done = on_job_done
+
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.by_sid: dict[str, Req] = {}
+        self.kv_reserved = 0
+        self.idle = True
+        self.pending: tuple[list[tuple[Req, int]], float, int, float] | None = None
+        self.iteration = 0
+        self.share: float | None = None
+        self.share_expires_s: float | None = None
+        self.job: Job | None = None
+        self.window = LatencyWindow(engine.slo_window_s)
+        # Counters of the current telemetry interval, and totals.
+        self._arrivals = 0
+        self._gen_tokens = 0
+        self._prefill_tokens = 0
+        self._ft_tokens = 0
+        self._infer_ms = 0.0
+        self._train_ms = 0.0
+        self._pending_ms = (0.0, 0.0)
+        self._last_telemetry_s = 0.0
+        self.ft_tokens_total = 0
+        self.iterations_total = 0
+
+    # --- requests ----------------------------------------------------------------------------------
+    def enqueue(self, req: Req, now: float) -> bool:
+        """Admission to the waiting queue; False (a 429) when the queue is full."""
+        if len(self.waiting) >= self.engine.max_queue:
+            return False
+        req.replica = self.replica_id
+        self.waiting.append(req)
+        self._arrivals += 1
+        return True
+
+    def _finish(self, req: Req, t: float, status: str) -> None:
+        req.t_end = t
+        req.status = status
+        if status == "ok":
+            self.running.remove(req)
+            del self.by_sid[req.sid]
+            self.kv_reserved -= req.reserve
+            ttft_ms = (req.t_first - req.arrival_s) * 1e3 if req.t_first is not None else None
+            tpot_ms = None
+            if req.generated > 1 and req.t_first is not None:
+                tpot_ms = (t - req.t_first) * 1e3 / (req.generated - 1)
+            good = (self.ttft_slo_ms is None or (ttft_ms is not None and ttft_ms <= self.ttft_slo_ms)) and (
+                self.tpot_slo_ms is None or tpot_ms is None or tpot_ms <= self.tpot_slo_ms
+            )
+            self.window.add(FinishedSample(t, ttft_ms, tpot_ms, good))
+        self.on_finish(req)
+
+    def _expire(self, now: float) -> None:
+        w = self.waiting
+        limit = now - self.request_timeout_s
+        while w and w[0].arrival_s < limit:
+            self._finish(w.popleft(), now, "timeout")
+
+    # --- control --------------------------------------------------------------------------------------
+    def set_share(self, share: float, expires_s: float) -> None:
+        self.share = share
+        self.share_expires_s = expires_s
+
+    def start_job(
+        self, adapter: str, round_id: int, base_version: int, budget: int, deadline_s: float, now: float
+    ) -> None:
+        if self.job is not None and self.job.active:
+            self._finish_job(now)
+        self.job = Job(
+            adapter, round_id, base_version, budget, deadline_s - self.engine.round_deadline_margin_s
+        )
+
+    def _finish_job(self, now: float) -> None:
+        job = self.job
+        if job is None or not job.active:
+            return
+        job.active = False
+        self.on_job_done(self, job, now)
+
+    @property
+    def has_job(self) -> bool:
+        return self.job is not None and self.job.active
+
+    # --- the iteration loop ---------------------------------------------------------------------------
+    def step(self, now: float) -> float | None:
+        """Finish the iteration in progress (if any) and start the next; its end time, or None: idle."""
+        if self.pending is not None:
+            self._complete()
+        return self._start(now)
+
+    def _deadlines(self, now: float) -> tuple[float, ...]:
+        """The earliest next-token deadline (the engine's `_deadlines`, reduced to its minimum, which is
+        all the SLO-aware co-scheduler reads)."""
+        per_s = self.prefill_per_token_ms / 1e3
+        fixed_s = self.decode_ms[1] / 1e3
+        best = float("inf")
+        for s in self.running:
+            if s.t_first is None:
+                d = s.arrival_s + self.ttft_slo_s - (s.prompt_len - s.computed) * per_s
+            else:
+                d = s.t_first + s.generated * self.tpot_slo_s
+            if d < best:
+                best = d
+        ahead = 0
+        for s in self.waiting:
+            ahead += s.prompt_len
+            d = s.arrival_s + self.ttft_slo_s - fixed_s - ahead * per_s
+            if d < best:
+                best = d
+        return () if best == float("inf") else (best,)
+
+    def _start(self, now: float) -> float | None:
+        self._expire(now)
+        job = self.job
+        if job is not None and job.active and now >= job.stop_s:
+            self._finish_job(now)
+        running = self.running
+        free = self.engine.max_batch - len(running)
+        wviews = [r.view for r in islice(self.waiting, free)] if free > 0 and self.waiting else []
+        plan = plan_iteration(self.batch_cfg, [r.view for r in running], wviews, self.kv_reserved)
+        for sid in plan.admitted:
+            req = self.waiting.popleft()
+            assert req.sid == sid, "admission is FCFS"
+            running.append(req)
+            self.by_sid[sid] = req
+            self.kv_reserved += req.reserve
+            v = self.versions.get(req.domain)
+            req.version = f"{req.domain}@v{v}" if v else "base"
+        items: list[tuple[Req, int]] = []
+        n_dec = 0
+        n_pre = 0
+        adapters: set[str] = set()
+        by_sid = self.by_sid
+        for sid, n in plan.items:
+            req = by_sid[sid]
+            items.append((req, n))
+            adapters.add(req.domain)
+            if req.computed >= req.prompt_len:
+                n_dec += 1
+            else:
+                n_pre += n
+        inf_ms = 0.0
+        if items:
+            inf_ms = self.decode_ms[n_dec] if n_dec else self.prefill_fixed_ms
+            inf_ms += self.prefill_per_token_ms * n_pre
+            inf_ms *= 1.0 + self.lora_frac * len(adapters)
+        train_tokens = 0
+        train_ms = 0.0
+        job = self.job
+        if job is not None and job.active:
+            share, _ = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
+            tokens = self.cosched.decide(
+                CoSchedInput(
+                    now_s=now,
+                    share=share,
+                    has_job=True,
+                    running=len(running),
+                    waiting=len(self.waiting),
+                    inference_tokens=plan.tokens,
+                    token_budget=self.batch_cfg.max_batch_tokens,
+                    step_ms=inf_ms,
+                    deadlines_s=self._deadlines(now) if share > 0 else (),
+                    train=self.train_cost,
+                    micro_tokens=self.engine.train_micro_tokens,
+                    batch_tokens=self.engine.train_batch_tokens,
+                    iteration=self.iteration,
+                )
+            )
+            tokens = min(tokens, job.budget - job.tokens_done)
+            if tokens > 0:
+                train_tokens = tokens
+                train_ms = self.train_cost.ms(tokens)
+                self.cosched.charge(train_ms)
+        self.iteration += 1
+        if not items and train_tokens == 0:
+            self.idle = True
+            return None
+        self.iterations_total += 1
+        t_inf = now + inf_ms / 1e3
+        self.pending = (items, t_inf, train_tokens, t_inf + train_ms / 1e3)
+        self._pending_ms = (inf_ms, train_ms)
+        self.idle = False
+        return t_inf + train_ms / 1e3
+
+    def _complete(self) -> None:
+        assert self.pending is not None
+        items, t_inf, train_tokens, t_end = self.pending
+        self.pending = None
+        # Busy time is counted with the tokens it produced (at completion), so that one interval's
+        # training tokens and training time always belong to the same micro-steps.
+        self._infer_ms += self._pending_ms[0]
+        self._train_ms += self._pending_ms[1]
+        for req, n in items:
+            if req.computed < req.prompt_len:
+                req.computed += n
+                self._prefill_tokens += n
+                if req.computed >= req.prompt_len:
+                    req.view = SeqView(req.sid, req.prompt_len, req.prompt_len, req.reserve)
+                    req.generated = 1
+                    req.t_first = t_inf
+                    self._gen_tokens += 1
+                    if req.generated >= req.out_len:
+                        self._finish(req, t_inf, "ok")
+                else:
+                    req.view = SeqView(req.sid, req.prompt_len, req.computed, req.reserve)
+            else:
+                req.generated += 1
+                self._gen_tokens += 1
+                if req.generated >= req.out_len:
+                    self._finish(req, t_inf, "ok")
+        if train_tokens:
+            job = self.job
+            assert job is not None
+            job.tokens_done += train_tokens
+            self._ft_tokens += train_tokens
+            self.ft_tokens_total += train_tokens
+            if job.tokens_done >= job.budget:
+                self._finish_job(t_end)
+
+    # --- telemetry ------------------------------------------------------------------------------------
+    def telemetry(self, now: float, interval_s: float) -> ReplicaTelemetry:
+        dt = max(1e-9, now - self._last_telemetry_s) if self._last_telemetry_s else interval_s
+        lat = self.window.summary(now)
+        share, source = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
+        in_flight: dict[str, int] = {}
+        for r in self.running:
+            in_flight[r.domain] = in_flight.get(r.domain, 0) + 1
+        job = self.job
+        jobs = []
+        if job is not None:
+            jobs.append(
+                TrainingJobStatus(
+                    adapter=job.adapter,
+                    state="running" if job.active else "done",
+                    base_version_id=f"{job.adapter}@v{job.base_version}",
+                    round_id=job.round_id,
+                    tokens_done=job.tokens_done,
+                    token_budget=job.budget,
+                )
+            )
+        busy = self.engine.report_busy_fractions
+        t = ReplicaTelemetry(
+            replica_id=self.replica_id,
+            ts_unix_s=now,
+            interval_s=interval_s,
+            model="simulated",
+            queue_len=len(self.waiting),
+            running=len(self.running),
+            max_batch=self.engine.max_batch,
+            kv_used_frac=self.kv_reserved / self.engine.kv_budget_tokens,
+            tokens_per_s=self._gen_tokens / dt,
+            prefill_tokens_per_s=self._prefill_tokens / dt,
+            arrivals_per_s=self._arrivals / dt,
+            ttft_ms_p50=lat["ttft_ms_p50"],
+            ttft_ms_p99=lat["ttft_ms_p99"],
+            tpot_ms_p50=lat["tpot_ms_p50"],
+            tpot_ms_p99=lat["tpot_ms_p99"],
+            finished=int(lat["finished"] or 0),
+            good=int(lat["good"] or 0),
+            slo_attainment=lat["slo_attainment"],
+            decode_step_ms=self.decode_ms[self.engine.max_batch],
+            prefill_ms_per_token=self.prefill_per_token_ms,
+            train_step_ms=self.train_cost.ms(self.engine.train_micro_tokens),
+            infer_busy_frac=min(1.0, self._infer_ms / 1e3 / dt) if busy else None,
+            train_busy_frac=min(1.0, self._train_ms / 1e3 / dt) if busy else None,
+            ft_share=share,
+            ft_share_source=source,  # type: ignore[arg-type]
+            ft_tokens_per_s=self._ft_tokens / dt,
+            training_jobs=jobs,
+            adapters=[
+                ResidentAdapter(name=d, version_id=f"{d}@v{v}", version=v, in_flight=in_flight.get(d, 0))
+                for d, v in sorted(self.versions.items())
+            ],
+            round_role="participant"
+            if job is not None and job.active
+            else ("done" if job is not None else "idle"),
+            round_id=job.round_id if job is not None else None,
+            local_samples=self.samples,
+            domains=[self.domain],
+        )
+        self._arrivals = self._gen_tokens = self._prefill_tokens = self._ft_tokens = 0
+        self._infer_ms = self._train_ms = 0.0
+        self._last_telemetry_s = now
+        return t
