@@ -193,10 +193,11 @@ async def test_client_disconnect_cancels_the_generation(make_served_gateway, rep
 
 async def test_non_streaming_client_disconnect_cancels_too(make_served_gateway, replicas) -> None:
     async with make_served_gateway() as gw:
-        r0 = await replicas("r0", ReplicaBehaviour(tokens=["t"] * 200, token_delay_s=0.02))
+        # A generation long enough (20 s) that it cannot finish before the disconnect on a loaded machine.
+        r0 = await replicas("r0", ReplicaBehaviour(tokens=["t"] * 1000, token_delay_s=0.02))
         await gw.wait_replicas("r0")
         async with httpx.AsyncClient(base_url=gw.base_url) as client:
-            task = asyncio.create_task(client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 200}))
+            task = asyncio.create_task(client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1000}))
             await eventually(lambda: len(r0.requests) == 1, what="the request to reach the replica")
             await asyncio.sleep(0.1)
             task.cancel()
