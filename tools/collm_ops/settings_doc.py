@@ -72,5 +72,25 @@ def render() -> str:
     return "\n".join(parts)
 
 
+BEGIN = "<!-- settings:begin -->"
+END = "<!-- settings:end -->"
+
+
+def splice(readme: str) -> str:
+    """`readme` with the text between the settings markers replaced by `render()`."""
+    head, sep, rest = readme.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise ValueError(f"README has no {BEGIN} ... {END} block")
+    return f"{head}{BEGIN}\n{render()}\n{END}{tail}"
+
+
 if __name__ == "__main__":
-    print(render())  # noqa: T201
+    import sys
+    from pathlib import Path
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        path = Path(sys.argv[2])
+        path.write_text(splice(path.read_text()))
+    else:
+        print(render())  # noqa: T201
