@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
 from collm_common import subjects
 from collm_common.bus import Bus
 from collm_common.settings import CommonSettings

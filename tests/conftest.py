@@ -13,6 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from collm_ops.servers import ServerProcess, start_nats, start_redis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,3 +70,34 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(str(d))
     tokenizer.save_pretrained(str(d))
     return d
+
+
+# --- tracing ------------------------------------------------------------------------------------------
+# OpenTelemetry allows one global tracer provider per process, so the whole session shares one SDK
+# provider with an in-memory exporter; `span_exporter` empties it for each test. If some other fixture
+# already installed an SDK provider, the exporter joins that one instead of fighting over the global.
+_SPAN_EXPORTERS: dict[int, tuple[TracerProvider, InMemorySpanExporter]] = {}
+
+
+def session_span_exporter() -> InMemorySpanExporter:
+    """The in-memory exporter attached to the process's global SDK tracer provider (installed once)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+        provider = trace.get_tracer_provider()
+        assert isinstance(provider, TracerProvider), "another tracer provider won the global slot"
+    entry = _SPAN_EXPORTERS.get(id(provider))
+    if entry is None:
+        exporter = InMemorySpanExporter()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        entry = _SPAN_EXPORTERS[id(provider)] = (provider, exporter)
+    return entry[1]
+
+
+@pytest.fixture
+def span_exporter() -> InMemorySpanExporter:
+    """Spans finished during this test (the session's in-memory exporter, emptied first)."""
+    exporter = session_span_exporter()
+    exporter.clear()
+    return exporter

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from collm_common.data import Example
 from collm_common.lora import AdapterWeights, LoraSpec
 from collm_replica.engine import Engine, EngineRequest

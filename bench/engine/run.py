@@ -22,20 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from collm_common.calibration import Calibration, CostModel, QualityCurve  # noqa: E402
-from collm_common.data import LocalDataset  # noqa: E402
-from collm_common.lora import LoraSpec, decode_adapter, encode_adapter  # noqa: E402
-from collm_replica.batching import BatchConfig  # noqa: E402
-from collm_replica.cosched import (  # noqa: E402
-    CoScheduler,
-    FixedRatioCoScheduler,
-    NoTraining,
-    SloAwareCoScheduler,
-)
-from collm_replica.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from collm_replica.executor import Executor, ForwardItem  # noqa: E402
-from collm_replica.lora_bank import MODULE_PATHS, LiveLora, parse_adapter  # noqa: E402
-from collm_replica.training import EvalRun, JobConfig, JobSpec, render_example  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
     ROOT,
@@ -52,6 +38,21 @@ from common import (  # noqa: E402
     token_prompts,
     wait_all,
 )
+
+from collm_common.calibration import Calibration, CostModel, QualityCurve  # noqa: E402
+from collm_common.data import LocalDataset  # noqa: E402
+from collm_common.lora import LoraSpec, decode_adapter, encode_adapter  # noqa: E402
+from collm_replica.batching import BatchConfig  # noqa: E402
+from collm_replica.cosched import (  # noqa: E402
+    CoScheduler,
+    FixedRatioCoScheduler,
+    NoTraining,
+    SloAwareCoScheduler,
+)
+from collm_replica.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from collm_replica.executor import Executor, ForwardItem  # noqa: E402
+from collm_replica.lora_bank import MODULE_PATHS, LiveLora, parse_adapter  # noqa: E402
+from collm_replica.training import EvalRun, JobConfig, JobSpec, render_example  # noqa: E402
 
 CFG16 = BatchConfig(max_batch=16, max_batch_tokens=256, prefill_chunk_tokens=128, kv_budget_tokens=32768)
 
@@ -294,9 +295,9 @@ def chat_ids(loaded: Any, question: str) -> list[int]:
 
 
 def coexec_engine(
-    loaded: Any, policy: CoScheduler, ds: LocalDataset, job_cfg: JobConfig, share: float
+    loaded: Any, policy: CoScheduler, ds: LocalDataset, job_cfg: JobConfig, share: float, slack_frac: float
 ) -> Engine:
-    cfg = EngineConfig(batch=CFG16, ft_share_default=share, job=job_cfg)
+    cfg = EngineConfig(batch=CFG16, ft_share_default=share, job=job_cfg, train_slack_frac=slack_frac)
     return Engine(loaded, cfg, policy, dataset=ds)
 
 
@@ -370,7 +371,8 @@ def bench_coexec(args: argparse.Namespace) -> None:
     n_new = args.new_tokens
 
     # Unloaded latency and capacity, fine-tuning off.
-    with coexec_engine(loaded, NoTraining(), ds, job_cfg, 0.0) as eng:
+    sf = args.slack_frac
+    with coexec_engine(loaded, NoTraining(), ds, job_cfg, 0.0, sf) as eng:
         run_batch(eng, [greedy("warm", questions[0], 4)])
         singles = [run_batch(eng, [greedy(f"u{i}", questions[i], n_new)])[0][0] for i in range(3)]
         ttft0 = percentile([t.ttft_s for t in singles], 50)  # type: ignore[misc]
@@ -398,25 +400,33 @@ def bench_coexec(args: argparse.Namespace) -> None:
             for i, q in enumerate(qs)
         ]
 
-    # Train only: the reference fine-tuning throughput.
-    with coexec_engine(loaded, SloAwareCoScheduler(), ds, job_cfg, 1.0) as eng:
+    # Train only: the reference fine-tuning throughput (the same job on an idle replica).
+    with coexec_engine(loaded, SloAwareCoScheduler(slack_frac=sf), ds, job_cfg, 1.0, sf) as eng:
         start_job(eng, loaded, args.lr)
-        s0, t0 = eng.snapshot().ft_tokens_total, time.perf_counter()
+        snap0, t0 = eng.snapshot(), time.perf_counter()
         time.sleep(args.train_only_s)
-        train_only_tps = (eng.snapshot().ft_tokens_total - s0) / (time.perf_counter() - t0)
-    print(f"train only: {train_only_tps:.1f} training tokens/s")
+        snap1 = eng.snapshot()
+        train_only_tps = (snap1.ft_tokens_total - snap0.ft_tokens_total) / (time.perf_counter() - t0)
+        train_only_busy = (snap1.train_ms_total - snap0.train_ms_total) / 1e3 / (time.perf_counter() - t0)
+    print(
+        f"train only: {train_only_tps:.1f} training tokens/s (training busy {train_only_busy:.2f} of the "
+        f"time; micro-step {snap1.train_step_ms or 0:.0f} ms)"
+    )
 
     results: dict[str, Any] = {}
     for name, policy, train in (
         ("a_ft_off", NoTraining(), False),
         ("b_fixed_ratio", FixedRatioCoScheduler(args.fixed_every), True),
-        ("c_slo_aware", SloAwareCoScheduler(), True),
+        ("c_slo_aware", SloAwareCoScheduler(slack_frac=sf), True),
     ):
-        with coexec_engine(loaded, policy, ds, job_cfg, 1.0 if train else 0.0) as eng:
+        with coexec_engine(loaded, policy, ds, job_cfg, 1.0 if train else 0.0, sf) as eng:
             live = start_job(eng, loaded, args.lr) if train else None
-            f0 = eng.snapshot().ft_tokens_total
+            s0 = eng.snapshot()
+            f0, tm0, im0 = s0.ft_tokens_total, s0.train_ms_total, s0.infer_ms_total
+            eng.longest_background_ms = 0.0
             traces, dur = open_loop(eng, reqs(name[:1]), arrivals)
-            ft_tokens = eng.snapshot().ft_tokens_total - f0
+            s1 = eng.snapshot()
+            ft_tokens = s1.ft_tokens_total - f0
             eng.pause_training()
             stats = slo_stats(traces, ttft_slo, tpot_slo, dur)
             stats.update(
@@ -427,6 +437,12 @@ def bench_coexec(args: argparse.Namespace) -> None:
                     "ft_frac_of_train_only": (ft_tokens / dur) / train_only_tps,
                     "eval_loss_after": eval_loss(eng, live) if live is not None else base_eval,
                     "optimizer_steps": eng.snapshot().jobs[0].steps_done if train else 0,
+                    # Where the wall time went during the run (ms of inference iterations, of training
+                    # pieces), and the longest stretch of background work between two iterations.
+                    "infer_busy_frac": (s1.infer_ms_total - im0) / 1e3 / dur,
+                    "train_busy_frac": (s1.train_ms_total - tm0) / 1e3 / dur,
+                    "longest_background_ms": eng.longest_background_ms,
+                    "train_step_ms": s1.train_step_ms,
                 }
             )
             results[name] = stats
@@ -435,7 +451,9 @@ def bench_coexec(args: argparse.Namespace) -> None:
                 f"goodput {stats['goodput_rps']:.2f} req/s, TTFT p50 {stats['ttft_ms_p50']:.0f} ms, "
                 f"TPOT p50 {stats['tpot_ms_p50']:.0f} ms, FT {stats['ft_tokens_per_s']:.1f} tok/s "
                 f"({100 * stats['ft_frac_of_train_only']:.0f}% of train-only), "
-                f"eval loss {stats['eval_loss_after']:.4f}"
+                f"eval loss {stats['eval_loss_after']:.4f}; busy: inference {stats['infer_busy_frac']:.2f}, "
+                f"training {stats['train_busy_frac']:.2f}; longest background stretch "
+                f"{stats['longest_background_ms']:.0f} ms"
             )
     a, c = results["a_ft_off"], results["c_slo_aware"]
     att_ratio = c["attainment"] / a["attainment"] if a["attainment"] else float("nan")
@@ -462,6 +480,9 @@ def bench_coexec(args: argparse.Namespace) -> None:
             "fixed_every": args.fixed_every,
             "learning_rate": args.lr,
             "train_only_tokens_per_s": train_only_tps,
+            "train_only_busy_frac": train_only_busy,
+            "train_only_step_ms": snap1.train_step_ms,
+            "slack_frac": sf,
             "base_eval_loss": base_eval,
             "runs": results,
             "attainment_ratio_c_over_a": att_ratio,
@@ -686,7 +707,8 @@ def main() -> None:
     c.add_argument("--load", type=float, default=0.6)
     c.add_argument("--ttft-scale", type=float, default=5.0)
     c.add_argument("--tpot-scale", type=float, default=3.0)
-    c.add_argument("--micro-tokens", type=int, default=64)
+    c.add_argument("--micro-tokens", type=int, default=128)
+    c.add_argument("--slack-frac", type=float, default=EngineConfig().train_slack_frac)
     c.add_argument("--fixed-every", type=int, default=8)
     c.add_argument("--lr", type=float, default=1e-3)
     c.add_argument("--train-only-s", type=float, default=20.0)

@@ -118,10 +118,8 @@ class Bench:
                     "COLLM_EVAL_MAX_EXAMPLES": "8",
                     "COLLM_ROUND_DEADLINE_MARGIN_S": "5",
                     "COLLM_TELEMETRY_INTERVAL_S": "1",
-                    "COLLM_MAX_RESIDENT_ADAPTERS": "16",
-                    # No user traffic here: a loose TTFT SLO lifts the co-scheduler's per-micro-step guard
-                    # (ft_guard_frac x TTFT SLO), which would otherwise starve training on long examples.
-                    "COLLM_DEFAULT_TTFT_SLO_MS": "10000",
+                    # Defaults otherwise: 8 resident adapters (7 adapters x versions live here), the
+                    # default SLOs (training runs in layer-sized pieces, so no guard starves it).
                 },
                 self.run_dir / f"{rid}.log",
             )
@@ -132,6 +130,8 @@ class Bench:
                 "COLLM_DEFAULT_PLAN": "false",
                 "COLLM_STRATEGY": self.args.strategy,
                 "COLLM_EVAL_MAX_EXAMPLES": str(self.args.eval_examples),
+                "COLLM_EVAL_MAX_TOKENS": str(self.args.eval_max_tokens),
+                "COLLM_EVAL_PRESCORE_CURRENT": "false" if self.args.no_prescore else "true",
                 "COLLM_EVAL_TIMEOUT_S": "600",
                 "COLLM_CONTROL_TIMEOUT_S": "60",
             },
@@ -365,6 +365,10 @@ def main() -> int:
     p.add_argument("--source", default=str(REPO.parent / "shared" / "data" / "domains"))
     p.add_argument("--train-examples", type=int, default=300)
     p.add_argument("--eval-examples", type=int, default=24)
+    p.add_argument(
+        "--eval-max-tokens", type=int, default=4096, help="held-out tokens per domain per version (gate)"
+    )
+    p.add_argument("--no-prescore", action="store_true", help="score current and candidate after the close")
     p.add_argument("--token-budget", type=int, default=1536)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-seq-len", type=int, default=192)

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from collm_aggregator.strategies import WeightedUpdate, fedavg, product_error, product_svd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,9 +116,10 @@ def run_synthetic(args: argparse.Namespace) -> dict:
 # --- real -----------------------------------------------------------------------------------------------
 def run_real(args: argparse.Namespace) -> dict:
     import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
     from collm_data.converters import CONVERTERS
     from collm_replica.models import load_model
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -26,6 +26,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+
 from collm_common import subjects
 from collm_common.bus import Bus, MicroService
 from collm_common.lora import AdapterWeights, LoraSpec, decode_adapter, encode_adapter, lora_key
@@ -61,6 +62,7 @@ class ParticipantBehaviour:
     steps: int = 20
     step_size: float = 0.1
     domain: str = "general"
+    eval_set: str = "held-out-1"  # digest of its held-out set (change it to simulate new eval samples)
 
 
 @dataclass
@@ -224,9 +226,12 @@ class ParticipantDouble:
     async def _evaluate(self, req: EvaluateCandidate, _headers: Mapping[str, str]) -> EvalReport:
         self.evaluated.append(req)
         await asyncio.sleep(self.behaviour.eval_delay_s)
-        cand = decode_adapter(await self.store.get_update(req.candidate_key, req.candidate_sha256))
+        if req.candidate_version is not None:  # a stored version scored on its own (pre-scoring)
+            cand = decode_adapter(await self.store.get_blob(req.adapter, req.candidate_version))
+        else:
+            cand = decode_adapter(await self.store.get_update(req.candidate_key, req.candidate_sha256))
         current_loss = None
-        if req.current_version is not None:
+        if req.current_version is not None and req.score_current:
             current_loss = self.loss(
                 decode_adapter(await self.store.get_blob(req.adapter, req.current_version))
             )
@@ -241,6 +246,7 @@ class ParticipantDouble:
                     num_tokens=n * 40,
                     current_loss=current_loss,
                     candidate_loss=self.loss(cand),
+                    eval_set=self.behaviour.eval_set,
                 )
             ],
         )

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nats.micro.request import Request
+
 from collm_common import subjects
 from collm_common.bus import Bus, MicroService, respond_error
 from collm_common.wire import WireError, decode, encode
@@ -30,7 +32,6 @@ from collm_common.wire.inference import (
     TokenChunk,
 )
 from collm_common.wire.telemetry import ReplicaTelemetry, ResidentAdapter
-from nats.micro.request import Request
 
 
 @dataclass

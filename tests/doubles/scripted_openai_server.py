@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
-from collm_ops.servers import free_port
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from collm_ops.servers import free_port
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from collm_common.data import Example, example_from_row
 
 from collm_bench.tokens import TokenCounter
+from collm_common.data import Example, example_from_row
 
 # Column aliases for the raw public files; collm_common.data already knows prompt/question/answer/...
 _ALIASES = {"text": "prompt", "category": "response", "canonical_solution": "response"}

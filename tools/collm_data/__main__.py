@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from collm_common.data import write_jsonl
-
 from collm_data.converters import CONVERTERS, SourceMissing
 
 REPO = Path(__file__).resolve().parents[2]

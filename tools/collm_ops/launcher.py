@@ -7,6 +7,11 @@ environment variables (the same variables docker-compose sets); prefixes and str
 until every replica answers `$SRV.PING` and the gateway's `/readyz` says ready; and on Ctrl-C (or
 `stop()`) terminates everything it started, in reverse order.
 
+Observability: with `metrics_port_base` set, every service but the gateway gets its own Prometheus port
+(`COLLM_METRICS_PORT`; the gateway serves `/metrics` on its HTTP port), listed by `metrics_urls()`; with
+`otlp_endpoint` set, every service exports its spans over OTLP/HTTP there (`OTEL_EXPORTER_OTLP_ENDPOINT`,
+as compose points them at Jaeger).
+
 `Stack` is also what the end-to-end tests and the benchmarks use to run the real stack.
 """
 
@@ -28,9 +33,9 @@ from typing import IO
 from urllib.parse import urlparse
 
 import httpx
-from collm_replica.naming import served_name
 
-from collm_ops.servers import ServerProcess, port_open, start_nats, start_redis
+from collm_ops.servers import ServerProcess, free_port, port_open, start_nats, start_redis
+from collm_replica.naming import served_name
 
 SERVICE_ORDER = ("aggregator", "coordinator", "replica", "gateway")
 COLORS = {"aggregator": 35, "coordinator": 36, "replica": 32, "gateway": 33, "launcher": 37}
@@ -63,6 +68,12 @@ class StackConfig:
     run_dir: Path = Path(".collm/run")
     log_json: bool = False
     ready_timeout_s: float = 600.0
+    # Prometheus ports: None = no metrics port (the gateway still serves /metrics on its HTTP port),
+    # 0 = a free port per service, N = consecutive ports from N (coordinator, aggregator, replicas...).
+    metrics_port_base: int | None = None
+    metrics_host: str = "127.0.0.1"
+    # OTLP/HTTP endpoint for traces (e.g. http://127.0.0.1:4318); None leaves OTEL_* as inherited.
+    otlp_endpoint: str | None = None
 
 
 @dataclass
@@ -87,6 +98,9 @@ class Stack:
         self.log_sink = log_sink if log_sink is not None else sys.stdout
         self._lock = threading.Lock()
         self.ready_s: float | None = None
+        # Child name -> its Prometheus port (services started with COLLM_METRICS_PORT).
+        self.metrics_ports: dict[str, int] = {}
+        self._next_metrics_port = config.metrics_port_base
 
     # --- logging -------------------------------------------------------------------------------------
     def log(self, name: str, line: str) -> None:
@@ -123,9 +137,35 @@ class Stack:
         else:
             raise RuntimeError(f"Redis does not answer at {cfg.redis_url}")
 
+    def _metrics_port(self, name: str) -> dict[str, str]:
+        """`COLLM_METRICS_PORT` for child `name` (and remember it), or nothing when metrics are off."""
+        if self._next_metrics_port is None:
+            return {}
+        if self._next_metrics_port == 0:
+            port = free_port()
+        else:
+            port = self._next_metrics_port
+            self._next_metrics_port += 1
+            if port_open(self.config.metrics_host, port):
+                raise RuntimeError(f"metrics port {port} for {name} is already in use")
+        self.metrics_ports[name] = port
+        return {"COLLM_METRICS_PORT": str(port)}
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each service's Prometheus metrics are: child name -> URL (the gateway's on its HTTP port)."""
+        urls = {
+            name: f"http://{self.config.metrics_host}:{port}/metrics"
+            for name, port in self.metrics_ports.items()
+        }
+        if any(c.name == "gateway" for c in self.children):
+            urls["gateway"] = f"{self.gateway_url}/metrics"
+        return urls
+
     def _env(self, service: str, extra: dict[str, str]) -> dict[str, str]:
         cfg = self.config
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COLLM_")}
+        # Inherited: everything but COLLM_* (the launcher sets those) and OTEL_SERVICE_NAME (each
+        # service names itself; one inherited name would merge them all in Jaeger).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COLLM_") and k != "OTEL_SERVICE_NAME"}
         env.update(
             {
                 "COLLM_NATS_URL": cfg.nats_url,
@@ -141,6 +181,11 @@ class Stack:
                 "MKL_NUM_THREADS": str(cfg.torch_threads),
             }
         )
+        if cfg.otlp_endpoint:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = cfg.otlp_endpoint
+            env["OTEL_EXPORTER_OTLP_PROTOCOL"] = "http/protobuf"
+            env.pop("OTEL_SDK_DISABLED", None)
+            env.pop("OTEL_TRACES_EXPORTER", None)
         env.update(cfg.env)
         env.update(cfg.service_env.get(service, {}))
         env.update(extra)
@@ -167,22 +212,29 @@ class Stack:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self._ensure_servers()
         if cfg.with_aggregator:
-            self._spawn("aggregator", "collm_aggregator", self._env("aggregator", {}))
+            self._spawn(
+                "aggregator", "collm_aggregator", self._env("aggregator", self._metrics_port("aggregator"))
+            )
         if cfg.with_coordinator:
             self._spawn(
                 "coordinator",
                 "collm_coordinator",
-                self._env("coordinator", {"COLLM_COORDINATOR_POLICY": cfg.coordinator_policy}),
+                self._env(
+                    "coordinator",
+                    {"COLLM_COORDINATOR_POLICY": cfg.coordinator_policy, **self._metrics_port("coordinator")},
+                ),
             )
         for spec in cfg.replicas:
+            name = f"replica-{spec.replica_id}"
             extra = {
                 "COLLM_REPLICA_ID": spec.replica_id,
                 "COLLM_MODEL": cfg.model,
                 "COLLM_TORCH_THREADS": str(cfg.torch_threads),
                 **({"COLLM_DATA_DIR": spec.data_dir} if spec.data_dir else {}),
+                **self._metrics_port(name),
                 **spec.env,
             }
-            self._spawn(f"replica-{spec.replica_id}", "collm_replica", self._env("replica", extra))
+            self._spawn(name, "collm_replica", self._env("replica", extra))
         self._spawn(
             "gateway",
             "collm_gateway",
@@ -280,6 +332,10 @@ def run_forever(config: StackConfig) -> int:
             f"ready in {stack.ready_s:.1f}s: gateway on {stack.gateway_url} "
             f"(replicas: {', '.join(r.replica_id for r in config.replicas)}); Ctrl-C stops everything",
         )
+        for name, url in sorted(stack.metrics_urls().items()):
+            stack.log("launcher", f"metrics of {name}: {url}")
+        if config.otlp_endpoint:
+            stack.log("launcher", f"traces exported over OTLP/HTTP to {config.otlp_endpoint}")
         while not stopping.is_set():
             for c in stack.children:
                 if c.proc.poll() is not None:
@@ -304,6 +360,8 @@ def describe(config: StackConfig) -> str:
             "model": config.model,
             "replicas": [r.replica_id for r in config.replicas],
             "gateway": f"http://{config.gateway_host}:{config.gateway_port}",
+            "metrics_port_base": config.metrics_port_base,
+            "otlp_endpoint": config.otlp_endpoint,
         }
     )
 

@@ -13,10 +13,33 @@ import nats
 
 
 async def gather(
-    nats_url: str, verb: str, name: str | None = None, timeout_s: float = 0.5
+    nats_url: str,
+    verb: str,
+    name: str | None = None,
+    timeout_s: float = 0.5,
+    user: str | None = None,
+    password: str | None = None,
 ) -> list[dict[str, Any]]:
     subject = "$SRV." + verb.upper() + (f".{name}" if name else "")
-    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)
+
+    async def quiet(_exc: Exception) -> None:  # the caller reports the failure once
+        return None
+
+    # max_reconnect_attempts=1: nats-py drops a server from its pool only past a positive limit, so 0
+    # would retry a dead server forever; the overall deadline bounds it regardless.
+    nc = await asyncio.wait_for(
+        nats.connect(
+            [u.strip() for u in nats_url.split(",")],
+            connect_timeout=2,
+            max_reconnect_attempts=1,
+            reconnect_time_wait=0.2,
+            allow_reconnect=False,
+            user=user,
+            password=password,
+            error_cb=quiet,
+        ),
+        timeout=5.0,
+    )
     try:
         inbox = nc.new_inbox()
         replies: list[dict[str, Any]] = []

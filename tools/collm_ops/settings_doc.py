@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator
 
-from collm_common.settings import CommonSettings
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
+
+from collm_common.settings import CommonSettings
 
 SERVICES: dict[str, str] = {
     "gateway": "collm_gateway.settings:GatewaySettings",

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from collm_common.calibration import Calibration
-
 from collm_sim.cluster import simulate
 from collm_sim.config import POLICIES, SimConfig
 from collm_sim.workload import WorkloadSpec

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from collm_bench.goodput import summarize
 from collm_bench.quality import QualityTable
 from collm_bench.records import RequestRecord
@@ -51,7 +52,6 @@ from collm_coordinator import convert
 from collm_coordinator.core import AdapterVersionView, RoundEvent, RoundPlanDecision, TickInputs
 from collm_coordinator.core.types import ReplicaObservation
 from collm_coordinator.priors import cost_prior, quality_prior
-
 from collm_sim.config import SimConfig
 from collm_sim.plugins import (
     COSCHEDULER_FOR_POLICY,

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from collm_gateway.settings import GatewaySettings
 from collm_replica.settings import ReplicaSettings
-
 from collm_sim.workload import WorkloadSpec
 
 POLICIES = ("collm", "separate", "fixed_ratio", "leftover")

@@ -27,7 +27,6 @@ from itertools import islice
 
 from collm_common.calibration import CostModel
 from collm_common.wire.telemetry import ReplicaTelemetry, ResidentAdapter, TrainingJobStatus
-
 from collm_sim.config import EngineSpec
 from collm_sim.plugins import (
     BatchConfig,

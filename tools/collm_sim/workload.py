@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from collm_bench.traces import LengthPolicy, TraceRequest, load_trace, resolve_trace
 from collm_bench.workload import ArrivalSpec, request_shapes
 

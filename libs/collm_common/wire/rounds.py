@@ -101,6 +101,14 @@ class EvaluateCandidate(WireModel):
     current_version: int | None = None
     round_id: int | None = None
     max_examples: int = Field(64, ge=1)
+    # Additive (v1). `score_current=False`: score the candidate only (the aggregator scored the current
+    # version earlier in the round, while participants trained; it pairs the two by `DomainLoss.eval_set`).
+    score_current: bool = True
+    # When set, the candidate is the stored version `adapter@v{candidate_version}` (key/sha256 are then
+    # ignored and may be empty): how the current version is scored on its own, at a round's opening.
+    candidate_version: int | None = Field(None, ge=1)
+    # At most this many held-out tokens per domain (None: the replica's own bound only).
+    max_tokens: int | None = Field(None, ge=1)
 
 
 class DomainLoss(WireModel):
@@ -109,6 +117,9 @@ class DomainLoss(WireModel):
     num_tokens: int
     current_loss: float | None
     candidate_loss: float
+    # Additive (v1): digest of exactly the held-out tokens scored (example ids, tokens, labels); two losses
+    # are comparable only when their eval sets are equal ("" : unknown, an older replica).
+    eval_set: str = ""
 
 
 class EvalReport(WireModel):

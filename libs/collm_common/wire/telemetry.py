@@ -31,6 +31,8 @@ class TrainingJobStatus(WireModel):
     steps_done: int = 0
     train_loss: float | None = None
     eval_loss: float | None = None
+    # Additive (v1): why a job failed, or what it is waiting for (e.g. an adapter slot); "" when fine.
+    message: str = ""
 
 
 class ReplicaTelemetry(WireModel):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from collm_aggregator.service import Aggregator
+from collm_aggregator.settings import AggregatorSettings
 from collm_common.bus import Bus
 from collm_common.service import ServiceContext, run_service
 from collm_common.store import AdapterStore
 from collm_common.subjects import SERVICE_AGGREGATOR
-
-from collm_aggregator.service import Aggregator
-from collm_aggregator.settings import AggregatorSettings
 
 
 async def serve(ctx: ServiceContext[AggregatorSettings]) -> None:

@@ -21,6 +21,8 @@ import json
 import sys
 from typing import Any
 
+from pydantic import BaseModel
+
 from collm_common import subjects
 from collm_common.adapter_io import export_peft_dir
 from collm_common.bus import Bus, BusError
@@ -37,7 +39,6 @@ from collm_common.wire.admin import (
     RoundList,
     StatusRequest,
 )
-from pydantic import BaseModel
 
 
 async def call(

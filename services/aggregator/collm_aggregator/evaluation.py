@@ -5,6 +5,10 @@ losses with example counts (held-out data never leaves them). Losses are average
 per domain and overall. The gate compares candidate and current on the *same* examples: only entries
 that report both losses enter the comparison, so a replica that could not score the current version
 does not bias it.
+
+The current version is scored while participants train (it does not depend on the round), the candidate
+after aggregation; `pair_with_current` joins the two only where a replica scored exactly the same tokens
+(equal eval-set digests), and otherwise says that both must be scored together.
 """
 
 from __future__ import annotations
@@ -69,6 +73,32 @@ def summarize(entries: Iterable[LossEntry]) -> EvalSummary:
         num_examples=sum(e.num_examples for e in usable),
         replicas=tuple(sorted({e.replica_id for e in usable})),
     )
+
+
+@dataclass(frozen=True)
+class ScoredDomain:
+    """One replica's loss on one domain, with the digest of the held-out tokens it scored."""
+
+    domain: str
+    eval_set: str
+    loss: float
+
+
+def pair_with_current(
+    current: Iterable[ScoredDomain], candidate: Iterable[ScoredDomain]
+) -> dict[str, float] | None:
+    """The current version's loss for each of the candidate's domains, from an earlier scoring by the same
+    replica on the same eval set; None when any domain has none (its held-out data changed meanwhile, or
+    a digest is unknown): then that replica must score both versions together, so the gate never compares
+    losses measured on different examples."""
+    by_domain = {c.domain: c for c in current}
+    out: dict[str, float] = {}
+    for c in candidate:
+        cur = by_domain.get(c.domain)
+        if cur is None or not c.eval_set or cur.eval_set != c.eval_set:
+            return None
+        out[c.domain] = cur.loss
+    return out
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from redis.asyncio.client import Redis
+
 from collm_common.wire import decode, encode
 from collm_common.wire.admin import UpdateRecord
 from collm_common.wire.rounds import EvalReport, RoundOutcome, RoundPlan
-from redis.asyncio.client import Redis
 
 _FINAL = ("published", "held_back", "aborted")
 

@@ -10,8 +10,11 @@ Timeline of a round (each step publishes `RoundOutcome` on `subjects.round_event
 3. **aggregating**: when the machine closes (all heard / quorum+grace / deadline), the strategy runs in a
    worker thread on the accepted updates, weighted by samples (and staleness).
 4. **evaluating**: the candidate blob is stored (`put_update(N, "_candidate")`), replicas holding eval
-   data for the adapter's domains score it and the current version (`EvaluateCandidate` -> `EvalReport`),
-   and the gate decides.
+   data for the adapter's domains score it (`EvaluateCandidate` -> `EvalReport`), and the gate decides.
+   The current version was already scored during collection (`eval_prescore_current`: asked at the
+   opening, in parallel with training, kept for the round), so after the close replicas score only the
+   candidate; a replica whose held-out set changed since (the eval-set digests differ), or that was not
+   pre-scored, scores both versions together.
 5. **published** (CAS from the base version; `AdapterPublished`; quality recorded) or **held_back**; any
    failure or a moved pointer ends in **aborted**. A candidate is published only from this step, so a
    half-aggregated version can never become current.
@@ -33,27 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from collm_common import subjects, tracing
-from collm_common.bus import Bus, BusError
-from collm_common.clock import Clock
-from collm_common.lora import AdapterWeights, decode_adapter, encode_adapter
-from collm_common.store import AdapterStore, Conflict, CorruptBlob, NotFound, StoreError, version_id
-from collm_common.wire.adapters import AdapterPublished
-from collm_common.wire.admin import UpdateRecord
-from collm_common.wire.control import ControlReply, StartTraining
-from collm_common.wire.rounds import (
-    EvalReport,
-    EvaluateCandidate,
-    RejectedUpdate,
-    RoundOutcome,
-    RoundPlan,
-)
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from collm_aggregator import metrics
-from collm_aggregator.evaluation import EvalSummary, LossEntry, summarize
+from collm_aggregator.evaluation import EvalSummary, LossEntry, ScoredDomain, pair_with_current, summarize
 from collm_aggregator.machine import (
     Abort,
     Admitted,
@@ -74,6 +62,21 @@ from collm_aggregator.validation import (
     Expected,
     Rejection,
     check_tensors,
+)
+from collm_common import subjects, tracing
+from collm_common.bus import Bus, BusError
+from collm_common.clock import Clock
+from collm_common.lora import AdapterWeights, decode_adapter, encode_adapter
+from collm_common.store import AdapterStore, Conflict, CorruptBlob, NotFound, StoreError, version_id
+from collm_common.wire.adapters import AdapterPublished
+from collm_common.wire.admin import UpdateRecord
+from collm_common.wire.control import ControlReply, StartTraining
+from collm_common.wire.rounds import (
+    EvalReport,
+    EvaluateCandidate,
+    RejectedUpdate,
+    RoundOutcome,
+    RoundPlan,
 )
 
 from .records import RoundRecords
@@ -123,6 +126,8 @@ class RoundRunner:
     _base: AdapterWeights | None = None
     _summary: EvalSummary | None = None
     _product_error: float | None = None
+    _current: dict[str, EvalReport] = field(default_factory=dict)  # pre-scored current version, by replica
+    _prescore: asyncio.Task[None] | None = None
     _root: trace.Span | None = None
     _link: Link | None = None
 
@@ -221,6 +226,8 @@ class RoundRunner:
                 self.machine.abort(f"aggregator error: {type(exc).__name__}: {exc}", self.deps.clock.now())
         finally:
             otel_context.detach(token)
+            if self._prescore is not None and not self._prescore.done():
+                self._prescore.cancel()  # the round ended before its evaluation (aborted)
             if self.machine.final:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._finish())
@@ -261,6 +268,8 @@ class RoundRunner:
             if self.resumed_state in (None, "opened"):
                 # New, or recorded but stopped before anyone was told: (re)start the participants.
                 await self._start_participants()
+            if not closed_before and self.deps.settings.eval_prescore_current:
+                self._prescore = asyncio.create_task(self._score_current())
             await self._take_carried()
             decision = (
                 Close("resumed after the collection had closed") if closed_before else await self._collect()
@@ -541,32 +550,90 @@ class RoundRunner:
         await records.save_candidate(self.round_id, key, sha)
         return key, sha
 
-    async def _evaluate(self, key: str, sha: str) -> None:
-        s = self.deps.settings
+    async def _evaluators(self) -> list[str]:
         # A replica whose update this round refused does not judge the candidate either.
         refused = {e.replica_id for e in self.machine.all_rejections}
-        who = [
+        return [
             r
             for r in await self.deps.eval_replicas(self.plan.adapter, self.machine.participants)
             if r not in refused
         ]
+
+    async def _ask(self, rid: str, req: EvaluateCandidate) -> EvalReport | None:
+        s = self.deps.settings
+        try:
+            return await self.deps.bus.request(
+                subjects.replica(rid, "evaluate"), req, EvalReport, timeout_s=s.eval_timeout_s
+            )
+        except BusError as exc:
+            log.warning("round %s: %s could not evaluate: %s", self.round_id, rid, exc.message)
+            return None
+
+    async def _score_current(self) -> None:
+        """Score the current (base) version on every evaluator while participants train: it does not
+        depend on the round's outcome, so it need not wait for the close (kept for this round)."""
+        s = self.deps.settings
         req = EvaluateCandidate(
+            adapter=self.plan.adapter,
+            candidate_key="",
+            candidate_sha256="",
+            candidate_version=self.plan.base_version,
+            score_current=False,
+            round_id=self.round_id,
+            max_examples=s.eval_max_examples,
+            max_tokens=s.eval_max_tokens,
+        )
+
+        async def one(rid: str) -> None:
+            rep = await self._ask(rid, req)
+            if rep is not None:
+                self._current[rid] = rep
+
+        try:
+            await asyncio.gather(*(one(r) for r in await self._evaluators()))
+        except Exception as exc:  # noqa: BLE001 - only an optimisation: the close scores both instead
+            log.warning("round %s: pre-scoring the current version failed: %s", self.round_id, exc)
+
+    def _with_current(self, rid: str, cand: EvalReport) -> EvalReport | None:
+        """`cand` (candidate only) completed with the pre-scored current losses of the same eval sets."""
+        pre = self._current.get(rid)
+        if pre is None:
+            return None
+        current = pair_with_current(
+            [ScoredDomain(d.domain, d.eval_set, d.candidate_loss) for d in pre.losses],
+            [ScoredDomain(d.domain, d.eval_set, d.candidate_loss) for d in cand.losses],
+        )
+        if current is None:
+            return None
+        losses = [d.model_copy(update={"current_loss": current[d.domain]}) for d in cand.losses]
+        return cand.model_copy(update={"losses": losses})
+
+    async def _evaluate(self, key: str, sha: str) -> None:
+        s = self.deps.settings
+        if self._prescore is not None:
+            await self._prescore  # normally long done: it ran while participants trained
+        who = await self._evaluators()
+        both = EvaluateCandidate(
             adapter=self.plan.adapter,
             candidate_key=key,
             candidate_sha256=sha,
             current_version=self.plan.base_version,
             round_id=self.round_id,
             max_examples=s.eval_max_examples,
+            max_tokens=s.eval_max_tokens,
         )
+        only_candidate = both.model_copy(update={"score_current": False})
 
         async def ask(rid: str) -> EvalReport | None:
-            try:
-                return await self.deps.bus.request(
-                    subjects.replica(rid, "evaluate"), req, EvalReport, timeout_s=s.eval_timeout_s
-                )
-            except BusError as exc:
-                log.warning("round %s: %s could not evaluate: %s", self.round_id, rid, exc.message)
-                return None
+            if rid in self._current:
+                rep = await self._ask(rid, only_candidate)
+                if rep is None:
+                    return None
+                paired = self._with_current(rid, rep)
+                if paired is not None:
+                    return paired
+                log.info("round %s: %s's held-out set changed; scoring both versions", self.round_id, rid)
+            return await self._ask(rid, both)
 
         reports = [r for r in await asyncio.gather(*(ask(r) for r in who)) if r is not None]
         await self.deps.records.save_evals(self.round_id, reports)

@@ -26,6 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from collm_aggregator import metrics
+from collm_aggregator.planner import PlanConfig, PlanDraft, ReplicaView, Skip, default_plans, eligible
+from collm_aggregator.runner import RoundDeps, RoundRunner
+from collm_aggregator.settings import AggregatorSettings
+from collm_aggregator.strategies import make_strategy
+from collm_aggregator.validation import SENDER_MISMATCH, UNKNOWN_ROUND, Rejection
 from collm_common import subjects
 from collm_common.adapter_io import AdapterImportError, check_shapes, import_peft_dir, same_base_model
 from collm_common.bus import Bus, BusError, MicroService, ServiceFailure
@@ -51,15 +60,6 @@ from collm_common.wire.admin import (
 from collm_common.wire.control import ControlReply, StartTraining
 from collm_common.wire.rounds import LocalUpdate, ParticipantPlan, RoundOutcome, RoundPlan
 from collm_common.wire.telemetry import ReplicaTelemetry
-from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-from collm_aggregator import metrics
-from collm_aggregator.planner import PlanConfig, PlanDraft, ReplicaView, Skip, default_plans, eligible
-from collm_aggregator.runner import RoundDeps, RoundRunner
-from collm_aggregator.settings import AggregatorSettings
-from collm_aggregator.strategies import make_strategy
-from collm_aggregator.validation import SENDER_MISMATCH, UNKNOWN_ROUND, Rejection
 
 from .records import RoundRecords
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from collm_common.settings import CommonSettings
 from pydantic import Field, model_validator
+
+from collm_common.settings import CommonSettings
 
 
 class AggregatorSettings(CommonSettings):
@@ -60,6 +61,17 @@ class AggregatorSettings(CommonSettings):
     )
     eval_max_examples: int = Field(
         32, ge=1, description="Held-out examples each replica scores per candidate."
+    )
+    eval_max_tokens: int | None = Field(
+        4096,
+        ge=1,
+        description="Held-out tokens per domain each replica scores per version at most (at least one "
+        "example; None: examples only). With eval_max_examples, bounds the promotion gate's work.",
+    )
+    eval_prescore_current: bool = Field(
+        True,
+        description="Score the current version while participants train (at the round's opening) and only "
+        "the candidate after aggregation; a replica whose held-out set changed meanwhile scores both.",
     )
     gate_tolerance: float = Field(
         0.02,

@@ -8,7 +8,6 @@ from collm_common.bus import Bus
 from collm_common.service import ServiceContext, run_service
 from collm_common.store import AdapterStore
 from collm_common.subjects import SERVICE_COORDINATOR
-
 from collm_coordinator.service import Coordinator
 from collm_coordinator.settings import CoordinatorSettings
 

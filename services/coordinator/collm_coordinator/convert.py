@@ -16,7 +16,6 @@ from collm_common.wire.control import (
 )
 from collm_common.wire.rounds import ParticipantPlan, RoundOutcome, RoundPlan
 from collm_common.wire.telemetry import ReplicaTelemetry
-
 from collm_coordinator.core.state import ActiveRound
 from collm_coordinator.core.types import (
     Decisions,

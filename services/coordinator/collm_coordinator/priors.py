@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 from collm_common.calibration import Calibration
-
 from collm_coordinator.core.config import CostPrior
 from collm_coordinator.core.quality import fit_log_gain
 

@@ -28,6 +28,8 @@ import time
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
+from nats.aio.msg import Msg
+
 from collm_common import subjects
 from collm_common.bus import Bus, BusError, MicroService, NoResponders, ServiceFailure
 from collm_common.calibration import Calibration
@@ -44,8 +46,6 @@ from collm_common.wire.control import (
 )
 from collm_common.wire.rounds import RoundOutcome
 from collm_common.wire.telemetry import ReplicaTelemetry
-from nats.aio.msg import Msg
-
 from collm_coordinator import convert, metrics
 from collm_coordinator.core import POLICIES, CoordinatorCore, Decisions, TickInputs
 from collm_coordinator.core.types import AdapterVersionView, ReplicaObservation, RoundEvent, RoundPlanDecision

@@ -12,9 +12,9 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from collm_common.settings import CommonSettings
 from pydantic import Field, model_validator
 
+from collm_common.settings import CommonSettings
 from collm_coordinator.core.config import CoreConfig, CostPrior
 
 Policy = Literal["collm", "separate", "fixed_ratio", "leftover"]

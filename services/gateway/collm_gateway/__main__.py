@@ -2,7 +2,6 @@
 
 from collm_common import subjects
 from collm_common.service import run_service
-
 from collm_gateway.service import serve
 from collm_gateway.settings import GatewaySettings
 

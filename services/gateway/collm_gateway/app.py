@@ -16,17 +16,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from collm_common import subjects
-from collm_common.bus import Bus, MicroService
-from collm_common.clock import Clock, WallClock
-from collm_common.store import AdapterStore, version_id
-from collm_common.wire.adapters import AdapterPublished
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from collm_common import subjects
+from collm_common.bus import Bus, MicroService
+from collm_common.clock import Clock, WallClock
+from collm_common.store import AdapterStore, version_id
+from collm_common.wire.adapters import AdapterPublished
 from collm_gateway import __version__, micro
 from collm_gateway.api import chat, completions, health, models
 from collm_gateway.catalog import ModelCatalog

@@ -13,10 +13,10 @@ import logging
 import re
 from dataclasses import dataclass
 
-from collm_common.clock import Clock, WallClock
-from collm_common.store import AdapterStore, NotFound, StoreError
 from redis.exceptions import RedisError
 
+from collm_common.clock import Clock, WallClock
+from collm_common.store import AdapterStore, NotFound, StoreError
 from collm_gateway.auth import Principal, can_use_adapter
 from collm_gateway.errors import model_not_found, unavailable
 

@@ -16,7 +16,6 @@ from collm_common.bus import Bus
 from collm_common.clock import Clock
 from collm_common.wire.control import RoutingWeights
 from collm_common.wire.telemetry import ReplicaTelemetry
-
 from collm_gateway import metrics
 from collm_gateway.routing import ReplicaSnapshot, RoutingConfig, WeightsSnapshot, is_stale
 

@@ -19,6 +19,9 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from collm_common import subjects
 from collm_common.bus import Bus, BusError, NoResponders, StreamReplies
 from collm_common.clock import Clock
@@ -33,12 +36,10 @@ from collm_common.wire.inference import (
     GenerateRequest,
     TokenChunk,
 )
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
-
 from collm_gateway import errors, metrics
 from collm_gateway.cluster import ClusterView
 from collm_gateway.errors import APIError
+from collm_gateway.observe import GEN_AI_PROVIDER, response_attributes
 from collm_gateway.routing import Choice, RoutingConfig, rank_replicas
 from collm_gateway.settings import GatewaySettings
 
@@ -219,6 +220,15 @@ class Generation:
             if self.end_s is None:
                 self.end_s = self._d.clock.monotonic()
             self.span.set_attribute("collm.adapter_version", self.adapter_version_id)
+            self.span.set_attributes(
+                response_attributes(
+                    self.adapter_version_id,
+                    self._d.settings.base_model,
+                    self.prompt_tokens,
+                    self.completion_tokens,
+                    self.finished.finish_reason if self.finished else None,
+                )
+            )
             await self._stack.aclose()
 
 
@@ -309,6 +319,8 @@ class Dispatcher:
                 "collm.adapter": req.adapter or "",
                 "collm.attempt": attempt,
                 "collm.routing_source": choice.source,
+                "gen_ai.provider.name": GEN_AI_PROVIDER,
+                "gen_ai.request.model": req.adapter or self.settings.base_model,
             },
         )
         stack.callback(span.end)

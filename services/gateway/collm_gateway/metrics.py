@@ -2,9 +2,17 @@
 
 Latencies are what the client sees from the gateway: TTFT from the request's arrival to the first
 token chunk, TPOT = (e2e - TTFT) / (completion tokens - 1) as in DESIGN.md, e2e to the last event.
+
+Request counts and latencies are labelled by model (the base model id or the adapter name) and by the
+exact adapter version that served (`medical@v7`, `base`). Versions only grow, so `VersionSeries` keeps
+the series of the `versions_per_model` most recently seen versions of each model and removes older
+ones: the number of series stays bounded however many rounds publish.
 """
 
 from __future__ import annotations
+
+import threading
+from collections import OrderedDict
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -25,17 +33,20 @@ GOOD_REQUESTS = Counter(
 )
 TTFT = Histogram(
     "collm_gateway_ttft_seconds",
-    "Time to first token seen by the gateway",
-    ["model"],
+    "Time to first token seen by the gateway, by model and exact adapter version",
+    ["model", "adapter_version"],
     buckets=_LATENCY_BUCKETS_S,
 )
 TPOT = Histogram(
-    "collm_gateway_tpot_seconds", "Time per output token after the first", ["model"], buckets=_TPOT_BUCKETS_S
+    "collm_gateway_tpot_seconds",
+    "Time per output token after the first, by model and exact adapter version",
+    ["model", "adapter_version"],
+    buckets=_TPOT_BUCKETS_S,
 )
 E2E = Histogram(
     "collm_gateway_e2e_seconds",
-    "End-to-end latency of completed requests",
-    ["model"],
+    "End-to-end latency of completed requests, by model and exact adapter version",
+    ["model", "adapter_version"],
     buckets=_LATENCY_BUCKETS_S,
 )
 COMPLETION_TOKENS = Counter(
@@ -54,6 +65,41 @@ REPLICA_CHOICE = Counter(
 CANCELS = Counter("collm_gateway_cancels_total", "Cancel requests sent to replicas, by reason", ["reason"])
 FRESH_REPLICAS = Gauge("collm_gateway_fresh_replicas", "Replicas with fresh telemetry")
 WEIGHTS_FACTOR = Gauge(
-    "collm_gateway_routing_weights_factor",
+    "collm_gateway_routing_weights_ratio",
     "Influence of the coordinator's routing weights at the last decision (1 fresh, 0 ignored)",
 )
+
+
+class VersionSeries:
+    """Bounds the version-labelled series: per model, the `versions_per_model` latest versions seen."""
+
+    def __init__(self, versions_per_model: int = 8) -> None:
+        self.versions_per_model = versions_per_model
+        self._seen: dict[str, OrderedDict[str, set[str]]] = {}  # model -> version -> statuses
+        self._lock = threading.Lock()
+
+    def touch(self, model: str, version: str, status: str) -> list[str]:
+        """Note a request of `model@version`; returns the versions whose series were just removed."""
+        with self._lock:
+            versions = self._seen.setdefault(model, OrderedDict())
+            versions.setdefault(version, set()).add(status)
+            versions.move_to_end(version)
+            evicted = []
+            while len(versions) > self.versions_per_model:
+                old, statuses = versions.popitem(last=False)
+                evicted.append(old)
+                for st in statuses:
+                    _remove(REQUESTS, model, old, st)
+                for hist in (TTFT, TPOT, E2E):
+                    _remove(hist, model, old)
+            return evicted
+
+
+def _remove(metric: Counter | Histogram, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:  # never observed with these labels (e.g. no TPOT for one-token answers)
+        pass
+
+
+VERSIONS = VersionSeries()

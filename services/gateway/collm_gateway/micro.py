@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from collm_common import subjects
 from collm_common.bus import Bus, MicroService
 from collm_common.wire.gateway import GatewayReplicaView, GatewayStatus, GatewayStatusRequest
-
 from collm_gateway.cluster import ClusterView
 from collm_gateway.routing import is_stale, weights_factor
 from collm_gateway.settings import GatewaySettings

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from collm_common.wire.inference import ChatMessage, SamplingParams, SloTargets
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from collm_common.wire.inference import ChatMessage, SamplingParams, SloTargets
 from collm_gateway.errors import bad_request
 from collm_gateway.settings import GatewaySettings
 

@@ -12,10 +12,10 @@ import contextlib
 import logging
 
 import uvicorn
+
 from collm_common.bus import Bus
 from collm_common.service import ServiceContext
 from collm_common.store import AdapterStore
-
 from collm_gateway.app import build_app
 from collm_gateway.settings import GatewaySettings
 

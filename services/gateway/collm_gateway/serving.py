@@ -4,7 +4,8 @@ Errors before any token has been sent are HTTP errors (the route's exception han
 envelope). Once a stream has started, an error is sent as `data: {"error": {...}}` and the stream
 still ends with `data: [DONE]`. Response headers `x-collm-replica` and `x-collm-adapter-version` (and
 `system_fingerprint` in the body) name what served the request; they are known before the first byte
-because the gateway waits for the replica's `Accepted` before answering.
+because the gateway waits for the replica's `Accepted` before answering. `x-collm-trace-id` carries the
+request's trace id when tracing is on: an operator finds that one request in Jaeger and in the logs.
 
 A client that disconnects cancels its generation on the replica: for streams through
 `GenerationEventStream` (which always releases the generation, whatever ended the response), for
@@ -20,20 +21,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
-from collm_common.clock import Clock
-from collm_common.wire.inference import Finished, GenerateRequest, TokenChunk
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import KEEPALIVE_COMMENT, EventSourceResponse
 from opentelemetry import trace
 from starlette.types import Receive, Scope, Send
 
+from collm_common.clock import Clock
+from collm_common.tracing import current_trace_id
+from collm_common.wire.inference import Finished, GenerateRequest, TokenChunk
 from collm_gateway import metrics
 from collm_gateway.auth import Principal
 from collm_gateway.catalog import ModelCatalog
 from collm_gateway.dispatch import Dispatcher, Generation
 from collm_gateway.errors import APIError
-from collm_gateway.observe import CLIENT_CLOSED, RequestRecord, record
+from collm_gateway.observe import CLIENT_CLOSED, RequestRecord, annotate, record, request_attributes
 from collm_gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingIn
 from collm_gateway.settings import GatewaySettings
 from collm_gateway.shapes import DONE_EVENT, ChatShape, Shape, StreamIdentity, TextShape, fingerprint, sse
@@ -41,6 +43,7 @@ from collm_gateway.shapes import DONE_EVENT, ChatShape, Shape, StreamIdentity, T
 REPLICA_HEADER = "x-collm-replica"
 ADAPTER_VERSION_HEADER = "x-collm-adapter-version"
 REQUEST_ID_HEADER = "x-request-id"
+TRACE_ID_HEADER = "x-collm-trace-id"  # the request's trace: find it in Jaeger, grep it in the JSON logs
 
 
 class GenerationEventStream(EventSourceResponse):
@@ -141,6 +144,12 @@ class CompletionServing:
             wire = self._wire_request(body, request_id, ref.adapter, ref.version, principal, slo)
             span.set_attribute("collm.model", body.model)
             span.set_attribute("collm.request_id", request_id)
+            sp = wire.sampling
+            span.set_attributes(
+                request_attributes(
+                    endpoint, body.model, request_id, sp.max_tokens, sp.temperature, sp.top_p, body.stream
+                )
+            )
             gen = await self.dispatcher.start(wire, arrival_s + self.settings.request_deadline_s)
             rec.replica_id = gen.replica_id
             rec.adapter_version_id = gen.adapter_version_id
@@ -160,9 +169,12 @@ class CompletionServing:
                 ADAPTER_VERSION_HEADER: gen.adapter_version_id,
                 REQUEST_ID_HEADER: request_id,
             }
+            trace_id = current_trace_id()
+            if trace_id:
+                headers[TRACE_ID_HEADER] = trace_id
             if body.stream:
                 response = GenerationEventStream(
-                    self._stream(gen, shape, ident, body.include_usage, rec),
+                    self._stream(gen, shape, ident, body.include_usage, rec, span),
                     headers=headers,
                     on_close=lambda: self._finish(gen, rec, span),
                 )
@@ -185,8 +197,19 @@ class CompletionServing:
         finally:
             if not handed_over:
                 rec.end_s = rec.end_s or self.clock.monotonic()
-                record(rec, span)
+                record(rec, span, self.settings.base_model)
                 metrics.IN_FLIGHT.dec()
+
+    @staticmethod
+    def _absorb(gen: Generation, rec: RequestRecord) -> None:
+        """Copy what the generation knows (timing, usage, exact version) into the request's record."""
+        rec.first_token_s = gen.first_token_s
+        rec.end_s = gen.end_s
+        rec.completion_tokens = gen.completion_tokens
+        rec.prompt_tokens = gen.prompt_tokens
+        rec.adapter_version_id = gen.adapter_version_id
+        if gen.finished is not None:
+            rec.finish_reason = gen.finished.finish_reason
 
     async def _finish(self, gen: Generation, rec: RequestRecord, span: trace.Span) -> None:
         """Release the generation (cancel on the replica if unfinished) and write the record once."""
@@ -197,18 +220,18 @@ class CompletionServing:
         try:
             await gen.aclose("client_disconnected" if rec.status == CLIENT_CLOSED else "gateway_error")
         finally:
-            rec.first_token_s = gen.first_token_s
-            rec.end_s = gen.end_s
-            rec.completion_tokens = gen.completion_tokens
-            rec.prompt_tokens = gen.prompt_tokens
-            rec.adapter_version_id = gen.adapter_version_id
-            if gen.finished is not None:
-                rec.finish_reason = gen.finished.finish_reason
-            record(rec, span)
+            self._absorb(gen, rec)
+            record(rec, span, self.settings.base_model)
             metrics.IN_FLIGHT.dec()
 
     async def _stream(
-        self, gen: Generation, shape: Shape, ident: StreamIdentity, include_usage: bool, rec: RequestRecord
+        self,
+        gen: Generation,
+        shape: Shape,
+        ident: StreamIdentity,
+        include_usage: bool,
+        rec: RequestRecord,
+        span: trace.Span | None = None,
     ) -> AsyncIterator[bytes]:
         opening = shape.opening(ident)
         if opening is not None:
@@ -228,6 +251,9 @@ class CompletionServing:
         except APIError as err:
             rec.status, rec.error = err.status, err.message
             yield sse(err.body())
+        # The HTTP span ends with the last byte: write the outcome on it now (the record follows on close).
+        self._absorb(gen, rec)
+        annotate(rec, span, self.settings.base_model)
         yield DONE_EVENT
 
     async def _complete(

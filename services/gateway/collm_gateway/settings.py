@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import socket
 
-from collm_common.settings import CommonSettings
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from collm_common.settings import CommonSettings
 
 
 class SloDefaults(BaseModel):

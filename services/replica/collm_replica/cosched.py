@@ -1,20 +1,28 @@
 """Co-scheduling of fine-tuning with inference, decided once per iteration (pure: no torch, no asyncio).
 
-Each iteration the engine asks the policy how many training tokens (one micro-step) to run after the
-inference step it is about to execute; 0 means none. Three policies share the interface:
+Each iteration the engine asks the policy how much training to run after the inference step it is about
+to execute: `budget_ms(inp)`, the time training may take before the next iteration must start (the
+engine runs training in pieces of about one decoder layer, as many as fit), or, for callers that run
+whole micro-steps (the simulator), `decide(inp)`, the tokens of one micro-step; 0 means none. Three
+policies share the interface:
 
-* `SloAwareCoScheduler` (CoLLM): trains only when the micro-step fits in the *slack* of every request,
-  i.e. the earliest next-token deadline (TPOT SLO, accumulated: a request ahead of its budget has slack)
-  or TTFT deadline (minus the prefill still ahead of it) minus the cost of this iteration, and in a share
-  of the TTFT SLO (so a request arriving during the micro-step still meets its TTFT); and only while
-  the fine-tuning *share* allows it (time credit: training may use `share` of the wall time while there is
-  inference work; an idle replica trains freely). When load rises, slack vanishes and training stops at
-  the next iteration.
+* `SloAwareCoScheduler` (CoLLM): trains only in the *slack* of every request, i.e. the earliest time the
+  next iteration must start for every request to stay within its SLO (`deadlines_s`: a decoding request's
+  accumulated TPOT budget, so one ahead of its budget has slack; a waiting or prefilling request's TTFT
+  deadline minus the prefill still ahead of it) minus the cost of this iteration and a margin, of which it
+  spends `slack_frac`; within a share of the TTFT SLO (`max_train_ms`, so a request arriving meanwhile
+  still meets its TTFT); and only while the fine-tuning *share* allows it (time credit: training may use
+  `share` of the wall time while there is inference work). An idle replica trains in `max_train_ms`
+  stretches back to back, i.e. at full speed, and always makes progress: `decide` never returns fewer
+  than `min_tokens` when idle, so a micro-step that a cost model predicts longer than the guard cannot
+  starve training forever. When load rises, slack vanishes and training stops at the next iteration.
 * `FixedRatioCoScheduler` (Loquetier-style naive co-location): one full training step (a whole
   accumulation batch) every K iterations, whatever the load.
 * `LeftoverCoScheduler` (FlexLLM-style): fills the token budget the running batch leaves spare.
 
 `NoTraining` is fine-tuning off. All of them return 0 when there is no job or the share is 0.
+`background_budget_ms` is the same slack rule without share or job, for background work that is not
+fine-tuning (a federated evaluation on the publication's critical path).
 """
 
 from __future__ import annotations
@@ -77,12 +85,33 @@ class CoScheduler(Protocol):
         """Account a training micro-step that ran."""
         ...
 
+    # Additive: `budget_ms(inp) -> float`, the training time (ms) that fits after this step. Policies
+    # without it are run by the engine as `inp.train.ms(decide(inp))`.
+
+
+def slack_ms(inp: CoSchedInput, margin_ms: float) -> float:
+    """Time (ms) between the end of this iteration's inference step and the latest start of the next."""
+    if not inp.deadlines_s:
+        return float("inf")
+    return (min(inp.deadlines_s) - inp.now_s) * 1e3 - inp.step_ms - margin_ms
+
+
+def background_budget_ms(inp: CoSchedInput, margin_ms: float = 10.0, slack_frac: float = 0.5) -> float:
+    """Time for background work after this step that keeps every request within its SLO: `max_train_ms`
+    when idle, else `slack_frac` of the slack, capped at `max_train_ms` (never negative)."""
+    if inp.idle:
+        return inp.max_train_ms
+    return max(0.0, min(slack_ms(inp, margin_ms) * slack_frac, inp.max_train_ms))
+
 
 class NoTraining:
     name = "off"
 
     def decide(self, inp: CoSchedInput) -> int:  # noqa: ARG002
         return 0
+
+    def budget_ms(self, inp: CoSchedInput) -> float:  # noqa: ARG002
+        return 0.0
 
     def charge(self, train_ms: float) -> None:  # noqa: ARG002
         return None
@@ -112,25 +141,30 @@ class SloAwareCoScheduler:
         self._last_s = inp.now_s
 
     def slack_ms(self, inp: CoSchedInput) -> float:
-        if not inp.deadlines_s:
-            return float("inf")
-        return (min(inp.deadlines_s) - inp.now_s) * 1e3 - inp.step_ms - self.margin_ms
+        return slack_ms(inp, self.margin_ms)
 
-    def decide(self, inp: CoSchedInput) -> int:
+    def budget_ms(self, inp: CoSchedInput) -> float:
+        """Training time (ms) that fits after this step (0: none); inf only when nothing bounds it."""
         self._accrue(inp)
         if not inp.has_job or inp.share <= 0:
-            return 0
-        if inp.idle:  # nothing to serve: training takes the idle time, in steps a new arrival can wait out
-            if inp.max_train_ms == float("inf"):
-                return inp.micro_tokens
-            tokens = min(inp.micro_tokens, inp.train.tokens_within(inp.max_train_ms))
-            return tokens if tokens >= inp.min_tokens else 0
+            return 0.0
+        if inp.idle:  # nothing to serve: training takes the idle time, in stretches an arrival can wait out
+            return inp.max_train_ms
         if self.credit_ms <= 0:
+            return 0.0
+        # The credit gates training on and off (the share is a long-run time budget); it does not cut a
+        # stretch short, so a small share still trains in stretches long enough to be efficient.
+        return max(0.0, min(self.slack_ms(inp) * self.slack_frac, inp.max_train_ms))
+
+    def decide(self, inp: CoSchedInput) -> int:
+        budget = self.budget_ms(inp)
+        if budget <= 0:
             return 0
-        budget_ms = min(self.slack_ms(inp) * self.slack_frac, inp.max_train_ms)
-        if budget_ms == float("inf"):
+        if budget == float("inf"):
             return inp.micro_tokens
-        tokens = min(inp.micro_tokens, inp.train.tokens_within(budget_ms))
+        tokens = min(inp.micro_tokens, inp.train.tokens_within(budget))
+        if inp.idle:  # progress guarantee: an idle replica always trains
+            return max(tokens, min(inp.min_tokens, inp.micro_tokens))
         return tokens if tokens >= inp.min_tokens else 0
 
     def charge(self, train_ms: float) -> None:
@@ -154,6 +188,10 @@ class FixedRatioCoScheduler:
             return inp.batch_tokens
         return inp.batch_tokens if inp.iteration % self.every == 0 else 0
 
+    def budget_ms(self, inp: CoSchedInput) -> float:
+        tokens = self.decide(inp)
+        return inp.train.ms(tokens) if tokens > 0 else 0.0
+
     def charge(self, train_ms: float) -> None:  # noqa: ARG002
         return None
 
@@ -170,13 +208,24 @@ class LeftoverCoScheduler:
         tokens = min(spare, inp.micro_tokens) if not inp.idle else inp.micro_tokens
         return tokens if tokens >= inp.min_tokens else 0
 
+    def budget_ms(self, inp: CoSchedInput) -> float:
+        tokens = self.decide(inp)
+        return inp.train.ms(tokens) if tokens > 0 else 0.0
+
     def charge(self, train_ms: float) -> None:  # noqa: ARG002
         return None
 
 
-def make_coscheduler(name: str, fixed_every: int = 8) -> CoScheduler:
+def make_coscheduler(
+    name: str, fixed_every: int = 8, slack_frac: float | None = None, margin_ms: float | None = None
+) -> CoScheduler:
     if name == "slo":
-        return SloAwareCoScheduler()
+        kw: dict[str, float] = {}
+        if slack_frac is not None:
+            kw["slack_frac"] = slack_frac
+        if margin_ms is not None:
+            kw["margin_ms"] = margin_ms
+        return SloAwareCoScheduler(**kw)
     if name == "fixed":
         return FixedRatioCoScheduler(fixed_every)
     if name == "leftover":

@@ -2,6 +2,9 @@
 
 `LinearCost` fits `ms = fixed + per_unit * units` by exponentially weighted least squares, so the
 co-scheduler's predictions follow the machine (other load, thermal state) within a few dozen samples.
+`PieceCosts` keeps one such model per kind of background piece (a layer's forward or backward of a
+training micro-step, an LM-head chunk, an evaluation layer, the optimizer step), so the engine can run
+exactly as much background work as fits the time the co-scheduler grants.
 `LatencyWindow` keeps finished requests of the last `window_s` seconds for percentiles and SLO attainment.
 """
 
@@ -45,6 +48,42 @@ class LinearCost:
     def predict(self, units: float) -> float:
         fixed, per = self.params()
         return fixed + per * units
+
+
+class PieceCosts:
+    """Predicted ms of one piece of background work, by kind, learnt online.
+
+    Kinds (units): `fwd`, `bwd`, `eval_fwd` (one decoder layer; padded tokens of the batch), `head`,
+    `eval_head` (one LM-head chunk; labelled rows), `opt` (one optimizer step; 1). The defaults are a
+    little above SmolLM2-135M's on one CPU core, so the first pieces are sized conservatively.
+    """
+
+    DEFAULTS: dict[str, tuple[float, float]] = {
+        "fwd": (3.0, 0.11),
+        "bwd": (3.0, 0.2),
+        "head": (1.0, 1.2),
+        "eval_fwd": (3.0, 0.11),
+        "eval_head": (1.0, 0.6),
+        "opt": (15.0, 0.0),
+    }
+
+    def __init__(self, defaults: dict[str, tuple[float, float]] | None = None) -> None:
+        self.models = {k: LinearCost(*v) for k, v in {**self.DEFAULTS, **(defaults or {})}.items()}
+
+    def predict(self, kind: str, units: float) -> float:
+        return max(0.0, self.models[kind].predict(units))
+
+    def observe(self, kind: str, units: float, ms: float) -> None:
+        self.models[kind].observe(units, ms)
+
+    def micro_step(self, n_layers: int, label_frac: float = 0.5, head_rows: int = 64) -> tuple[float, float]:
+        """(fixed_ms, per_token_ms) of a whole training micro-step of n tokens, from the pieces' models."""
+        f_fwd, p_fwd = self.models["fwd"].params()
+        f_bwd, p_bwd = self.models["bwd"].params()
+        f_head, p_head = self.models["head"].params()
+        fixed = n_layers * (f_fwd + f_bwd) + f_head
+        per = n_layers * (p_fwd + p_bwd) + label_frac * (p_head + f_head / max(1, head_rows))
+        return fixed, per
 
 
 def percentile(values: list[float], q: float) -> float | None:

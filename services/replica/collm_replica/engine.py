@@ -11,10 +11,14 @@ Each iteration:
 1. take new requests and commands (adapter installs and shadow refreshes happen here, at the boundary,
    as a copy into a free LoRA-bank slot: running requests keep reading their own slot);
 2. `batching.plan_iteration` picks decode tokens and prefill chunks within the token and KV budgets;
-3. the co-scheduler decides whether a training micro-step fits after this step;
+3. the co-scheduler decides how much background time fits after this step (the slack of every request,
+   from the cost model's estimates of this step and the next);
 4. the executor runs the ragged multi-adapter batch; tokens are sampled, detokenized, stop-checked and
    streamed;
-5. a background evaluation chunk and/or the training micro-step run.
+5. background work runs in pieces of about one decoder layer (`executor.LayerPass`) while the next
+   piece is predicted to end within that time: first federated evaluations (on a publication's critical
+   path; at least one piece per iteration, so they progress under any load), then training micro-steps
+   (which resume at the next iteration where they stopped). An idle replica chains pieces back to back.
 
 Adapter identity: a request is bound at admission to an exact version id (`base`, `name@vN`, or a local
 refresh `name@vN+<replica>.<k>`), which pins its slot until it finishes; `Accepted` and `Finished` carry
@@ -36,20 +40,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from collm_common.data import Example, LocalDataset
 from collm_common.lora import AdapterWeights
 from collm_common.wire.inference import Accepted, Finished, GenerateError, TokenChunk
 from collm_common.wire.telemetry import ResidentAdapter, TrainingJobStatus
-
-from collm_replica.batching import BatchConfig, SeqView, plan_iteration
-from collm_replica.cosched import CoSchedInput, CoScheduler, TrainCost, effective_share, make_coscheduler
-from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost
+from collm_replica.batching import BatchConfig, Plan, SeqView, plan_iteration
+from collm_replica.cosched import (
+    CoSchedInput,
+    CoScheduler,
+    TrainCost,
+    background_budget_ms,
+    effective_share,
+    make_coscheduler,
+)
+from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, PieceCosts
 from collm_replica.executor import Executor, ForwardItem, SeqKV
 from collm_replica.lora_bank import LiveLora, LoraBank, parse_adapter
 from collm_replica.lru import VersionLru
 from collm_replica.models import LoadedModel
 from collm_replica.sampling import IncrementalDetokenizer, StopMatcher, make_generator, sample_token
-from collm_replica.training import EvalRun, JobConfig, JobSpec, TrainingJob, render_example
+from collm_replica.training import (
+    TRAIN_HEAD_ROWS,
+    EvalRun,
+    JobConfig,
+    JobSpec,
+    PieceWork,
+    Rendered,
+    TrainingJob,
+    eval_set_digests,
+    render_example,
+    select_eval_items,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +123,11 @@ class EngineConfig:
     slo_window_s: float = 30.0
     round_deadline_margin_s: float = 3.0
     eval_fraction: float = 0.1
-    train_guard_frac: float = 0.4  # a micro-step under load lasts at most this share of the TTFT SLO
+    train_guard_frac: float = 0.4  # background work between iterations: at most this share of the TTFT SLO
+    train_slack_frac: float = 0.5  # share of the requests' slack that background work may use
+    eval_max_tokens: int | None = 4096  # held-out tokens per domain an evaluation request scores at most
+    eval_cache_entries: int = 64  # evaluation results kept (by weights digest and eval set)
+    refresh_slot_wait_s: float = 60.0  # a local job whose refreshes find no slot this long fails
 
     @classmethod
     def from_settings(cls, s: Any) -> EngineConfig:
@@ -128,6 +154,8 @@ class EngineConfig:
             round_deadline_margin_s=s.round_deadline_margin_s,
             eval_fraction=s.eval_fraction,
             train_guard_frac=s.ft_guard_frac,
+            train_slack_frac=s.ft_slack_frac,
+            eval_max_tokens=s.eval_max_tokens,
         )
 
 
@@ -260,7 +288,9 @@ class Engine:
             loaded.device,
         )
         self.executor.bank = self.bank
-        self.cosched = coscheduler or make_coscheduler(self.cfg.coscheduler, self.cfg.fixed_every_iterations)
+        self.cosched = coscheduler or make_coscheduler(
+            self.cfg.coscheduler, self.cfg.fixed_every_iterations, slack_frac=self.cfg.train_slack_frac
+        )
         self.dataset = dataset or LocalDataset([], [])
         self.on_job_event = on_job_event
         self.clock = clock
@@ -282,7 +312,10 @@ class Engine:
         self.kv_reserved = 0
         self.jobs: dict[str, TrainingJob] = {}
         self._job_rr = 0
-        self._evals: deque[tuple[list[EvalRun], Future[Any], Callable[[list[EvalRun]], Any]]] = deque()
+        # Pending evaluations, highest priority first (then FIFO): (priority, runs, future, finish).
+        self._evals: list[tuple[int, list[EvalRun], Future[Any], Callable[[list[EvalRun]], Any]]] = []
+        self._eval_cache: dict[tuple[str, str], EvalRun] = {}
+        self._render_cache: dict[tuple[Example, int], Rendered | None] = {}
         self._pending_installs: list[tuple[float, Callable[[], bool]]] = []
         self.training_paused = False
         self._share: float | None = None
@@ -294,7 +327,7 @@ class Engine:
 
         # Costs and counters.
         self.step_cost = LinearCost(fixed_ms=5.0, per_unit_ms=2.0)
-        self.train_cost = LinearCost(fixed_ms=10.0, per_unit_ms=6.0)
+        self.piece_costs = PieceCosts()
         self._decode_ms: dict[int, float] = {}
         self._prefill_ms_per_token: float | None = None
         self._train_step_ms: float | None = None
@@ -306,7 +339,11 @@ class Engine:
         self.ft_loss: float | None = None
         self.errors_total = 0
         self.infer_ms_total = 0.0  # wall time of inference iterations (forward, sampling, streaming)
-        self.train_ms_total = 0.0  # wall time of training micro-steps
+        self.train_ms_total = 0.0  # wall time of training pieces
+        self.eval_ms_total = 0.0  # wall time of evaluation pieces (requests and jobs' own evaluations)
+        self.longest_background_ms = 0.0  # longest stretch of background work between two iterations
+        self._live_work: PieceWork | None = None  # the job's work of the stretch in progress
+        self.last_work: PieceWork | None = None  # the last stretch of training (for tests and benchmarks)
 
     # ===================================================================================== lifecycle
     def start(self) -> None:
@@ -469,9 +506,15 @@ class Engine:
         self._command(lambda: setattr(self, "training_paused", False))
 
     def add_examples(self, examples: list[Example]) -> Future[int]:
+        """Add new local samples (split by the stable hash of their id, as when they are loaded again
+        after a restart); an id already present is ignored (a redelivered sample)."""
+
         def apply() -> int:
+            known = {e.id for e in self.dataset.train} | {e.id for e in self.dataset.eval}
             for e in examples:
-                self.dataset.add(e, self.cfg.eval_fraction)
+                if e.id not in known:
+                    self.dataset.add(e, self.cfg.eval_fraction)
+                    known.add(e.id)
             return len(self.dataset.train) + len(self.dataset.eval)
 
         return self._call(apply)
@@ -492,7 +535,9 @@ class Engine:
             if old is not None:
                 old.stop()
             train, held = self.examples_for(spec.adapter)
-            job = TrainingJob(spec, self.executor, self.tok, train, held, self.cfg.job, wall=self.wall)
+            job = TrainingJob(
+                spec, self.executor, self.tok, train, held, self.cfg.job, wall=self.wall, render=self._render
+            )
             if job.state == "failed":
                 raise EngineRefusal(409, f"cannot train {spec.adapter}: {job.message}", "conflict")
             self.jobs[spec.adapter] = job
@@ -526,30 +571,75 @@ class Engine:
         candidates: list[tuple[str, AdapterWeights | None]],
         max_examples: int = 64,
         adapter: str | None = None,
+        max_tokens: int | None = None,
+        digests: list[str | None] | None = None,
+        priority: int = 0,
     ) -> Future[dict[str, EvalRun]]:
         """Held-out loss of each candidate (None: the base model) on the local eval split, per domain.
 
-        Runs in chunks between iterations (never one long stall)."""
+        Scores at most `max_examples` examples and (with the engine's `eval_max_tokens`) at most that many
+        tokens per domain, the same items for every candidate. Runs in pieces between iterations: at full
+        speed on an idle replica, in the slack under load, at least one piece per iteration. `digests`
+        (one per candidate: the sha256 of its blob, "base" for None, None: unknown) key a cache of
+        results, so the same weights on the same items are scored once. Higher `priority` goes first
+        (a candidate on a publication's critical path before a background pre-scoring). The runs carry
+        `eval_set`, the digest of the items per domain (`training.eval_set_digests`)."""
         fut: Future[dict[str, EvalRun]] = Future()
+        labels = [label for label, _ in candidates]
+        keys = list(digests) if digests is not None else [None] * len(candidates)
+        caps = [m for m in (max_tokens, self.cfg.eval_max_tokens) if m is not None]
 
         def apply() -> None:
-            _, held = self.examples_for(adapter) if adapter else ([], list(self.dataset.eval))
-            items = [
-                r for e in held[:max_examples] if (r := render_example(self.tok, e, self.cfg.job.max_seq_len))
-            ]
-            runs = []
-            for _label, w in candidates:
-                live = (
-                    LiveLora.from_weights(w, self.executor.n_layers, self.executor.shapes, self.loaded.dtype,
-                                          self.loaded.device)
-                    if w is not None else None
-                )  # fmt: skip
-                runs.append(EvalRun(items, live, self.cfg.job.eval_chunk_tokens))
-            labels = [label for label, _ in candidates]
-            self._evals.append((runs, fut, lambda rs: dict(zip(labels, rs, strict=True))))
+            try:
+                _, held = self.examples_for(adapter) if adapter else ([], list(self.dataset.eval))
+                rendered = [r for e in held if (r := self._render(e)) is not None]
+                items = select_eval_items(rendered, max_examples, min(caps) if caps else None)
+                eval_set = eval_set_digests(items, self.cfg.job.max_seq_len)
+                set_key = "|".join(f"{d}={h}" for d, h in sorted(eval_set.items()))
+                runs: list[EvalRun] = []
+                todo: list[EvalRun] = []
+                for (_label, w), key in zip(candidates, keys, strict=True):
+                    cached = self._eval_cache.get((key, set_key)) if key else None
+                    if cached is not None:
+                        runs.append(cached)
+                        continue
+                    live = (
+                        LiveLora.from_weights(w, self.executor.n_layers, self.executor.shapes,
+                                              self.loaded.dtype, self.loaded.device)
+                        if w is not None else None
+                    )  # fmt: skip
+                    run = EvalRun(items, live, self.cfg.job.eval_chunk_tokens, eval_set=eval_set)
+                    run.cache_key = (key, set_key) if key else None
+                    runs.append(run)
+                    todo.append(run)
+            except Exception as exc:  # noqa: BLE001 - delivered to the caller
+                fut.set_exception(exc)
+                return
+
+            def finish(_rs: list[EvalRun]) -> dict[str, EvalRun]:
+                for run in todo:
+                    if run.cache_key is not None:
+                        run.live = None  # the weights are not needed any more
+                        self._eval_cache[run.cache_key] = run
+                while len(self._eval_cache) > self.cfg.eval_cache_entries:
+                    self._eval_cache.pop(next(iter(self._eval_cache)))
+                return dict(zip(labels, runs, strict=True))
+
+            if not todo:
+                fut.set_result(finish([]))
+                return
+            pos = next((i for i, e in enumerate(self._evals) if e[0] < priority), len(self._evals))
+            self._evals.insert(pos, (priority, todo, fut, finish))
 
         self._command(apply)
         return fut
+
+    def _render(self, e: Example) -> Rendered | None:
+        """Render through the chat template once per example (cached: examples are immutable)."""
+        key = (e, self.cfg.job.max_seq_len)
+        if key not in self._render_cache:
+            self._render_cache[key] = render_example(self.tok, e, self.cfg.job.max_seq_len)
+        return self._render_cache[key]
 
     def snapshot(self) -> EngineSnapshot:
         now = self.clock()
@@ -567,6 +657,9 @@ class Engine:
                 for r in sorted(self._lru.by_id.values(), key=lambda r: r.version_id)
             ]
             queue_len = self._n_waiting
+            live = self._live_work  # a stretch of training in progress counts as it goes
+            ft_tokens_total = self.ft_tokens_total + (live.train_tokens if live else 0)
+            train_ms_total = self.train_ms_total + (live.train_ms if live else 0.0)
         decode = dict(self._decode_ms)
         return EngineSnapshot(
             queue_len=queue_len,
@@ -576,9 +669,9 @@ class Engine:
             generated_tokens_total=self.generated_tokens_total,
             prefill_tokens_total=self.prefill_tokens_total,
             arrivals_total=self.arrivals_total,
-            ft_tokens_total=self.ft_tokens_total,
+            ft_tokens_total=ft_tokens_total,
             infer_ms_total=self.infer_ms_total,
-            train_ms_total=self.train_ms_total,
+            train_ms_total=train_ms_total,
             ft_share=share,
             ft_share_source=source,
             ft_loss=self.ft_loss,
@@ -685,29 +778,51 @@ class Engine:
             if seq.req.span is not None:
                 seq.req.span.add_event("prefill_start", {"queue_ms": (now - seq.t_arrival) * 1e3})
 
-        train_tokens, job = self._decide_training(now, plan.tokens)
+        step_ms, train_ms, eval_ms, job, idle = self._decide_background(now, plan)
         worked = False
         if plan.items:
             t0 = time.perf_counter()
             self._execute(plan.items)
             self.infer_ms_total += (time.perf_counter() - t0) * 1e3
             worked = True
+        # Background work: the windows are absolute (from the decision), so an inference step slower than
+        # predicted shortens them, and evaluation time counts against training's window.
+        t_bg = time.perf_counter()
         if self._evals:
-            self._eval_chunk()
-            worked = True
-        if train_tokens > 0 and job is not None:
-            worked = self._train(job, train_tokens) or worked
+            worked = self._eval_work(now + (step_ms + eval_ms) / 1e3) or worked
+        if train_ms > 0 and job is not None:
+            force = idle and not self._evals  # pending evaluations come first, even when idle
+            worked = self._train_work(job, now + (step_ms + train_ms) / 1e3, force_one=force) or worked
+        bg_ms = (time.perf_counter() - t_bg) * 1e3
+        if bg_ms > self.longest_background_ms:
+            self.longest_background_ms = bg_ms
         return worked
 
     # --- scheduling helpers ---------------------------------------------------------------------------
-    def _deadlines(self, now: float) -> tuple[float, ...]:
+    def _decode_ms_at(self, batch: int) -> float:
+        """Predicted cost of a decode step of `batch` sequences (measured when seen, else the fit)."""
+        return self._decode_ms.get(batch) or self.step_cost.predict(batch)
+
+    def _deadlines(self, now: float, plan: Plan | None = None) -> tuple[float, ...]:
+        """Per request, the latest time the iteration *after* this one may start for the request to stay
+        within its SLO, given the work `plan` gives it in this one: background work between the two must
+        end by then. A decoding request's next token is due at `t_first + k * tpot_slo` (k: its index; a
+        request ahead of its budget has slack) and takes one decode step; a prefilling or waiting request
+        must get its first token by `arrival + ttft_slo`, after the prefill still ahead of it."""
         fixed, per_tok = self.step_cost.params()
+        n_tokens = dict(plan.items) if plan is not None else {}
+        next_step_s = self._decode_ms_at(max(1, len(self.running))) / 1e3
         out = []
         for s in self.running:
-            if s.t_first is None:
-                out.append(s.t_arrival + s.ttft_slo - (s.prompt_len - s.computed) * per_tok / 1e3)
+            n = n_tokens.get(s.req.request_id, 0)
+            if s.t_first is not None:
+                k = len(s.output) + (1 if n else 0)  # index of the token the next iteration produces
+                out.append(s.t_first + k * s.tpot_slo - next_step_s)
+            elif s.computed + n >= s.prompt_len:  # its first token comes out of this step
+                out.append(now + s.tpot_slo - next_step_s)
             else:
-                out.append(s.t_first + len(s.output) * s.tpot_slo)
+                left = s.prompt_len - s.computed - n
+                out.append(s.t_arrival + s.ttft_slo - (fixed + left * per_tok) / 1e3)
         ahead = 0
         for s in self.waiting:
             ahead += s.prompt_len
@@ -726,31 +841,44 @@ class Engine:
     def _active_jobs(self) -> list[TrainingJob]:
         return [j for j in self.jobs.values() if j.active]
 
-    def _decide_training(self, now: float, inference_tokens: int) -> tuple[int, TrainingJob | None]:
+    def _decide_background(
+        self, now: float, plan: Plan
+    ) -> tuple[float, float, float, TrainingJob | None, bool]:
+        """(predicted inference ms, training ms, evaluation ms, the job to train, idle) of this iteration."""
         jobs = self._active_jobs()
         share, _ = effective_share(now, self._share, self._share_expires, self.cfg.ft_share_default)
-        fixed, per = self.train_cost.params()
+        fixed, per = self.piece_costs.micro_step(self.executor.n_layers, head_rows=TRAIN_HEAD_ROWS)
+        step_ms = self.step_cost.predict(plan.tokens) if plan.tokens else 0.0
         inp = CoSchedInput(
             now_s=now,
             share=share,
             has_job=bool(jobs) and not self.training_paused,
             running=len(self.running),
             waiting=len(self.waiting),
-            inference_tokens=inference_tokens,
+            inference_tokens=plan.tokens,
             token_budget=self.cfg.batch.max_batch_tokens,
-            step_ms=self.step_cost.predict(inference_tokens) if inference_tokens else 0.0,
-            deadlines_s=self._deadlines(now),
+            step_ms=step_ms,
+            deadlines_s=self._deadlines(now, plan),
             train=TrainCost(fixed, per),
             micro_tokens=self.cfg.job.micro_tokens,
             batch_tokens=self.cfg.job.batch_tokens,
             iteration=self.iteration,
             max_train_ms=self.cfg.train_guard_frac * self._min_ttft_slo_ms(),
         )
-        tokens = self.cosched.decide(inp)
-        if tokens <= 0 or not jobs:
-            return 0, None
-        self._job_rr += 1
-        return tokens, jobs[self._job_rr % len(jobs)]
+        budget = getattr(self.cosched, "budget_ms", None)
+        train_ms = budget(inp) if budget is not None else inp.train.ms(self.cosched.decide(inp))
+        train_ms = min(train_ms, 60_000.0)
+        eval_ms = 0.0
+        if self._evals:
+            margin = getattr(self.cosched, "margin_ms", 10.0)
+            eval_ms = background_budget_ms(inp, margin, self.cfg.train_slack_frac)
+        job = None
+        if train_ms > 0 and jobs and inp.has_job:
+            job = next((j for j in jobs if j.in_progress), None)  # finish what was started first
+            if job is None:
+                self._job_rr += 1
+                job = jobs[self._job_rr % len(jobs)]
+        return step_ms, train_ms, eval_ms, job, inp.idle
 
     def _expire(self, now: float) -> None:
         wall = self.wall()
@@ -909,43 +1037,76 @@ class Engine:
                 self._lru.release(seq.version_id)
 
     # --- background evaluation and training -----------------------------------------------------------
-    def _eval_chunk(self) -> None:
-        runs, fut, finish = self._evals[0]
-        try:
-            pad = int(self.tok.pad_token_id or 0)
-            run = next((r for r in runs if not r.done), None)
-            if run is not None:
-                run.step(self.executor, pad)
-            if all(r.done for r in runs):
-                self._evals.popleft()
-                fut.set_result(finish(runs))
-        except Exception as exc:  # noqa: BLE001 - delivered to the caller
-            self._evals.popleft()
-            fut.set_exception(exc)
+    def _eval_work(self, until: float) -> bool:
+        """Evaluation pieces (highest priority first) while the next is predicted to end by `until`;
+        at least one piece, so an evaluation progresses under any load."""
+        pad = int(self.tok.pad_token_id or 0)
+        ran = False
+        while self._evals:
+            _prio, runs, fut, finish = self._evals[0]
+            try:
+                run = next((r for r in runs if not r.done), None)
+                if run is None:
+                    self._evals.pop(0)
+                    fut.set_result(finish(runs))
+                    continue
+                nxt = run.next_piece(self.executor, pad)
+                if nxt is None:
+                    continue
+                if ran and (self.clock() + self.piece_costs.predict(*nxt) / 1e3 > until or self._news()):
+                    break
+                ms, _ = run.run_piece(self.executor, pad, self.piece_costs)
+                self.eval_ms_total += ms
+                ran = True
+            except Exception as exc:  # noqa: BLE001 - delivered to the caller
+                self._evals.pop(0)
+                fut.set_exception(exc)
+        return ran
 
-    def _train(self, job: TrainingJob, tokens: int) -> bool:
-        t0 = time.perf_counter()
+    def _news(self) -> bool:
+        """New requests or commands are waiting: background work yields to the next iteration."""
+        return bool(self._inbox) or not self._cmds.empty()
+
+    def _train_work(self, job: TrainingJob, until: float, force_one: bool) -> bool:
+        """Pieces of `job` while the next is predicted to end by `until` (at least one when idle)."""
+        res = PieceWork()
+        self.last_work = res
+        with self._lock:
+            self._live_work = res
         try:
-            with torch.enable_grad():
-                n = job.step(tokens, self.cfg.round_deadline_margin_s)
+            job.work(
+                until,
+                self.clock,
+                self.piece_costs,
+                force_one,
+                self.cfg.round_deadline_margin_s,
+                self._news,
+                out=res,
+            )
         except Exception as exc:  # noqa: BLE001 - a failed job must not take the replica down
             log.exception("training job %s failed", job.spec.adapter)
+            job.stop()
             job.state = "failed"
             job.message = f"{type(exc).__name__}: {exc}"
             self._job_event("failed", job)
+            self._account_work(job, res)
             return False
-        ms = (time.perf_counter() - t0) * 1e3
-        if n > 0:
-            self.cosched.charge(ms)
-            if job.last_kind == "train":
-                self.ft_tokens_total += n
-                self.train_ms_total += ms
-                if job.micro_steps > 1:  # the first step of a job is a warm-up
-                    self.train_cost.observe(n, ms)
-                    old = self._train_step_ms
-                    self._train_step_ms = ms if old is None else 0.8 * old + 0.2 * ms
-            if job.train_loss is not None:
-                self.ft_loss = job.train_loss
+        self._account_work(job, res)
+        return res.pieces > 0 or not job.active
+
+    def _account_work(self, job: TrainingJob, res: PieceWork) -> None:
+        if res.pieces:
+            self.cosched.charge(res.train_ms + res.eval_ms)
+        with self._lock:
+            self._live_work = None
+            self.ft_tokens_total += res.train_tokens
+            self.train_ms_total += res.train_ms
+        self.eval_ms_total += res.eval_ms
+        for _tokens, ms in res.micro_steps:
+            old = self._train_step_ms
+            self._train_step_ms = ms if old is None else 0.8 * old + 0.2 * ms
+        if job.train_loss is not None:
+            self.ft_loss = job.train_loss
         if job.pending_refresh:
             job.pending_refresh = False
             self._local_refresh(job)
@@ -954,7 +1115,6 @@ class Engine:
             self._job_event("round_update", job, weights=job.live.to_weights())
         elif job.state == "done":
             self._job_event("done", job)
-        return n > 0 or not job.active
 
     def _local_refresh(self, job: TrainingJob, force: bool = False) -> str | None:
         """Copy the live weights into a new shadow version `name@vN+<replica>.<k>` and make it current."""
@@ -966,18 +1126,52 @@ class Engine:
                 "not refreshing %s: the store has v%d, newer than the job's base v%d", name, newest, base_n
             )
             return None
-        k = self._refresh_counter.get(job.spec.base_version_id, 0) + 1
-        self._refresh_counter[job.spec.base_version_id] = k
-        version_id = f"{job.spec.base_version_id}+{self.cfg.replica_id}.{k}"
-        parsed = job.live.snapshot()
-        try:
-            self._install(version_id, name, parsed, job.live.spec.scaling, make_current=True)
-        except _NoSlot:
-            log.warning("no free adapter slot for the local refresh of %s", name)
+        with self._lock:
+            has_slot = self._lru.slot_for_new() is not None
+        if has_slot:
+            k = self._refresh_counter.get(job.spec.base_version_id, 0) + 1
+            version_id = f"{job.spec.base_version_id}+{self.cfg.replica_id}.{k}"
+            try:
+                self._install(version_id, name, job.live.snapshot(), job.live.spec.scaling, make_current=True)
+            except _NoSlot:
+                has_slot = False
+            else:
+                self._refresh_counter[job.spec.base_version_id] = k
+        if not has_slot:
+            self._refresh_blocked(job)
             return None
+        job.slot_wait_since = None
+        job.message = ""
         job.refreshes += 1
         self._job_event("refresh", job, version_id=version_id)
         return version_id
+
+    def _refresh_blocked(self, job: TrainingJob) -> None:
+        """No slot for a local refresh: every resident version is pinned by in-flight requests (idle ones
+        are evicted, least recently used first). The job keeps training and retries at its next
+        improvement; a local job (no round) whose refreshes stay blocked `refresh_slot_wait_s` fails with
+        that reason instead of training for nothing. A round job's result goes to the aggregator, not to a
+        slot, so it never fails for this."""
+        now = self.clock()
+        n = self.cfg.max_resident_adapters
+        if job.slot_wait_since is None:
+            job.slot_wait_since = now
+            log.warning("%s: local refresh waits for an adapter slot (all %d pinned)", job.spec.adapter, n)
+        waited = now - job.slot_wait_since
+        job.message = (
+            f"local refresh waiting for an adapter slot for {waited:.0f}s: all {n} slots "
+            "(COLLM_MAX_RESIDENT_ADAPTERS) are pinned by in-flight requests"
+        )
+        if job.spec.round_id is None and waited >= self.cfg.refresh_slot_wait_s:
+            job.stop()
+            job.state = "failed"
+            job.message = (
+                f"no adapter slot for a local refresh within {self.cfg.refresh_slot_wait_s:.0f}s: all {n} "
+                "slots are pinned by in-flight requests; raise COLLM_MAX_RESIDENT_ADAPTERS"
+            )
+            self._job_event("failed", job)
+        else:
+            job.pending_refresh = True  # retried after the next piece of work
 
     def _job_status(self, job: TrainingJob) -> TrainingJobStatus:
         state = job.state
@@ -993,6 +1187,7 @@ class Engine:
             steps_done=job.steps_done,
             train_loss=job.train_loss,
             eval_loss=job.eval_loss,
+            message=job.message,
         )
 
     def _job_event(self, kind: str, job: TrainingJob, **kw: Any) -> None:

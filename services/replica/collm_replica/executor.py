@@ -261,13 +261,10 @@ class Executor:
         return result
 
     # --- training and evaluation ----------------------------------------------------------------------
-    def train_forward(
+    def _train_setup(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, live: LiveLora | None
-    ) -> torch.Tensor:
-        """Logits [B, L, V] of a right-padded batch through the base model plus `live` (grad-enabled).
-
-        Gradients reach only `live`'s parameters; the bank (served versions) is not read.
-        """
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttendFn, LoraFn | None]:
+        """Embeddings, rotary tables, attention and LoRA closures of a right-padded batch [B, L]."""
         b, length = input_ids.shape
         dev = self.device
         ids = input_ids.to(dev)
@@ -302,6 +299,17 @@ class Executor:
             )
             return o.transpose(1, 2).reshape(b * length, hd)
 
+        return x, cos, sin, attend, lora
+
+    def train_forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, live: LiveLora | None
+    ) -> torch.Tensor:
+        """Logits [B, L, V] of a right-padded batch through the base model plus `live` (grad-enabled).
+
+        Gradients reach only `live`'s parameters; the bank (served versions) is not read.
+        """
+        b, length = input_ids.shape
+        x, cos, sin, attend, lora = self._train_setup(input_ids, attention_mask, live)
         for i in range(self.n_layers):
             x = self._layer(i, x, cos, sin, attend, lora)
         return self.model.lm_head(self.inner.norm(x)).float().view(b, length, -1)
@@ -313,10 +321,165 @@ class Executor:
         labels: torch.Tensor,
         live: LiveLora | None,
     ) -> tuple[torch.Tensor, int]:
-        """Summed next-token cross-entropy over labelled positions (labels -100 elsewhere) and their count."""
-        logits = self.train_forward(input_ids, attention_mask, live)
-        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-        shift_labels = labels[:, 1:].reshape(-1).to(shift_logits.device)
-        n = int((shift_labels != -100).sum())
-        loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
-        return loss, n
+        """Summed next-token cross-entropy over labelled positions (labels -100 elsewhere) and their count.
+
+        The LM head runs on the labelled positions only (on a prompt-heavy batch it is a large share of
+        the work, and its result there would be thrown away)."""
+        p = LayerPass(self, input_ids, attention_mask, labels, live, train=False, head_rows=1 << 30)
+        x, cos, sin, attend, lora = p.x, p.cos, p.sin, p.attend, p.lora
+        for i in range(self.n_layers):
+            x = self._layer(i, x, cos, sin, attend, lora)
+        if p.n_labels == 0:
+            return x.sum() * 0.0, 0
+        logits = self.model.lm_head(self.inner.norm(x[p.rows])).float()
+        return F.cross_entropy(logits, p.targets, reduction="sum"), p.n_labels
+
+
+class LayerPass:
+    """One right-padded batch through the decoder, run one bounded *piece* at a time.
+
+    A training micro-step (or an evaluation chunk) of a long sequence can take longer than any gap the
+    engine has between inference iterations; split into pieces it never has to. The pieces, in order:
+
+    * `fwd`: one decoder layer (training keeps that layer's graph, cut from the next layer's by a detached
+      input, so each layer's backward can run on its own later);
+    * `head`: the final norm, the LM head and the next-token loss on at most `head_rows` labelled
+      positions (the LM head never runs on unlabelled ones) and, when training, that loss's backward into
+      the top hidden state;
+    * `bwd` (training only): one layer's backward, last layer first, handing the gradient of its input
+      down to the layer below.
+
+    Between two pieces nothing runs, so the engine may serve an iteration and resume later (the pass holds
+    its activations meanwhile). Training builds graphs through `live` only: gradients (scaled by
+    `loss_scale`) accumulate in its parameters' `.grad`; the base weights and the bank are never written.
+    """
+
+    def __init__(
+        self,
+        ex: Executor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        live: LiveLora | None,
+        train: bool,
+        loss_scale: float = 1.0,
+        head_rows: int = 64,
+    ) -> None:
+        self.ex = ex
+        self.train = train
+        self.loss_scale = loss_scale
+        self.head_rows = max(1, head_rows)
+        b, length = input_ids.shape
+        self.batch = b
+        self.tokens = int(attention_mask.sum())
+        self.padded_tokens = int(b * length)
+        with torch.no_grad():
+            self.x, self.cos, self.sin, self.attend, self.lora = ex._train_setup(
+                input_ids, attention_mask, live
+            )
+            tgt = labels[:, 1:].to(ex.device)
+            valid = tgt != -100
+            bi, ti = valid.nonzero(as_tuple=True)
+            self.rows = bi * length + ti  # flat positions whose next token is labelled
+            self.targets = tgt[bi, ti]
+            self.row_example = bi
+        self.n_labels = int(self.rows.numel())
+        self.example_labels = valid.sum(1).tolist()
+        self.example_loss = torch.zeros(b, dtype=torch.float64)
+        self.loss_sum = 0.0
+        self._layer = 0
+        self._head_pos = 0
+        self._top: torch.Tensor | None = None
+        self._saved: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self._bwd = ex.n_layers - 1
+
+    @property
+    def next_piece(self) -> str | None:
+        """What `run_piece` would do next: "fwd", "head", "bwd", or None when the pass is complete."""
+        if self._layer < self.ex.n_layers:
+            return "fwd"
+        if self._head_pos < self.n_labels:
+            return "head"
+        if self.train and self.n_labels > 0 and self._bwd >= 0:
+            return "bwd"
+        return None
+
+    @property
+    def done(self) -> bool:
+        return self.next_piece is None
+
+    def next_units(self) -> int:
+        """Size of the next piece for the cost model: tokens of the batch, or rows of a head piece."""
+        if self.next_piece == "head":
+            return min(self.head_rows, self.n_labels - self._head_pos)
+        return self.padded_tokens
+
+    def run_piece(self) -> str | None:
+        kind = self.next_piece
+        if kind == "fwd":
+            self._forward_layer()
+        elif kind == "head":
+            self._head()
+        elif kind == "bwd":
+            self._backward_layer()
+        return kind
+
+    def run_all(self) -> LayerPass:
+        while self.run_piece() is not None:
+            pass
+        return self
+
+    def _forward_layer(self) -> None:
+        i = self._layer
+        ex = self.ex
+        if self.train:
+            inp = self.x.detach()
+            if i > 0:
+                inp.requires_grad_(True)  # the embedding is frozen: layer 0 needs no input gradient
+            with torch.enable_grad():
+                out = ex._layer(i, inp, self.cos, self.sin, self.attend, self.lora)
+            self._saved.append((inp, out))
+            self.x = out
+        else:
+            with torch.no_grad():
+                self.x = ex._layer(i, self.x, self.cos, self.sin, self.attend, self.lora)
+        self._layer += 1
+
+    def _head(self) -> None:
+        ex = self.ex
+        if self._top is None:
+            self._top = self.x.detach()
+            if self.train:
+                self._top.requires_grad_(True)
+        s, e = self._head_pos, min(self.n_labels, self._head_pos + self.head_rows)
+        rows = self.rows[s:e]
+        with torch.set_grad_enabled(self.train):
+            logits = ex.model.lm_head(ex.inner.norm(self._top[rows])).float()
+            nll = F.cross_entropy(logits, self.targets[s:e], reduction="none")
+            if self.train:
+                (nll.sum() * self.loss_scale).backward()
+        nll = nll.detach()
+        self.loss_sum += float(nll.sum())
+        self.example_loss.index_add_(0, self.row_example[s:e].cpu(), nll.double().cpu())
+        self._head_pos = e
+
+    def _backward_layer(self) -> None:
+        i = self._bwd
+        saved = self._saved[i]
+        assert saved is not None and self._top is not None
+        inp, out = saved
+        nxt = self._saved[i + 1] if i + 1 < len(self._saved) else None
+        grad = self._top.grad if nxt is None else nxt[0].grad
+        if grad is not None:
+            torch.autograd.backward(out, grad)
+        if i + 1 < len(self._saved):
+            self._saved[i + 1] = None  # its input gradient is consumed: free the layer's activations
+        if i == 0:
+            self._saved = []
+            self._top = None
+        self._bwd -= 1
+
+    def release(self) -> None:
+        """Drop the activations (a pass abandoned halfway)."""
+        self._saved = []
+        self._top = None

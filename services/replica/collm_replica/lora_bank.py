@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+
 from collm_common.lora import AdapterWeights, LoraSpec, lora_key
 
 MODULE_PATHS = {

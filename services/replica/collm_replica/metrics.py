@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 LABELS = ["replica"]
 
@@ -13,9 +18,6 @@ FT_SHARE = Gauge("collm_replica_ft_share_ratio", "Fine-tuning share in force (0.
 ADAPTERS = Gauge(
     "collm_replica_resident_adapter_versions", "Adapter versions resident in the LoRA bank", LABELS
 )
-GENERATED = Counter("collm_replica_generated_tokens_total", "Output tokens generated", LABELS)
-PREFILLED = Counter("collm_replica_prefill_tokens_total", "Prompt tokens prefilled", LABELS)
-FT_TOKENS = Counter("collm_replica_ft_tokens_total", "Tokens processed by co-executed fine-tuning", LABELS)
 REQUESTS = Counter("collm_replica_requests_total", "Generate requests by outcome", [*LABELS, "outcome"])
 TTFT = Histogram(
     "collm_replica_ttft_seconds",
@@ -32,3 +34,43 @@ TPOT = Histogram(
 SWAPS = Counter(
     "collm_replica_adapter_swaps_total", "Adapter versions installed (shadow swaps)", [*LABELS, "source"]
 )
+
+
+class TokenCounters(Protocol):
+    """What the engine exposes as plain integer attributes (read atomically, from any thread)."""
+
+    generated_tokens_total: int
+    prefill_tokens_total: int
+    ft_tokens_total: int
+
+
+class EngineTokenCollector(Collector):
+    """Token counters read from each attached engine at scrape time, so a scrape right after traffic is
+    current (counters copied at telemetry ticks would lag by up to one interval). One collector serves
+    every replica of the process (tests run several in one)."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, Callable[[], TokenCounters]] = {}
+
+    def attach(self, replica_id: str, engine: Callable[[], TokenCounters]) -> None:
+        self.engines[replica_id] = engine
+
+    def detach(self, replica_id: str) -> None:
+        self.engines.pop(replica_id, None)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        families = [
+            ("collm_replica_generated_tokens", "Output tokens generated", "generated_tokens_total"),
+            ("collm_replica_prefill_tokens", "Prompt tokens prefilled", "prefill_tokens_total"),
+            ("collm_replica_ft_tokens", "Tokens processed by co-executed fine-tuning", "ft_tokens_total"),
+        ]
+        engines = list(self.engines.items())
+        for name, doc, attr in families:
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            for replica_id, engine in engines:
+                family.add_metric([replica_id], float(getattr(engine(), attr)))
+            yield family
+
+
+ENGINE_TOKENS = EngineTokenCollector()
+REGISTRY.register(ENGINE_TOKENS)

@@ -11,14 +11,16 @@ Micro service `collm-replica` (metadata: replica_id, model) with endpoints on `s
 * `control`: `CONTROL_COMMAND` -> `ControlReply` (share with TTL, start/stop training, pause/resume,
   publish now, sync adapter).
 * `status`: any body -> the current `ReplicaTelemetry`.
-* `evaluate`: `EvaluateCandidate` -> `EvalReport` (held-out loss of a candidate blob and of the current
-  version on the local eval split, per domain).
+* `evaluate`: `EvaluateCandidate` -> `EvalReport` (held-out loss of a candidate blob or stored version and,
+  unless `score_current=False`, of the current version on the local eval split, per domain, with the
+  digest of the items scored). Handed to a task; the engine scores a publication's candidate before
+  background pre-scoring and caches results by weights digest and eval set.
 
 Background: telemetry every `telemetry_interval_s` on `subjects.telemetry(id)`; adapter sync from
 `subjects.adapter_published_all()` plus a re-read of the store's pointers at start and every
 `adapter_sync_interval_s` (events can be lost); a durable JetStream consumer of `subjects.samples(id)` that
-persists samples under the data directory before acking; round jobs that end in `store.put_update` and a
-`LocalUpdate` on JetStream (`Nats-Msg-Id` dedupe).
+persists samples in `samples_dir` (`<data_dir>/samples/`) before acking; round jobs that end in
+`store.put_update` and a `LocalUpdate` on JetStream (`Nats-Msg-Id` dedupe).
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from nats.micro.request import Request
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from collm_common import subjects, tracing
-from collm_common.bus import ERROR_CODE_HEADER, ERROR_HEADER, Bus, ServiceFailure
-from collm_common.data import Example, LocalDataset, load_dataset
+from collm_common.bus import ERROR_CODE_HEADER, ERROR_HEADER, Bus, ServiceFailure, respond_error
+from collm_common.data import Example, LocalDataset, load_dataset, read_file
 from collm_common.lora import decode_adapter, encode_adapter
 from collm_common.service import ServiceContext
 from collm_common.store import (
@@ -64,9 +69,6 @@ from collm_common.wire.control import (
 from collm_common.wire.inference import CancelRequest, GenerateError, GenerateRequest
 from collm_common.wire.rounds import DomainLoss, EvalReport, EvaluateCandidate, LocalUpdate
 from collm_common.wire.telemetry import ReplicaTelemetry
-from nats.micro.request import Request
-from opentelemetry.trace import SpanKind, Status, StatusCode
-
 from collm_replica import __version__, metrics
 from collm_replica.engine import Engine, EngineConfig, EngineRefusal, EngineRequest, JobEvent, NotResident
 from collm_replica.lora_bank import AdapterMismatch, LiveLora
@@ -77,6 +79,7 @@ from collm_replica.training import JobSpec
 log = logging.getLogger(__name__)
 
 SAMPLES_FILE = "collm-samples.jsonl"
+SAMPLES_SUBDIR = "samples"
 
 
 class Refusal(Exception):
@@ -91,21 +94,54 @@ class Refusal(Exception):
 
 
 def samples_dir(settings: ReplicaSettings) -> Path:
-    """Where received samples are persisted: inside the dataset directory (its train/ part if split)."""
+    """Where samples received while running are persisted (`collm-samples.jsonl`): `<data_dir>/samples/`,
+    or `.collm/replica-<id>/samples/` when the replica has no data directory. The one place: nothing else
+    writes there, and `load_local_dataset` reads it exactly once."""
     if settings.data_dir is None:
-        return Path(".collm") / f"replica-{settings.replica_id}" / "data"
-    d = Path(settings.data_dir)
-    return d / "train" if (d / "train").is_dir() else d
+        return Path(".collm") / f"replica-{settings.replica_id}" / SAMPLES_SUBDIR
+    return Path(settings.data_dir) / SAMPLES_SUBDIR
 
 
 def load_local_dataset(settings: ReplicaSettings) -> LocalDataset:
+    """The replica's local dataset, each example loaded once, into its split:
+
+    * the data directory: with `train/` (and `eval/`) sub-directories their files give the split as
+      written; otherwise (a flat directory) the stable hash of each example's id decides it;
+    * persisted samples (`samples_dir`): always the stable hash of the id, exactly as when they arrived
+      (`Engine.add_examples`), so a restart never moves a sample from one split to the other.
+
+    A repeated id (a sample redelivered and persisted twice) keeps its first occurrence."""
     ds = LocalDataset([], [])
-    for d in {p for p in (settings.data_dir, samples_dir(settings)) if p is not None}:
-        if Path(d).is_dir():
-            part = load_dataset(d, settings.eval_fraction)
-            seen = {e.id for e in ds.train + ds.eval}
-            ds.train += [e for e in part.train if e.id not in seen]
-            ds.eval += [e for e in part.eval if e.id not in seen]
+    seen: set[str] = set()
+
+    def put(e: Example, split: str | None) -> None:
+        if e.id in seen:
+            return
+        seen.add(e.id)
+        if split is None:
+            ds.add(e, settings.eval_fraction)
+        else:
+            (ds.train if split == "train" else ds.eval).append(e)
+
+    sdir = samples_dir(settings)
+    d = settings.data_dir
+    if d is not None and Path(d).is_dir():
+        d = Path(d)
+        if (d / "train").is_dir():
+            part = load_dataset(d, settings.eval_fraction)  # reads train/ and eval/ only
+            for e in part.train:
+                put(e, "train")
+            for e in part.eval:
+                put(e, "eval")
+        else:
+            for path in sorted(d.rglob("*")):
+                if path.suffix in (".jsonl", ".csv") and path.is_file() and sdir not in path.parents:
+                    for e in read_file(path):
+                        put(e, None)
+    if sdir.is_dir():
+        for path in sorted(sdir.glob("*.jsonl")):
+            for e in read_file(path):
+                put(e, None)
     return ds
 
 
@@ -139,6 +175,7 @@ class Replica:
 
     # ================================================================================== lifecycle
     async def start(self) -> None:
+        metrics.ENGINE_TOKENS.attach(self.rid, lambda: self.engine)
         self.engine.start()
         with contextlib.suppress(Exception):
             await ensure_streams(self.bus.js)
@@ -162,8 +199,8 @@ class Replica:
         await svc.endpoint(
             "control", subjects.replica(self.rid, "control"), CONTROL_COMMAND, self._on_control
         )
-        await svc.endpoint(
-            "evaluate", subjects.replica(self.rid, "evaluate"), EvaluateCandidate, self._on_evaluate
+        await svc.svc.add_endpoint(
+            name="evaluate", subject=subjects.replica(self.rid, "evaluate"), handler=self._on_evaluate_request
         )
         await self.bus.subscribe(subjects.adapter_published_all(), AdapterPublished, self._on_published)
         self._spawn(self._telemetry_loop())
@@ -179,6 +216,7 @@ class Replica:
             with contextlib.suppress(BaseException):
                 await t
         await asyncio.to_thread(self.engine.stop)
+        metrics.ENGINE_TOKENS.detach(self.rid)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -366,6 +404,12 @@ class Replica:
         finally:
             self._fetches.pop(vid, None)
 
+    async def _install_quietly(self, name: str, version: int, make_current: bool) -> None:
+        try:
+            await self._fetch_install(name, version, make_current=make_current)
+        except Refusal as exc:
+            log.warning("%s not made resident: %s", version_id(name, version), exc.message)
+
     async def _on_published(self, ev: AdapterPublished, _msg: Any) -> None:
         """A new current version: swap it in if this replica serves or trains that adapter."""
         if ev.name not in self._known and self.engine.current_version(ev.name) is None:
@@ -480,8 +524,10 @@ class Replica:
             raise Refusal(404, str(exc), "not_found") from None
         weights = decode_adapter(blob)
         current = await self.store.current(name)
-        with contextlib.suppress(Refusal):
-            await self._fetch_install(name, base, make_current=(base == current))
+        # Serving the base version here is best effort and must never hold up the job (training needs no
+        # slot) nor this control endpoint (its handler runs one request at a time): when every slot is
+        # pinned by in-flight requests, the install waits in the background.
+        self._spawn(self._install_quietly(name, base, base == current))
         ex = self.engine.executor
         try:
             live = LiveLora.from_weights(
@@ -584,28 +630,85 @@ class Replica:
                 ) from None
             return bytes(blob)
 
-    async def _on_evaluate(self, req: EvaluateCandidate, _headers: Mapping[str, str]) -> EvalReport:
-        cand_blob = await self._read_candidate(req.candidate_key, req.candidate_sha256)
+    async def _on_evaluate_request(self, req: Request) -> None:
+        """Hand each evaluation to a task: micro handlers run one at a time, and the engine orders
+        evaluations itself (a candidate on a publication's critical path before background pre-scoring)."""
         try:
-            cand = decode_adapter(cand_blob)
-            cur = (
-                decode_adapter(await self.store.get_blob(req.adapter, req.current_version))
-                if req.current_version is not None else None
-            )  # fmt: skip
+            ev = decode(EvaluateCandidate, req.data)
+        except WireError as exc:
+            with contextlib.suppress(Exception):
+                await respond_error(req, exc.code, str(exc), "invalid_request_error")
+            return
+        ctx = tracing.extract(req.headers or {})
+        self._spawn(self._evaluate_and_reply(req, ev, ctx))
+
+    async def _evaluate_and_reply(self, req: Request, ev: EvaluateCandidate, ctx: Any) -> None:
+        with self.tracer.start_as_current_span(
+            "evaluate", context=ctx, kind=SpanKind.SERVER,
+            attributes={"collm.adapter": ev.adapter, "collm.round_id": ev.round_id or 0},
+        ) as span:  # fmt: skip
+            try:
+                report = await self.evaluate(ev)
+            except ServiceFailure as exc:
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+                with contextlib.suppress(Exception):
+                    await respond_error(req, exc.code, exc.message, exc.type)
+                return
+            except Exception as exc:  # noqa: BLE001 - answered, never left hanging
+                log.exception("evaluation of %s failed", ev.adapter)
+                with contextlib.suppress(Exception):
+                    await respond_error(req, 500, f"evaluation failed: {type(exc).__name__}")
+                return
+            with contextlib.suppress(Exception):
+                await req.respond(encode(report))
+
+    async def _stored_version(self, adapter: str, version: int) -> tuple[bytes, str]:
+        try:
+            rec = await self.store.get_version(adapter, version)
+            return await self.store.get_blob(adapter, version), rec.sha256
         except NotFound as exc:
             raise ServiceFailure(404, str(exc), "not_found") from None
+        except CorruptBlob as exc:
+            raise ServiceFailure(422, str(exc), "invalid_adapter") from None
+
+    async def evaluate(self, req: EvaluateCandidate) -> EvalReport:
+        """Held-out losses of the candidate (and, with `score_current`, of `current_version`; None: the
+        base model) on this replica's eval split, per domain, with the digest of the items scored.
+        Scoring a stored version on its own (`candidate_version`) is background work of a round still
+        collecting: it yields to candidates waiting on a publication."""
+        if req.candidate_version is not None:
+            cand_blob, cand_digest = await self._stored_version(req.adapter, req.candidate_version)
+        else:
+            cand_blob = await self._read_candidate(req.candidate_key, req.candidate_sha256)
+            cand_digest = req.candidate_sha256
+        try:
+            cand = decode_adapter(cand_blob)
+            scored: list[tuple[str, Any, str | None]] = [("candidate", cand, cand_digest)]
+            if req.score_current:
+                if req.current_version is None:
+                    scored.append(("current", None, "base"))
+                else:
+                    blob, digest = await self._stored_version(req.adapter, req.current_version)
+                    scored.append(("current", decode_adapter(blob), digest))
         except ValueError as exc:
             raise ServiceFailure(422, f"not an adapter blob: {exc}", "invalid_adapter") from None
         try:
             runs = await asyncio.wrap_future(
                 self.engine.evaluate(
-                    [("current", cur), ("candidate", cand)], req.max_examples, adapter=req.adapter
+                    [(label, w) for label, w, _ in scored],
+                    req.max_examples,
+                    adapter=req.adapter,
+                    max_tokens=req.max_tokens,
+                    digests=[d for _, _, d in scored],
+                    priority=0 if req.candidate_version is not None else 1,
                 )
             )
         except AdapterMismatch as exc:
             raise ServiceFailure(422, str(exc), "invalid_adapter") from None
-        cur_run, cand_run = runs["current"], runs["candidate"]
-        cur_loss, cand_loss = cur_run.per_domain(), cand_run.per_domain()
+        cand_run = runs["candidate"]
+        cur_run = runs.get("current")
+        cand_loss = cand_run.per_domain()
+        cur_loss = cur_run.per_domain() if cur_run is not None else {}
         losses = [
             DomainLoss(
                 domain=d,
@@ -613,6 +716,7 @@ class Replica:
                 num_tokens=cand_run.tokens.get(d, 0),
                 current_loss=cur_loss.get(d),
                 candidate_loss=cand_loss[d],
+                eval_set=cand_run.eval_set.get(d, ""),
             )
             for d in sorted(cand_loss)
         ]
@@ -634,8 +738,6 @@ class Replica:
         last = self._last or {**counters, "t": now - self.s.telemetry_interval_s}
         dt = max(1e-6, now - last["t"])
         rate = {k: (counters[k] - last[k]) / dt for k in ("gen", "pre", "arr", "ft", "infer_ms", "train_ms")}
-        for k, c in (("gen", metrics.GENERATED), ("pre", metrics.PREFILLED), ("ft", metrics.FT_TOKENS)):
-            c.labels(self.rid).inc(max(0.0, counters[k] - last[k]) if self._last else counters[k])
         self._last = counters
         lat = snap.latency
         metrics.QUEUE.labels(self.rid).set(snap.queue_len)

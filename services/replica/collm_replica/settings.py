@@ -9,10 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field, field_validator, model_validator
+
 from collm_common.lora import LoraSpec
 from collm_common.settings import CommonSettings
 from collm_common.subjects import check_token
-from pydantic import Field, field_validator, model_validator
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -40,7 +41,10 @@ class ReplicaSettings(CommonSettings):
         None, ge=16, description="Context limit in tokens (None: the model's max_position_embeddings)."
     )
     data_dir: Path | None = Field(
-        None, description="Local dataset directory (JSONL/CSV, see collm_common.data); new samples go here."
+        None,
+        description="Local dataset directory (JSONL/CSV, see collm_common.data; `train/` and `eval/` "
+        "sub-directories give the held-out split, else a stable hash of each id). Samples received while "
+        "running are persisted in its `samples/` sub-directory and split by the hash of their id.",
     )
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Held-out fraction of the local dataset.")
     telemetry_interval_s: float = Field(1.0, gt=0, description="Telemetry publication interval.")
@@ -84,9 +88,23 @@ class ReplicaSettings(CommonSettings):
         0.4,
         gt=0,
         le=1,
-        description="Under load, a training micro-step lasts at most this share of the TTFT SLO.",
+        description="Background work (training, evaluation) between two iterations lasts at most this share "
+        "of the TTFT SLO, so a request arriving meanwhile still meets its TTFT. It runs in pieces of about "
+        "one decoder layer; an idle replica chains such stretches back to back (full speed).",
     )
-    train_micro_tokens: int = Field(64, ge=8, description="Tokens of one training micro-step.")
+    ft_slack_frac: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of the requests' slack (time before the next iteration must start for every "
+        "request to stay within its TTFT/TPOT SLO) that background work may use under load.",
+    )
+    train_micro_tokens: int = Field(
+        128,
+        ge=8,
+        description="Padded tokens of one training micro-step (whole examples; one longer example is a "
+        "micro-step of its own). It runs in pieces, so its size costs memory, not latency.",
+    )
     train_batch_tokens: int = Field(512, ge=8, description="Tokens per optimizer step (grad accumulation).")
     train_max_seq_len: int = Field(256, ge=16, description="Training/eval examples are cut to this length.")
     learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate of local jobs.")
@@ -94,6 +112,13 @@ class ReplicaSettings(CommonSettings):
         4, ge=1, description="Evaluate the live copy every K optimizer steps; refresh the shadow if better."
     )
     eval_max_examples: int = Field(32, ge=1, description="Held-out examples per evaluation.")
+    eval_max_tokens: int | None = Field(
+        4096,
+        ge=16,
+        description="Held-out tokens per domain that one evaluation request scores at most (with "
+        "eval_max_examples; at least one example; None: examples only). Bounds the work of the promotion "
+        "gate on this replica; a request may ask for fewer.",
+    )
     round_deadline_margin_s: float = Field(
         3.0, ge=0, description="A round's training stops this long before its deadline to send the update."
     )

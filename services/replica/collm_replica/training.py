@@ -1,10 +1,14 @@
-"""Co-executed LoRA fine-tuning: local jobs cut into micro-steps that fit between inference iterations.
+"""Co-executed LoRA fine-tuning: local jobs whose work is cut into pieces that fit between iterations.
 
 A `TrainingJob` trains the *live* copy of one adapter (a `LiveLora` with its own AdamW state) on the
-replica's local examples, rendered through the chat template with the loss on response tokens only.
-`step(max_tokens)` does one bounded piece of work: a training micro-step of at most `max_tokens` tokens
-(gradients accumulate until an optimizer step's worth of tokens, `train_batch_tokens`), or one chunk of a
-held-out evaluation. The engine calls it between iterations when its co-scheduler allows.
+replica's local examples, rendered once through the chat template with the loss on response tokens only.
+A micro-step packs whole examples up to `micro_tokens` padded tokens (gradients accumulate until an
+optimizer step's worth of tokens, `batch_tokens`), and runs as an `executor.LayerPass`: one decoder layer
+forward, one LM-head chunk or one layer backward per *piece*. `work(until_s, ...)` runs pieces while the
+cost model predicts that the next one ends before `until_s`, so a micro-step of any length (a long
+example, a large micro-batch) fits whatever time the co-scheduler grants, and resumes at the next
+iteration; an idle replica chains pieces back to back. `step(max_tokens)` runs one whole micro-step (or
+evaluation chunk) at once, for benchmarks and tests.
 
 Phases: (round jobs) evaluate the start weights -> train until the token budget (or the round's deadline)
 -> evaluate the result -> done. Every `publish_every_steps` optimizer steps the live copy is evaluated and
@@ -14,6 +18,7 @@ the engine copies `live.snapshot()` into a new slot, so served versions stay imm
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from collections.abc import Callable
@@ -21,10 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from collm_common.data import Example
 
-from collm_replica.executor import Executor
+from collm_common.data import Example
+from collm_replica.costs import PieceCosts
+from collm_replica.executor import Executor, LayerPass
 from collm_replica.lora_bank import LiveLora
+
+EVAL_HEAD_ROWS = 128
+TRAIN_HEAD_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,9 @@ def render_example(
     return Rendered(ex.id, ex.domain or default_domain, p_ids + r_ids, [-100] * len(p_ids) + r_ids)
 
 
+Renderer = Callable[[Example], Rendered | None]
+
+
 def collate(batch: list[Rendered], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = max(len(r.ids) for r in batch)
     ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
@@ -89,7 +101,10 @@ def cut(r: Rendered, n: int) -> Rendered:
 
 
 def pack(items: list[Rendered], start: int, max_tokens: int) -> tuple[list[Rendered], int]:
-    """Examples from `start` (cyclic) whose padded size fits `max_tokens`; at least one, cut to fit."""
+    """Whole examples from `start` (cyclic) whose padded size fits `max_tokens`; at least one.
+
+    An example longer than `max_tokens` is a micro-step of its own, never cut: the micro-step runs in
+    pieces, so its length only costs memory (bounded by the rendering's `max_seq_len`), not latency."""
     batch: list[Rendered] = []
     i = start
     longest = 0
@@ -98,17 +113,72 @@ def pack(items: list[Rendered], start: int, max_tokens: int) -> tuple[list[Rende
         size = max(longest, len(r.ids)) * (len(batch) + 1)
         if batch and size > max_tokens:
             break
-        if not batch and len(r.ids) > max_tokens:
-            r = cut(r, max_tokens)
         batch.append(r)
         longest = max(longest, len(r.ids))
         i += 1
     return batch, i
 
 
+def eval_set_digests(items: list[Rendered], max_seq_len: int) -> dict[str, str]:
+    """Per domain, a digest of exactly what an evaluation scores (example ids, token ids, labels): two
+    losses with the same digest were measured on the same tokens, so they may be compared."""
+    hashes: dict[str, Any] = {}
+    for r in items:
+        h = hashes.setdefault(r.domain, hashlib.sha256(f"max_seq_len={max_seq_len};".encode()))
+        h.update(r.example_id.encode())
+        h.update(b"\0")
+        h.update(",".join(map(str, r.ids)).encode())
+        h.update(b"|")
+        h.update(",".join(map(str, r.labels)).encode())
+        h.update(b";")
+    return {d: h.hexdigest()[:32] for d, h in hashes.items()}
+
+
+def select_eval_items(items: list[Rendered], max_examples: int, max_tokens: int | None) -> list[Rendered]:
+    """The held-out items an evaluation scores: in order, at most `max_examples` per domain, and (when
+    set) at most `max_tokens` tokens per domain (at least one example each). Deterministic, so two
+    evaluations of the same data score the same items."""
+    out: list[Rendered] = []
+    count: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for r in items:
+        n, t = count.get(r.domain, 0), tokens.get(r.domain, 0)
+        if n >= max_examples:
+            continue
+        if max_tokens is not None and n > 0 and t + len(r.ids) > max_tokens:
+            continue
+        out.append(r)
+        count[r.domain] = n + 1
+        tokens[r.domain] = t + len(r.ids)
+    return out
+
+
+@dataclass
+class PieceWork:
+    """What a bounded piece of background work did."""
+
+    pieces: int = 0
+    train_ms: float = 0.0  # wall time of training pieces (forward, head, backward, optimizer)
+    eval_ms: float = 0.0  # wall time of evaluation pieces
+    train_tokens: int = 0  # tokens of micro-steps completed
+    eval_tokens: int = 0  # tokens of evaluation batches completed
+    micro_steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, ms) of completed ones
+
+
+def _run_timed(kind: str, units: int, fn: Callable[[], Any], costs: PieceCosts | None) -> float:
+    t0 = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - t0) * 1e3
+    if costs is not None:
+        costs.observe(kind, units, ms)
+    return ms
+
+
 @dataclass
 class EvalRun:
-    """A held-out evaluation done in chunks: per domain, the mean response-token loss of `weights`."""
+    """A held-out evaluation in pieces: per domain, the mean response-token loss of `live` (None: the
+    base model) over `items`. Batches of whole examples (up to `chunk_tokens` padded tokens, longest
+    first so that padding stays small) run as no-grad `LayerPass`es."""
 
     items: list[Rendered]
     live: LiveLora | None
@@ -117,37 +187,81 @@ class EvalRun:
     loss_sum: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     examples: dict[str, int] = field(default_factory=dict)
+    eval_set: dict[str, str] = field(default_factory=dict)  # per domain: digest of the items scored
+    cache_key: tuple[str, str] | None = None  # (weights digest, eval set) when the engine caches it
+    _pass: LayerPass | None = None
+    _batch: list[Rendered] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Longest first: examples of similar length share a batch (less padding); losses are per example,
+        # so the order changes nothing but speed.
+        self._order = sorted(self.items, key=lambda r: -len(r.ids))
 
     @property
     def done(self) -> bool:
-        return self.pos >= len(self.items)
+        return self.pos >= len(self._order) and self._pass is None
 
-    def step(self, executor: Executor, pad_id: int, max_tokens: int | None = None) -> int:
-        """Evaluate the next whole examples that fit `max_tokens` (at least one; never cut)."""
-        if self.done:
-            return 0
+    def _start(self, executor: Executor, pad_id: int, max_tokens: int | None = None) -> None:
         budget = min(self.chunk_tokens, max_tokens or self.chunk_tokens)
         batch: list[Rendered] = []
         longest = 0
-        while self.pos < len(self.items):
-            r = self.items[self.pos]
+        while self.pos < len(self._order):
+            r = self._order[self.pos]
             if batch and max(longest, len(r.ids)) * (len(batch) + 1) > budget:
                 break
             batch.append(r)
             longest = max(longest, len(r.ids))
             self.pos += 1
         ids, mask, labels = collate(batch, pad_id)
-        with torch.no_grad():
-            logits = executor.train_forward(ids, mask, self.live)
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)
-        tgt = labels[:, 1:]
-        valid = tgt != -100
-        nll = -logp.gather(-1, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
-        for i, r in enumerate(batch):
-            self.loss_sum[r.domain] = self.loss_sum.get(r.domain, 0.0) + float(nll[i].sum())
-            self.tokens[r.domain] = self.tokens.get(r.domain, 0) + int(valid[i].sum())
+        self._batch = batch
+        self._pass = LayerPass(executor, ids, mask, labels, self.live, train=False, head_rows=EVAL_HEAD_ROWS)
+
+    def next_piece(self, executor: Executor, pad_id: int) -> tuple[str, int] | None:
+        """(cost-model kind, units) of the next piece, starting the next batch if needed."""
+        if self._pass is None:
+            if self.pos >= len(self._order):
+                return None
+            self._start(executor, pad_id)
+        assert self._pass is not None
+        kind = self._pass.next_piece
+        if kind is None:
+            return ("eval_head", 0)  # a batch without labels: finishing it costs nothing
+        return ("eval_" + kind, self._pass.next_units())
+
+    def run_piece(
+        self, executor: Executor, pad_id: int, costs: PieceCosts | None = None
+    ) -> tuple[float, int]:
+        """Run the next piece; returns (ms, tokens of a batch it completed)."""
+        nxt = self.next_piece(executor, pad_id)
+        if nxt is None:
+            return 0.0, 0
+        p = self._pass
+        assert p is not None
+        ms = _run_timed(nxt[0], nxt[1], p.run_piece, costs) if p.next_piece is not None else 0.0
+        if p.done:
+            self._account(p)
+            return ms, p.tokens
+        return ms, 0
+
+    def _account(self, p: LayerPass) -> None:
+        for i, r in enumerate(self._batch):
+            self.loss_sum[r.domain] = self.loss_sum.get(r.domain, 0.0) + float(p.example_loss[i])
+            self.tokens[r.domain] = self.tokens.get(r.domain, 0) + int(p.example_labels[i])
             self.examples[r.domain] = self.examples.get(r.domain, 0) + 1
-        return int(ids.numel())
+        self._pass = None
+        self._batch = []
+
+    def step(self, executor: Executor, pad_id: int, max_tokens: int | None = None) -> int:
+        """Evaluate the next batch of whole examples at once (at least one; never cut)."""
+        if self.done:
+            return 0
+        if self._pass is None:
+            self._start(executor, pad_id, max_tokens)
+        p = self._pass
+        assert p is not None
+        p.run_all()
+        self._account(p)
+        return p.padded_tokens
 
     def run_all(self, executor: Executor, pad_id: int) -> EvalRun:
         while not self.done:
@@ -164,12 +278,12 @@ class EvalRun:
 
 @dataclass
 class JobConfig:
-    micro_tokens: int = 64
+    micro_tokens: int = 128
     batch_tokens: int = 512
     max_seq_len: int = 256
     publish_every_steps: int = 4
     eval_max_examples: int = 32
-    eval_chunk_tokens: int = 256
+    eval_chunk_tokens: int = 512
     seed: int = 0
 
 
@@ -197,20 +311,16 @@ class TrainingJob:
         held_out: list[Example],
         cfg: JobConfig,
         wall: Callable[[], float] = time.time,
+        render: Renderer | None = None,
     ) -> None:
         self.spec = spec
         self.ex = executor
         self.cfg = cfg
         self.wall = wall
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        self.train_items = [
-            r for e in train if (r := render_example(tokenizer, e, cfg.max_seq_len)) is not None
-        ]
-        self.eval_items = [
-            r
-            for e in held_out[: cfg.eval_max_examples]
-            if (r := render_example(tokenizer, e, cfg.max_seq_len))
-        ]
+        rend = render or (lambda e: render_example(tokenizer, e, cfg.max_seq_len))
+        self.train_items = [r for e in train if (r := rend(e)) is not None]
+        self.eval_items = [r for e in held_out[: cfg.eval_max_examples] if (r := rend(e)) is not None]
         random.Random(cfg.seed).shuffle(self.train_items)
         self.live = spec.live
         self.opt = torch.optim.AdamW(self.live.parameters(), lr=spec.learning_rate, weight_decay=0.0)
@@ -230,8 +340,13 @@ class TrainingJob:
         self.eval_loss_after: float | None = None  # the final evaluation of a finished job
         self.best_eval: float | None = None
         self.refreshes = 0
+        self.slot_wait_since: float | None = None  # a local refresh is waiting for a LoRA-bank slot
         self._eval: EvalRun | None = None
         self._eval_purpose = ""
+        self._pass: LayerPass | None = None  # the micro-step in progress
+        self._pass_batch: list[Rendered] = []
+        self._pass_ms = 0.0
+        self._opt_pending = False
         self.last_kind = ""  # what the last step did: "train" (a micro-step) or "eval" (an eval chunk)
         self.pending_refresh = False  # the engine should copy the live weights into a new shadow version
         self.finished_update = False  # a round job finished: the engine hands its weights to the service
@@ -246,6 +361,11 @@ class TrainingJob:
     def active(self) -> bool:
         return self.state == "running"
 
+    @property
+    def in_progress(self) -> bool:
+        """A micro-step or an evaluation is half done (the engine keeps feeding this job first)."""
+        return self._pass is not None or (self._eval is not None and self._eval._pass is not None)
+
     def _start_eval(self, purpose: str) -> None:
         self._eval = EvalRun(self.eval_items, self.live, self.cfg.eval_chunk_tokens)
         self._eval_purpose = purpose
@@ -257,9 +377,23 @@ class TrainingJob:
         d = self.spec.deadline_unix_s
         return d is not None and self.wall() >= d - margin_s
 
+    def _drop_pass(self) -> None:
+        """Abandon the micro-step in progress. Only before its backward began: parameter gradients
+        accumulate during the backward pieces only, so a dropped pass leaves no partial gradient."""
+        if self._pass is not None:
+            self._pass.release()
+        self._pass = None
+        self._pass_batch = []
+        self._pass_ms = 0.0
+
     def _finish_training(self, past_deadline: bool = False) -> None:
+        if self._pass is not None and self._pass.next_piece == "bwd":
+            self._pass.run_all()  # its gradients are half accumulated: complete them (bounded work)
+            self._complete_micro_step(self._pass_ms)
+        self._drop_pass()
         if self._accum_tokens:
             self._optimizer_step()
+        self._opt_pending = False
         self._eval = None  # a periodic evaluation still running is superseded
         if self.eval_items and not past_deadline:
             self._start_eval("after")
@@ -272,31 +406,123 @@ class TrainingJob:
             self.finished_update = True
 
     # --- work -----------------------------------------------------------------------------------------
-    def step(self, max_tokens: int, deadline_margin_s: float = 0.0) -> int:
-        """One micro-step or one eval chunk; returns tokens processed (0 when there was nothing to do)."""
-        if not self.active:
-            return 0
-        self.last_kind = "eval"
-        if self._eval is not None:
+    def _next(self, deadline_margin_s: float, micro_tokens: int | None = None) -> tuple[str, int] | None:
+        """Advance the job's state machine to its next piece of work: (cost kind, units), or None when
+        the job has nothing more to do. Transitions that cost nothing happen here."""
+        while self.active:
+            if self._eval is not None:
+                if self._past_deadline(deadline_margin_s):
+                    if self._eval_purpose == "after":
+                        self._eval = None
+                        self._complete()
+                    else:
+                        self._finish_training(past_deadline=True)
+                    continue
+                nxt = self._eval.next_piece(self.ex, self.pad_id)
+                if nxt is None:
+                    self._eval_finished()
+                    continue
+                return nxt
             if self._past_deadline(deadline_margin_s):
-                if self._eval_purpose == "after":
-                    self._eval = None
-                    self._complete()
-                else:
-                    self._finish_training(past_deadline=True)
-                return 0
-            n = self._eval.step(self.ex, self.pad_id, max_tokens)
+                self._finish_training(past_deadline=True)
+                continue
+            if self._opt_pending:
+                return ("opt", 1)
+            if self._pass is None:
+                if self._budget_left() <= 0:
+                    self._finish_training()
+                    continue
+                self._start_micro_step(micro_tokens)
+            assert self._pass is not None
+            kind = self._pass.next_piece
+            if kind is None:
+                self._complete_micro_step(self._pass_ms)
+                continue
+            return (kind, self._pass.next_units())
+        return None
+
+    def _run_next(self, kind: str, units: int, costs: PieceCosts | None, out: PieceWork) -> None:
+        if kind.startswith("eval_"):
+            assert self._eval is not None
+            ms, tokens = self._eval.run_piece(self.ex, self.pad_id, costs)
+            out.eval_ms += ms
+            out.eval_tokens += tokens
+            self.last_kind = "eval"
             if self._eval.done:
                 self._eval_finished()
-            return n
-        if self._past_deadline(deadline_margin_s):
-            self._finish_training(past_deadline=True)
-            return 0
-        if self._budget_left() <= 0:
-            self._finish_training()
-            return 0
-        self.last_kind = "train"
-        return self._micro_step(min(max_tokens, self._budget_left() + self.cfg.max_seq_len))
+        elif kind == "opt":
+            ms = _run_timed("opt", 1, self._optimizer_step, costs)
+            self._opt_pending = False
+            out.train_ms += ms
+            self.last_kind = "train"
+        else:
+            assert self._pass is not None
+            ms = _run_timed(kind, units, self._pass.run_piece, costs)
+            self._pass_ms += ms
+            out.train_ms += ms
+            self.last_kind = "train"
+            if self._pass.done:
+                tokens, step_ms = self._complete_micro_step(self._pass_ms)
+                out.train_tokens += tokens
+                out.micro_steps.append((tokens, step_ms))
+        out.pieces += 1
+
+    def work(
+        self,
+        until_s: float,
+        clock: Callable[[], float],
+        costs: PieceCosts,
+        force_one: bool = False,
+        deadline_margin_s: float = 0.0,
+        interrupt: Callable[[], bool] | None = None,
+        out: PieceWork | None = None,
+    ) -> PieceWork:
+        """Run pieces while the next one is predicted to end by `until_s` (on `clock`) and `interrupt()`
+        (new requests or commands waiting) is false; with `force_one`, at least one piece whatever the
+        prediction (an idle replica must always progress). `out` is updated piece by piece (others may
+        read it meanwhile)."""
+        out = out if out is not None else PieceWork()
+        while True:
+            nxt = self._next(deadline_margin_s)
+            if nxt is None:
+                break
+            kind, units = nxt
+            first = force_one and out.pieces == 0
+            if not first and (
+                clock() + costs.predict(kind, units) / 1e3 > until_s
+                or (interrupt is not None and interrupt())
+            ):
+                break
+            self._run_next(kind, units, costs, out)
+        return out
+
+    def step(self, max_tokens: int, deadline_margin_s: float = 0.0) -> int:
+        """One whole micro-step (of at most `max_tokens` padded tokens, at least one example) or one
+        whole eval batch, at once; returns tokens processed (0 when there was nothing to do)."""
+        while True:
+            nxt = self._next(deadline_margin_s, max_tokens)
+            if nxt is None:
+                return 0
+            if nxt[0].startswith("eval_"):
+                assert self._eval is not None
+                self.last_kind = "eval"
+                n = self._eval.step(self.ex, self.pad_id)
+                if self._eval.done:
+                    self._eval_finished()
+                return n
+            if nxt[0] == "opt":
+                self._optimizer_step()
+                self._opt_pending = False
+                continue
+            assert self._pass is not None
+            self.last_kind = "train"
+            t0 = time.perf_counter()
+            self._pass.run_all()
+            tokens, _ = self._complete_micro_step(self._pass_ms + (time.perf_counter() - t0) * 1e3)
+            if self._opt_pending:
+                self._optimizer_step()
+                self._opt_pending = False
+            return tokens
 
     def _eval_finished(self) -> None:
         assert self._eval is not None
@@ -315,23 +541,42 @@ class TrainingJob:
                 self.best_eval = loss
                 self.pending_refresh = True
 
-    def _micro_step(self, max_tokens: int) -> int:
-        batch, self._cursor = pack(self.train_items, self._cursor, max(8, max_tokens))
+    def _start_micro_step(self, max_tokens: int | None = None) -> None:
+        size = max(8, min(max_tokens or self.cfg.micro_tokens, self._budget_left() + self.cfg.max_seq_len))
+        batch, self._cursor = pack(self.train_items, self._cursor, size)
         ids, mask, labels = collate(batch, self.pad_id)
-        loss_sum, n_resp = self.ex.response_loss(ids, mask, labels, self.live)
-        if n_resp == 0:
-            return int(mask.sum())
-        (loss_sum / self.cfg.batch_tokens).backward()
-        tokens = int(mask.sum())
+        self._pass = LayerPass(
+            self.ex,
+            ids,
+            mask,
+            labels,
+            self.live,
+            train=True,
+            loss_scale=1.0 / self.cfg.batch_tokens,
+            head_rows=TRAIN_HEAD_ROWS,
+        )
+        self._pass_batch = batch
+        self._pass_ms = 0.0
+
+    def _complete_micro_step(self, ms: float) -> tuple[int, float]:
+        """Account a finished pass: (tokens, ms). Schedules the optimizer step when a batch is full."""
+        p = self._pass
+        assert p is not None
+        tokens, n_resp = p.tokens, p.n_labels
+        self._pass = None
+        batch, self._pass_batch = self._pass_batch, []
+        self._pass_ms = 0.0
         self.micro_steps += 1
         self.tokens_done += tokens
+        if n_resp == 0:
+            return tokens, ms
         self.samples_seen += len(batch)
         self._accum_tokens += tokens
-        self._accum_loss += float(loss_sum.detach())
+        self._accum_loss += p.loss_sum
         self._accum_resp += n_resp
         if self._accum_tokens >= self.cfg.batch_tokens:
-            self._optimizer_step()
-        return int(ids.numel())
+            self._opt_pending = True
+        return tokens, ms
 
     def _optimizer_step(self) -> None:
         self.opt.step()
@@ -347,3 +592,4 @@ class TrainingJob:
     def stop(self) -> None:
         if self.state in ("running", "paused"):
             self.state = "stopped"
+        self._drop_pass()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+
 from collm_common import subjects
 from collm_common.bus import Bus, BusError
 from collm_common.settings import CommonSettings
@@ -30,7 +31,6 @@ from collm_common.wire.control import ControlReply, StartTraining
 from collm_common.wire.inference import GENERATE_EVENT, Accepted, GenerateRequest, SamplingParams
 from collm_common.wire.rounds import ParticipantPlan, RoundOutcome, RoundPlan
 from collm_common.wire.telemetry import ReplicaTelemetry
-
 from tests.doubles.participant import ParticipantBehaviour, ParticipantDouble
 
 pytestmark = [

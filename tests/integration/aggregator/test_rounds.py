@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+
 from collm_aggregator.service import Aggregator
 from collm_aggregator.settings import AggregatorSettings
 from collm_common import subjects
@@ -36,7 +37,6 @@ from collm_common.wire.admin import (
     StatusRequest,
 )
 from collm_common.wire.rounds import ParticipantPlan, RoundOutcome, RoundPlan
-
 from tests.doubles.participant import BASE_MODEL, ParticipantBehaviour, ParticipantDouble, tiny_adapter
 
 pytestmark = pytest.mark.integration
@@ -309,6 +309,43 @@ async def test_gate_holds_back_a_worse_candidate(cluster: Cluster) -> None:
     assert out.new_version is None and await cluster.store.current(ADAPTER) == 1
     assert [v.version for v in await cluster.store.list_versions(ADAPTER)] == [1]
     assert cluster.published == []
+
+
+async def test_current_version_is_scored_while_participants_train(cluster: Cluster) -> None:
+    """The gate's current-version losses are measured during collection; after the close each replica
+    scores only the candidate, and the gate pairs the two on the same eval set."""
+    await cluster.seed_v1()
+    await cluster.start_aggregator(gate_tolerance=0.0)
+    for i in range(2):
+        await cluster.add(f"r{i}", domain=f"d{i}", train_delay_s=0.6)
+    await cluster.open(["r0", "r1"], quorum=2)
+    pre = await wait_for(lambda: all(d.evaluated for d in cluster.doubles.values()), 5)
+    assert pre and all(not d.sent for d in cluster.doubles.values())  # scored before any update
+    out = await cluster.wait_final(1)
+    assert out.state == "published" and out.eval_loss_before is not None and out.eval_loss_after is not None
+    v1 = tiny_adapter()
+    for d in cluster.doubles.values():
+        first, second = d.evaluated
+        assert first.candidate_version == 1 and not first.score_current
+        assert second.candidate_version is None and not second.score_current
+        assert second.candidate_key.endswith(":_candidate")
+        assert out.domain_losses_before[d.behaviour.domain] == pytest.approx(d.loss(v1))
+    assert out.eval_loss_after < out.eval_loss_before
+
+
+async def test_a_changed_eval_set_is_scored_again_with_both_versions(cluster: Cluster) -> None:
+    await cluster.seed_v1()
+    await cluster.start_aggregator()
+    r0 = await cluster.add("r0", domain="d0", train_delay_s=0.6)
+    r1 = await cluster.add("r1", domain="d1", train_delay_s=0.6)
+    await cluster.open(["r0", "r1"], quorum=2)
+    await wait_for(lambda: r0.evaluated and r1.evaluated, 5)
+    r1.behaviour.eval_set = "held-out-2"  # new held-out samples arrived at r1 after the pre-scoring
+    out = await cluster.wait_final(1)
+    assert out.state == "published" and set(out.domain_losses_before) == {"d0", "d1"}
+    assert [e.score_current for e in r0.evaluated] == [False, False]
+    assert [e.score_current for e in r1.evaluated] == [False, False, True]  # paired nothing: both again
+    assert r1.evaluated[2].current_version == 1 and r1.evaluated[2].candidate_version is None
 
 
 async def test_late_update_is_recorded_not_aggregated(cluster: Cluster) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from collm_bench.goodput import summarize
 from collm_bench.quality_store import load_quality_from_store
 from collm_bench.records import RequestRecord

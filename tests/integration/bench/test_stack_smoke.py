@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from collm_bench.records import read_records
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
 from collm_ops.servers import ServerProcess, free_port

@@ -4,16 +4,14 @@ import asyncio
 import json
 
 import pytest
+from opentelemetry import trace
+
 from collm_common import subjects
 from collm_common.bus import Bus, BusError, NoResponders, ServiceFailure
 from collm_common.settings import CommonSettings
 from collm_common.wire import encode
 from collm_common.wire.control import CONTROL_COMMAND, ControlReply, SetFineTuneShare
 from collm_common.wire.inference import CancelRequest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 pytestmark = pytest.mark.integration
 
@@ -90,11 +88,8 @@ async def test_stream_many_replies_and_timeout(nats_server) -> None:
         await bus.close()
 
 
-async def test_trace_context_crosses_nats(nats_server) -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+async def test_trace_context_crosses_nats(nats_server, span_exporter) -> None:
+    exporter = span_exporter
     tracer = trace.get_tracer("test")
     bus = await Bus.connect(settings(nats_server.url), "t")
     seen: list[str | None] = []

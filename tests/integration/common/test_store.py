@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 import pytest_asyncio
+
 from collm_common.store import AdapterStore, Conflict, CorruptBlob, NotFound
 
 pytestmark = pytest.mark.integration

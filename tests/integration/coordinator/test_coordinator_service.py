@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
+
 from collm_common import subjects
 from collm_common.bus import Bus, BusError
 from collm_common.calibration import Calibration, CostModel, QualityCurve
@@ -27,8 +29,6 @@ from collm_common.wire.control import (
 )
 from collm_coordinator.service import Coordinator
 from collm_coordinator.settings import CoordinatorSettings
-from prometheus_client import REGISTRY
-
 from tests.doubles.coordinator_peers import AggregatorDouble, Load, TelemetryReplica
 
 pytestmark = pytest.mark.integration

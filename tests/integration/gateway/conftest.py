@@ -9,27 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from doubles.replica import ReplicaBehaviour, ReplicaDouble
+from fastapi import FastAPI
+from openai import AsyncOpenAI
+
 from collm_common.bus import Bus
 from collm_common.settings import CommonSettings
 from collm_common.store import AdapterStore
 from collm_gateway.app import GatewayState, build_app
 from collm_gateway.settings import GatewaySettings
 from collm_ops.servers import free_port
-from doubles.replica import ReplicaBehaviour, ReplicaDouble
-from fastapi import FastAPI
-from openai import AsyncOpenAI
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 
 BASE_MODEL = "collm-test-base"
 
@@ -176,35 +172,3 @@ async def make_served_gateway(nats_server, redis_server, redis_prefix, store):
     finally:
         for bus in buses:
             await bus.close()
-
-
-_PROCESSOR_ADDED: dict[int, InMemorySpanExporter] = {}
-
-
-@pytest.fixture
-def span_exporter() -> Iterator[InMemorySpanExporter]:
-    """Finished spans of this test.
-
-    Joins the SDK provider another test installed, else installs one and removes it afterwards
-    (OpenTelemetry allows one global provider per process; later tests may set their own).
-    """
-    provider = trace.get_tracer_provider()
-    installed = False
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-        installed = True
-    exporter = _PROCESSOR_ADDED.get(id(provider))
-    if exporter is None:
-        exporter = InMemorySpanExporter()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        _PROCESSOR_ADDED[id(provider)] = exporter
-    exporter.clear()
-    try:
-        yield exporter
-    finally:
-        if installed:  # what opentelemetry-test-utils' reset_trace_globals does
-            trace._TRACER_PROVIDER_SET_ONCE = Once()  # noqa: SLF001
-            trace._TRACER_PROVIDER = None  # noqa: SLF001
-            _PROCESSOR_ADDED.pop(id(provider), None)
-            provider.shutdown()

@@ -5,6 +5,7 @@ import time
 
 import openai
 import pytest
+
 from collm_common import subjects
 from collm_common.wire.control import RoutingWeights
 from collm_common.wire.inference import GenerateRequest

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+
 from collm_common import subjects
 from collm_common.wire.gateway import GatewayStatus, GatewayStatusRequest
 from collm_ops.servers import free_port
@@ -52,7 +53,7 @@ async def test_metrics_record_requests_latencies_and_replica_choice(gateway, rep
         "collm_gateway_tpot_seconds_bucket",
         "collm_gateway_e2e_seconds_bucket",
     ):
-        assert f'{name}{{le="+Inf",model="collm-test-base"}}' in text
+        assert f'{name}{{adapter_version="base",le="+Inf",model="collm-test-base"}}' in text
     assert 'collm_gateway_replica_choice_total{replica="r0",source="least_loaded"}' in text
     assert "collm_gateway_in_flight_requests 0.0" in text
 

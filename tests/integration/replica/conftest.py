@@ -9,16 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from collm_common.bus import Bus
 from collm_common.service import ServiceContext, serve_until_stopped
 from collm_common.settings import CommonSettings
 from collm_common.store import AdapterStore
 from collm_replica.service import Replica, serve
 from collm_replica.settings import ReplicaSettings
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 REPLICA_ID = "rt1"
 

@@ -7,6 +7,8 @@ import json
 import uuid
 
 import pytest
+from opentelemetry import trace
+
 from collm_common import subjects
 from collm_common.bus import BusError
 from collm_common.lora import decode_adapter, encode_adapter
@@ -31,8 +33,6 @@ from collm_common.wire.inference import (
 from collm_common.wire.rounds import EvalReport, EvaluateCandidate, LocalUpdate
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_replica.lora_bank import LiveLora
-from opentelemetry import trace
-
 from tests.integration.replica.conftest import REPLICA_ID, Running, eventually
 
 pytestmark = pytest.mark.integration
@@ -307,7 +307,7 @@ async def test_evaluate_returns_losses(replica: Running) -> None:
 
 async def test_new_samples_are_persisted_and_used(replica: Running) -> None:
     from collm_common.streams import ensure_streams
-    from collm_replica.service import SAMPLES_FILE
+    from collm_replica.service import SAMPLES_FILE, samples_dir
 
     await ensure_streams(replica.bus.js)
     for i in range(3):
@@ -317,7 +317,8 @@ async def test_new_samples_are_persisted_and_used(replica: Running) -> None:
         await replica.bus.js.publish(
             subjects.samples(REPLICA_ID), encode(s), headers={"Nats-Msg-Id": f"s{i}"}
         )
-    path = replica.settings.data_dir / SAMPLES_FILE  # type: ignore[operator]
+    path = samples_dir(replica.settings) / SAMPLES_FILE
+    assert path == replica.settings.data_dir / "samples" / SAMPLES_FILE  # type: ignore[operator]
     await eventually(
         lambda: path.exists() and len(path.read_text().splitlines()) == 3, 15, "persisted samples"
     )

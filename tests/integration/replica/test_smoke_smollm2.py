@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
 from collm_replica.models import ModelLoadError, load_model
 from collm_replica.settings import ReplicaSettings
-
 from tests.unit.replica.helpers import submit_all
 
 pytestmark = pytest.mark.smoke

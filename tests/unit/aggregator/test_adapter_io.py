@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from collm_common.adapter_io import AdapterImportError, export_peft_dir, import_peft_dir, same_base_model
 from collm_common.lora import decode_adapter, encode_adapter
 

@@ -1,6 +1,7 @@
 """The round state machine with explicit times: quorum, deadline, stragglers, rejections, the gate."""
 
 import pytest
+
 from collm_aggregator.machine import (
     Abort,
     Admitted,

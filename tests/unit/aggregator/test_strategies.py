@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from collm_aggregator.strategies import (
     FedAvg,
     NormClipping,

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+
 from collm_aggregator.evaluation import LossEntry, promotion_gate, summarize
 from collm_aggregator.planner import PlanConfig, PlanDraft, ReplicaView, Skip, default_plans, quorum_for
 from collm_aggregator.validation import (
@@ -130,3 +131,17 @@ def test_built_in_plan_skips_with_reasons() -> None:
 def test_quorum_for() -> None:
     assert [quorum_for(n, 0.5) for n in (1, 2, 3, 4)] == [1, 1, 2, 2]
     assert quorum_for(3, 1.0) == 3
+
+
+def test_pre_scored_current_losses_pair_only_on_the_same_eval_set() -> None:
+    from collm_aggregator.evaluation import ScoredDomain, pair_with_current
+
+    cur = [ScoredDomain("math", "m1", 1.5), ScoredDomain("med", "d1", 2.5)]
+    assert pair_with_current(cur, [ScoredDomain("math", "m1", 1.2)]) == {"math": 1.5}
+    assert pair_with_current(cur, [ScoredDomain("math", "m1", 1.2), ScoredDomain("med", "d1", 2.0)]) == {
+        "math": 1.5,
+        "med": 2.5,
+    }
+    assert pair_with_current(cur, [ScoredDomain("med", "d2", 2.0)]) is None  # its held-out set changed
+    assert pair_with_current(cur, [ScoredDomain("code", "c1", 2.0)]) is None  # never pre-scored
+    assert pair_with_current([ScoredDomain("math", "", 1.5)], [ScoredDomain("math", "", 1.2)]) is None

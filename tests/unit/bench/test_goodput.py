@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from collm_bench.goodput import (
     SloOverride,
     distribution,

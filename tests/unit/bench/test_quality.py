@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from collm_bench.goodput import summarize
 from collm_bench.quality import QualityTable, quality_summary
 from collm_bench.quality_store import adapter_names

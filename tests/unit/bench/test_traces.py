@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from collm_bench.traces import (
     LengthPolicy,
     TraceError,

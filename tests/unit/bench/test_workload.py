@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from collm_bench.client import ClientOptions, SSEDecoder, endpoint_url, error_message, request_body
 from collm_bench.prompts import PromptBuilder, PromptError, parse_mix, read_domain_dir
 from collm_bench.records import RequestRecord, read_records, write_records

@@ -1,6 +1,7 @@
 import asyncio
 
 import pytest
+
 from collm_common.clock import VirtualClock, WallClock
 
 pytestmark = pytest.mark.unit

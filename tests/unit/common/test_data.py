@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from collm_common.data import Example, in_eval_split, load_dataset, write_jsonl
 
 pytestmark = pytest.mark.unit

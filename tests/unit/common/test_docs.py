@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from collm_ops.settings_doc import all_env_names, splice
 
 pytestmark = pytest.mark.unit

@@ -1,6 +1,7 @@
 import pytest
-from collm_common.settings import CommonSettings
 from pydantic import ValidationError
+
+from collm_common.settings import CommonSettings
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,5 @@
 import pytest
+
 from collm_common import subjects
 
 pytestmark = pytest.mark.unit

@@ -1,5 +1,6 @@
 import msgpack
 import pytest
+
 from collm_common.wire import WireError, decode, encode
 from collm_common.wire.adapters import AdapterPublished, TrainingSample
 from collm_common.wire.control import CONTROL_COMMAND, RoutingWeights, SetFineTuneShare, StartTraining

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
+
 from collm_coordinator.core import CoreConfig
 from collm_coordinator.settings import CoordinatorSettings
-from pydantic import ValidationError
 
 pytestmark = pytest.mark.unit
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from collm_common.calibration import Calibration, CostModel, QualityCurve
 from collm_common.wire import decode, encode
 from collm_common.wire.rounds import RoundOutcome, RoundPlan
@@ -12,7 +13,6 @@ from collm_common.wire.telemetry import ReplicaTelemetry, ResidentAdapter, Train
 from collm_coordinator import convert
 from collm_coordinator.core import CoordinatorCore
 from collm_coordinator.priors import cost_prior, quality_prior
-
 from tests.unit.coordinator.cluster import config, obs, tick
 
 pytestmark = pytest.mark.unit

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from collm_coordinator.core import CoordinatorCore, RoundEvent, TrainingProgress
 from collm_coordinator.core.quality import effective_tokens, fit_log_gain, log_gain
-
 from tests.unit.coordinator.cluster import config, obs, tick
 
 pytestmark = pytest.mark.unit

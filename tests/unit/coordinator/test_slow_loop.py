@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from collm_coordinator.core import CoordinatorCore
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from collm_coordinator.core import CoordinatorCore
 from tests.unit.coordinator.cluster import TRAIN_TOKENS_PER_S, config, obs, tick
 
 pytestmark = pytest.mark.unit

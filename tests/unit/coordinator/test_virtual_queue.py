@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from collm_coordinator.core import CoordinatorCore
 
+from collm_coordinator.core import CoordinatorCore
 from tests.unit.coordinator.cluster import config, obs, tick
 
 pytestmark = pytest.mark.unit

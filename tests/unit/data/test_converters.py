@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from collm_common.data import load_dataset
 from collm_data.__main__ import main
 from collm_data.converters import (

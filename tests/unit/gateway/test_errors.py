@@ -1,6 +1,7 @@
 """Error envelope and the mapping of replica refusals, validation errors and HTTP errors to statuses."""
 
 import pytest
+
 from collm_gateway import errors
 from collm_gateway.errors import APIError
 

@@ -1,6 +1,7 @@
 """Per-request latencies (DESIGN.md TPOT definition) and the SLO verdict."""
 
 import pytest
+
 from collm_gateway.observe import is_good, latencies
 
 pytestmark = pytest.mark.unit

@@ -1,11 +1,12 @@
 """Request schemas at the HTTP edge: what is accepted, refused, and how it becomes the wire request."""
 
 import pytest
+from pydantic import ValidationError
+
 from collm_gateway.catalog import parse_model_id
 from collm_gateway.errors import APIError
 from collm_gateway.protocol import ChatCompletionRequest, CompletionRequest
 from collm_gateway.settings import GatewaySettings
-from pydantic import ValidationError
 
 pytestmark = pytest.mark.unit
 

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+
 from collm_gateway.routing import (
     ReplicaSnapshot,
     RoutingConfig,

@@ -1,6 +1,7 @@
 import pytest
-from collm_gateway.settings import GatewaySettings
 from pydantic import ValidationError
+
+from collm_gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.unit
 

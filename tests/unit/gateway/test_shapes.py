@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from collm_gateway.shapes import (
     DONE_EVENT,
     ChatShape,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from collm_replica.models import LoadedModel, load_model
 
 torch.set_num_threads(1)

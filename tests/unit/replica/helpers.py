@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from collm_common.lora import AdapterWeights, LoraSpec
 from collm_replica.engine import Engine, EngineRequest
 from collm_replica.executor import Executor

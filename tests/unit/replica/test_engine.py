@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+
 from collm_common.data import Example, LocalDataset
 from collm_common.lora import LoraSpec
 from collm_replica.batching import BatchConfig
@@ -15,7 +16,6 @@ from collm_replica.engine import Engine, EngineConfig, EngineRefusal, EngineRequ
 from collm_replica.lora_bank import LiveLora
 from collm_replica.models import LoadedModel
 from collm_replica.training import JobConfig, JobSpec
-
 from tests.unit.replica.helpers import Collector, greedy, random_adapter, submit_all
 
 P1 = [5, 17, 42, 99, 120, 7, 3, 250, 11, 64, 33]
@@ -350,3 +350,118 @@ def test_cut_keeps_the_response_in_small_windows() -> None:
     r = Rendered("x", "d", list(range(30)), [-100] * 20 + list(range(20, 30)))
     w = cut(r, 12)
     assert len(w.ids) == 12 and w.ids[0] == 14 and w.labels.count(-100) == 6
+
+
+def test_jobs_never_stall_on_adapter_slots(tiny: LoadedModel) -> None:
+    """More adapters in use than slots: a job for a third adapter trains anyway (training needs no slot),
+    its local refresh reports why it waits instead of stalling, and succeeds once a slot frees (the idle
+    least recently used version is evicted, never a pinned one)."""
+    cfg = EngineConfig(
+        replica_id="rs",
+        max_resident_adapters=2,
+        ft_share_default=1.0,
+        default_ttft_slo_ms=100.0,  # short stretches of training: a quick test
+        default_tpot_slo_ms=20.0,
+        job=JobConfig(micro_tokens=32, batch_tokens=32, publish_every_steps=1000),
+    )
+    eng = Engine(tiny, cfg, SloAwareCoScheduler(), dataset=dataset())  # iterations run by hand
+    eng.install_version("a@v1", random_adapter(tiny, 1))
+    eng.install_version("b@v1", random_adapter(tiny, 2))
+    eng._iteration()
+    ca, cb = Collector(), Collector()
+    eng.submit(greedy("pa", P2, 400, adapter="a"), ca)
+    eng.submit(greedy("pb", P2, 400, adapter="b"), cb)
+    live = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
+    started = eng.start_job(JobSpec("c", "c@v1", 1, live, token_budget=10**6, learning_rate=1e-2))
+    for _ in range(30):
+        eng._iteration()
+    assert started.result(0).state == "running"
+    trained = eng.snapshot().ft_tokens_total
+    assert trained > 0  # both slots pinned: training goes on regardless
+    fut = eng.publish_now("c")
+    eng._iteration()
+    assert fut.result(0) is None  # no slot now: answered at once, nothing stalls
+    status = eng.snapshot().jobs[0]
+    assert status.state == "running" and "slot" in status.message and "pinned" in status.message
+    for _ in range(10):
+        eng._iteration()
+    assert eng.snapshot().ft_tokens_total > trained
+    assert eng.cancel("pa")
+    while not ca.done.is_set():
+        eng._iteration()
+    eng._iteration()  # the pending refresh is retried after the next piece of work
+    assert eng.current_version("c") == "c@v1+rs.1"
+    assert not eng.is_resident("a@v1") and eng.is_resident("b@v1")  # idle a evicted, pinned b kept
+    assert eng.snapshot().jobs[0].message == ""
+    assert eng.cancel("pb")
+    while not cb.done.is_set():
+        eng._iteration()
+
+
+def test_a_local_job_without_a_slot_fails_with_a_clear_status(tiny: LoadedModel) -> None:
+    cfg = EngineConfig(
+        max_resident_adapters=1,
+        refresh_slot_wait_s=0.0,
+        default_ttft_slo_ms=100.0,
+        default_tpot_slo_ms=20.0,
+        job=JobConfig(micro_tokens=32, batch_tokens=32, publish_every_steps=1000),
+    )
+    events = []
+    eng = Engine(tiny, cfg, SloAwareCoScheduler(), dataset=dataset(), on_job_event=events.append)
+    eng.install_version("a@v1", random_adapter(tiny, 1))
+    eng._iteration()
+    eng.submit(greedy("pa", P2, 400, adapter="a"), Collector())
+    live = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
+    eng.start_job(JobSpec("c", "c@v1", 1, live, token_budget=10**6))
+    eng._iteration()
+    fut = eng.publish_now("c")
+    eng._iteration()
+    assert fut.result(0) is None
+    status = eng.snapshot().jobs[0]
+    assert status.state == "failed" and "COLLM_MAX_RESIDENT_ADAPTERS" in status.message
+    assert [e.kind for e in events] == ["failed"]
+    trained = eng.snapshot().ft_tokens_total
+    for _ in range(5):
+        eng._iteration()
+    assert eng.snapshot().ft_tokens_total == trained  # a failed job does not train on
+
+
+def long_dataset(n: int = 12) -> LocalDataset:
+    words = "the quick brown fox jumps over the lazy dog hello world numbers 0 1 2 3 4 5 6 7 8 9"
+    ds = LocalDataset([], [])
+    for i in range(n):
+        ds.add(Example(f"long{i}", f"{words} {i} " * 6, f"{words} {i % 3} " * 8, domain="math"), 0.2)
+    return ds
+
+
+def test_long_examples_train_in_pieces_within_the_guard_and_at_full_speed_when_idle(
+    tiny: LoadedModel,
+) -> None:
+    """No traffic, examples far longer than a micro-step's token size, and a guard (0.4 x a 5 ms TTFT SLO)
+    shorter than any whole micro-step: training still progresses, one layer-sized piece per iteration.
+    With the default guard, an idle replica chains many pieces and micro-steps in one iteration."""
+    job = JobConfig(micro_tokens=64, batch_tokens=128, max_seq_len=480, publish_every_steps=1000)
+    ds = long_dataset()
+    assert min(len(e.prompt) + len(e.response) for e in ds.train) > 900  # hundreds of tokens each
+    eng = Engine(tiny, EngineConfig(default_ttft_slo_ms=5.0, job=job), SloAwareCoScheduler(), dataset=ds)
+    live = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
+    eng.start_job(JobSpec("math", "math@v1", 1, live, token_budget=10**6, learning_rate=1e-2))
+    eng._iteration()
+    assert eng.jobs["math"].train_items and min(len(r.ids) for r in eng.jobs["math"].train_items) > 256
+    pieces = []
+    while eng.snapshot().jobs[0].steps_done < 2:
+        eng._iteration()
+        assert eng.last_work is not None
+        pieces.append(eng.last_work.pieces)
+        assert len(pieces) < 2000, "training does not progress"
+    j = eng.jobs["math"]
+    assert j.tokens_done / j.micro_steps > 256  # whole long examples, not cut to the 64-token size
+    # The guard admits the one piece an idle replica always runs and whatever else fits in 2 ms: a few
+    # pieces, while a micro-step is 8 or more (2 layers forward, >= 4 LM-head chunks, 2 layers backward).
+    assert max(pieces) <= 4 < 8 <= sum(pieces) / j.micro_steps
+    fast = Engine(tiny, EngineConfig(job=job), SloAwareCoScheduler(), dataset=ds)
+    live2 = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
+    fast.start_job(JobSpec("math", "math@v1", 1, live2, token_budget=10**6, learning_rate=1e-2))
+    fast._iteration()
+    fast._iteration()
+    assert fast.last_work is not None and fast.last_work.pieces > 20 and fast.last_work.train_tokens > 0

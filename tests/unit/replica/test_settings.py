@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
+
 from collm_replica.engine import EngineConfig
 from collm_replica.settings import ReplicaSettings
-from pydantic import ValidationError
 
 
 def test_defaults_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

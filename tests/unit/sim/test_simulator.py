@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
 from collm_sim import SimConfig, Simulation, WorkloadSpec, simulate
 from collm_sim.config import EngineSpec
 from collm_sim.quality import QualityModel
 from collm_sim.workload import Workload
-
 from tests.unit.sim.calib import calibration_for_tests
 
 pytestmark = pytest.mark.unit

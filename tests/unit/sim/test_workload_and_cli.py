@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from collm_bench.traces import TraceRequest
 from collm_sim.cli import main
 from collm_sim.workload import WorkloadSpec, build_workload, repeat_trace
-
 from tests.unit.sim.calib import calibration_for_tests
 
 pytestmark = pytest.mark.unit

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from collm_common.store import StoreError
 from fastapi import APIRouter
 
+from collm_common.store import StoreError
 from collm_gateway.api.deps import PrincipalDep, StateDep
 from collm_gateway.auth import can_use_adapter
 from collm_gateway.errors import unavailable

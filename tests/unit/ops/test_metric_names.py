@@ -1,0 +1,99 @@
+"""Every Prometheus metric is `collm_<service>_...` and says its unit in its name.
+
+Units as Prometheus names them: `_seconds`, `_bytes`, `_ratio` (0..1), `_total` (counters), or the
+thing counted (`_tokens`, `_requests`, `_replicas`, `_rounds`, `_versions`), `_nats` for a loss in nats
+per token. Enum metrics (a state set: the label is the metric's own name) have no unit.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from prometheus_client import REGISTRY
+
+pytestmark = pytest.mark.unit
+
+UNITS = ("_total", "_seconds", "_bytes", "_ratio", "_tokens", "_requests", "_replicas", "_rounds",
+         "_versions", "_nats", "_info")  # fmt: skip
+
+MODULES = {
+    "gateway": "collm_gateway.metrics",
+    "replica": "collm_replica.metrics",
+    "coordinator": "collm_coordinator.metrics",
+    "aggregator": "collm_aggregator.metrics",
+    "wire": "collm_common.wire.base",
+}
+
+
+def families(prefix: str) -> dict[str, str]:
+    """Metric family name (counters with their `_total`) -> type, for families starting with `prefix`."""
+    return {
+        fam.name + ("_total" if fam.type == "counter" else ""): fam.type
+        for fam in REGISTRY.collect()
+        if fam.name.startswith(prefix)
+    }
+
+
+def without_unit(service: str) -> list[str]:
+    importlib.import_module(MODULES[service])
+    return sorted(
+        name
+        for name, kind in families(f"collm_{service}_").items()
+        if kind != "stateset" and not name.endswith(UNITS)
+    )
+
+
+@pytest.mark.parametrize(
+    "service",
+    [
+        "gateway",
+        "replica",
+        "wire",
+        pytest.param(
+            "coordinator",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="owned by the coordinator: collm_coordinator_ft_share, _routing_weight, _attainment "
+                "need a unit (_ratio), _virtual_queue one too",
+            ),
+        ),
+        pytest.param(
+            "aggregator",
+            marks=pytest.mark.xfail(
+                strict=True, reason="owned by the aggregator: collm_aggregator_eval_loss needs a unit (_nats)"
+            ),
+        ),
+    ],
+)
+def test_metric_names_carry_units(service: str) -> None:
+    assert without_unit(service) == []
+
+
+def test_every_service_has_metrics_under_its_own_prefix() -> None:
+    for service in MODULES:
+        importlib.import_module(MODULES[service])
+        assert families(f"collm_{service}_"), service
+
+
+def test_gateway_latencies_are_by_model_and_version_with_bounded_series() -> None:
+    from collm_gateway import metrics
+
+    for hist in (metrics.TTFT, metrics.TPOT, metrics.E2E):
+        assert hist._labelnames == ("model", "adapter_version")  # noqa: SLF001
+    series = metrics.VersionSeries(versions_per_model=2)
+    model = "unit-test-model"
+    for v in (1, 2, 3):
+        metrics.REQUESTS.labels(model, f"{model}@v{v}", "200").inc()
+        metrics.TTFT.labels(model, f"{model}@v{v}").observe(0.1)
+        evicted = series.touch(model, f"{model}@v{v}", "200")
+    assert evicted == [f"{model}@v1"]
+    assert series.touch(model, f"{model}@v2", "200") == []  # seen again: now the most recent
+    names = {
+        s.labels.get("adapter_version")
+        for fam in REGISTRY.collect()
+        if fam.name in ("collm_gateway_requests", "collm_gateway_ttft_seconds")
+        for s in fam.samples
+        if s.labels.get("model") == model
+    }
+    assert names == {f"{model}@v2", f"{model}@v3"}
