@@ -4,6 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.collm-installed
 PYTEST_ARGS ?=
+# `make bench`: the headline benchmark (python -m collm_bench headline --help lists BENCH_ARGS), run under
+# the machine's heavy-work lock so that it never overlaps other heavy runs (BENCH_LOCK= runs it bare).
+BENCH_ARGS ?=
+BENCH_LOCK ?= flock /tmp/collm-heavy.lock
 
 .PHONY: install up test lint bench clean
 
@@ -25,6 +29,9 @@ up: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	HF_HUB_OFFLINE=1 $(BENCH_LOCK) $(BIN)/python -m collm_bench headline $(BENCH_ARGS)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

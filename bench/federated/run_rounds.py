@@ -7,22 +7,25 @@ rounds the way the coordinator does, through `open_round`). Per round it runs, c
 
 * `shared`: one adapter trained by all three replicas (federated), evaluated on all three domains' held-out
   sets (the mixed eval set);
-* one adapter per domain (`d-<domain>`), trained and evaluated by the replica holding that domain;
-* `local-<replica>`: the same shared starting point trained by one replica alone (local-only baseline),
-  evaluated on all three domains like `shared`.
+* `local-<replica>`: the same starting point trained by one replica alone: the local-only baseline and,
+  on the replica's own domain, the per-domain adapter; evaluated on all three domains like `shared`. These
+  rounds open `--baseline-offset-s` after `shared` (same duration, same budget), so that their
+  evaluations do not queue in front of the shared round's on the replicas (a replica evaluates one
+  candidate at a time).
 
-Every number comes from the round outcomes (federated evaluation: each replica scores its own held-out
-examples; losses are example-weighted): (a) federated = `shared`, (b) local-only = `local-*`, (c) no
-training = the v1 adapters (B = 0, the base model), i.e. round 1's losses "before". Also measured per
-shared round: the time from the close of collection (deadline or last update) to the new version being
-served by every replica (1-token generate requests report the exact version that serves them), split into
-aggregation, federated evaluation + publication, and the replicas' swap; and the bytes sent per round
-(update blobs up, the new version down to every replica) against the raw size of the participants'
-training data.
+Rounds train until their deadline (`--token-budget 0`, participants send `--deadline-margin-s` before it)
+or up to a token budget per participant. Every loss comes from the round outcomes (federated evaluation:
+each replica scores its own held-out examples; losses are example-weighted): (a) federated = `shared`,
+(b) local-only = `local-*`, (c) no training = the v1 adapters (B = 0, the base model), i.e. round 1's
+losses "before". Also measured per shared round: the time from the round's deadline, and from the close
+of collection (deadline or last update), to the new version being served by every replica (1-token
+generate requests report the exact version that serves them), split into aggregation, federated
+evaluation + publication, and the replicas' swap; and the bytes sent per round (update blobs up, the new
+version down to every replica) against the raw size of the participants' training data.
 
     flock /tmp/collm-heavy.lock .venv/bin/python bench/federated/run_rounds.py [--rounds 5] [--model smollm2]
 
-Writes bench/results/federated/rounds.json and prints a table.
+Writes bench/results/federated/rounds_<model>_<strategy>.json and prints a table.
 """
 
 from __future__ import annotations
@@ -48,7 +51,13 @@ from collm_common.wire import decode  # noqa: E402
 from collm_common.wire.admin import AggregatorStatus, GetRound, RoundDetail, StatusRequest  # noqa: E402
 from collm_common.wire.control import ControlReply, StartTraining, StopTraining  # noqa: E402
 from collm_common.wire.inference import GENERATE_EVENT, Accepted, GenerateRequest, SamplingParams  # noqa: E402
-from collm_common.wire.rounds import ParticipantPlan, RoundOutcome, RoundPlan  # noqa: E402
+from collm_common.wire.rounds import (  # noqa: E402
+    EvalReport,
+    EvaluateCandidate,
+    ParticipantPlan,
+    RoundOutcome,
+    RoundPlan,
+)
 from collm_common.wire.telemetry import ReplicaTelemetry  # noqa: E402
 from collm_data.__main__ import convert_one  # noqa: E402
 from collm_ops.servers import start_nats, start_redis  # noqa: E402
@@ -116,7 +125,8 @@ class Bench:
                     "COLLM_TRAIN_MAX_SEQ_LEN": str(self.args.max_seq_len),
                     "COLLM_PUBLISH_EVERY_STEPS": "1000",
                     "COLLM_EVAL_MAX_EXAMPLES": "8",
-                    "COLLM_ROUND_DEADLINE_MARGIN_S": "5",
+                    "COLLM_ROUND_DEADLINE_MARGIN_S": str(self.args.deadline_margin_s),
+                    "COLLM_EVAL_MATMUL_DTYPE": self.args.eval_dtype,
                     "COLLM_TELEMETRY_INTERVAL_S": "1",
                     # Defaults otherwise: 8 resident adapters (7 adapters x versions live here), the
                     # default SLOs (training runs in layer-sized pieces, so no guard starves it).
@@ -133,6 +143,7 @@ class Bench:
                 "COLLM_EVAL_MAX_TOKENS": str(self.args.eval_max_tokens),
                 "COLLM_EVAL_PRESCORE_CURRENT": "false" if self.args.no_prescore else "true",
                 "COLLM_EVAL_TIMEOUT_S": "600",
+                "COLLM_RETENTION_VERSIONS": str(self.args.rounds + 2),  # scored again after the run
                 "COLLM_CONTROL_TIMEOUT_S": "60",
             },
             self.run_dir / "aggregator.log",
@@ -200,7 +211,9 @@ class Bench:
             adapter=adapter,
             base_version=await self.store.current(adapter) or 1,
             participants=[
-                ParticipantPlan(replica_id=r, token_budget=self.args.token_budget, learning_rate=self.args.lr)
+                ParticipantPlan(
+                    replica_id=r, token_budget=self.args.token_budget or 10**8, learning_rate=self.args.lr
+                )
                 for r in participants
             ],
             quorum=len(participants),
@@ -255,6 +268,54 @@ class Bench:
             down = rec.size_bytes * replicas_receiving
         return {"updates_up": up, "version_down": down}
 
+    async def round_tokens(self, round_id: int) -> dict[str, int]:
+        detail = await self.bus.request(
+            subjects.aggregator("round"), GetRound(round_id=round_id), RoundDetail, timeout_s=30
+        )
+        return {u.update.replica_id: u.update.num_tokens for u in detail.updates}
+
+    async def score(self, adapter: str, version: int) -> dict[str, dict[str, float]]:
+        """Held-out loss of a stored version on every replica's own domain (federated, as in a round, on
+        the larger quality set): per domain, the example-weighted loss and the examples and tokens scored."""
+        req = EvaluateCandidate(
+            adapter=adapter,
+            candidate_key="",
+            candidate_sha256="",
+            candidate_version=version,
+            score_current=False,
+            max_examples=self.args.quality_examples,
+            max_tokens=self.args.quality_max_tokens,
+        )
+        reports = await asyncio.gather(
+            *(
+                self.bus.request(subjects.replica(rid, "evaluate"), req, EvalReport, timeout_s=900)
+                for rid in self.replicas
+            )
+        )
+        out: dict[str, dict[str, float]] = {}
+        for rep in reports:
+            for d in rep.losses:
+                cur = out.setdefault(d.domain, {"loss_sum": 0.0, "examples": 0, "tokens": 0})
+                cur["loss_sum"] += d.candidate_loss * d.num_examples
+                cur["examples"] += d.num_examples
+                cur["tokens"] += d.num_tokens
+        return {
+            dom: {"loss": v["loss_sum"] / v["examples"], "examples": v["examples"], "tokens": v["tokens"]}
+            for dom, v in out.items()
+            if v["examples"]
+        }
+
+    async def quality(self, adapters: list[str], versions: dict[str, list[int]]) -> dict[str, dict]:
+        """Every version of every adapter the run produced, scored after the rounds (off their critical
+        path) on each replica's larger quality set."""
+        out: dict[str, dict] = {}
+        for name in adapters:
+            out[name] = {}
+            for v in sorted(set(versions[name])):
+                out[name][str(v)] = await self.score(name, v)
+                print(f"  quality {name}@v{v}: {fmt({d: x['loss'] for d, x in out[name][str(v)].items()})}")
+        return out
+
     async def run(self) -> dict:
         raw = self.prepare_data()
         self.start()
@@ -262,8 +323,7 @@ class Bench:
             await self.connect()
             t_ready = time.time()
             adapters = {"shared": ([], list(self.replicas))}
-            for rid, d in self.replicas.items():
-                adapters[f"d-{d}"] = ([d], [rid])
+            for rid in self.replicas:
                 adapters[f"local-{rid}"] = ([], [rid])
             await self.create_v1(adapters)
             report: dict = {
@@ -274,15 +334,23 @@ class Bench:
                 "token_budget": self.args.token_budget,
                 "lr": self.args.lr,
                 "eval_examples": self.args.eval_examples,
+                "eval_max_tokens": self.args.eval_max_tokens,
+                "eval_dtype": self.args.eval_dtype,
+                "deadline_s": self.args.deadline_s,
+                "deadline_margin_s": self.args.deadline_margin_s,
+                "baseline_offset_s": self.args.baseline_offset_s,
+                "prescore_current": not self.args.no_prescore,
+                "command": " ".join(sys.argv),
                 "startup_s": t_ready,
                 "rounds": [],
             }
             for rnd in range(1, self.args.rounds + 1):
                 t0 = time.time()
-                ids = {
-                    name: await self.open(name, who, self.args.deadline_s)
-                    for name, (_d, who) in adapters.items()
-                }
+                ids = {"shared": await self.open("shared", adapters["shared"][1], self.args.deadline_s)}
+                await asyncio.sleep(self.args.baseline_offset_s)
+                for name, (_d, who) in adapters.items():
+                    if name != "shared":
+                        ids[name] = await self.open(name, who, self.args.deadline_s)
                 serving_at = await self.watch_serving(ids["shared"], "shared", self.args.deadline_s + 900)
                 for rid_ in ids.values():
                     await wait_until(
@@ -298,9 +366,12 @@ class Bench:
                     "wall_s": time.time() - t0,
                     "outcomes": {n: o.model_dump(mode="json") for n, o in outs.items()},
                     "bytes": await self.round_bytes(ids["shared"], len(self.replicas)),
+                    "tokens": {n: await self.round_tokens(i) for n, i in ids.items()},
+                    "version_after": {n: o.new_version or o.base_version for n, o in outs.items()},
                 }
                 if "aggregating" in tl:
                     close = tl["aggregating"]
+                    deadline = shared.deadline_unix_s or close
                     row["latency_s"] = {
                         "close_to_candidate": tl.get("evaluating", close) - close,
                         "candidate_to_published": tl.get("published", tl.get("held_back", close))
@@ -309,10 +380,15 @@ class Bench:
                         if serving_at and "published" in tl
                         else None,
                         "close_to_all_serving": (serving_at - close) if serving_at else None,
-                        "deadline_to_close": close - (shared.deadline_unix_s or close),
+                        "deadline_to_close": close - deadline,
+                        "deadline_to_all_serving": (serving_at - deadline) if serving_at else None,
                     }
                 report["rounds"].append(row)
                 print_round(row, self.replicas)
+            versions = {n: [1] + [r["version_after"][n] for r in report["rounds"]] for n in adapters}
+            report["quality_examples"] = self.args.quality_examples
+            report["quality_max_tokens"] = self.args.quality_max_tokens
+            report["quality"] = await self.quality(list(adapters), versions)
             return report
         finally:
             with_logs = self.run_dir
@@ -338,16 +414,12 @@ def print_round(row: dict, replicas: dict[str, str]) -> None:
     for rid in replicas:
         lo = outs[f"local-{rid}"]
         print(f"  local-{rid:3} ({lo['state']:9}) after: {fmt(lo['domain_losses_after'])}")
-    for d in replicas.values():
-        do = outs[f"d-{d}"]
-        before, after = fmt(do["domain_losses_before"]), fmt(do["domain_losses_after"])
-        print(f"  d-{d:16} ({do['state']:9}) before {before} after {after}")
     if "latency_s" in row:
         print(
             "  latency_s "
             + json.dumps({k: (round(v, 3) if v is not None else None) for k, v in row["latency_s"].items()})
         )
-    print(f"  bytes {row['bytes']}", flush=True)
+    print(f"  bytes {row['bytes']} tokens {row['tokens']}", flush=True)
 
 
 def fmt(d: dict[str, float]) -> str:
@@ -369,10 +441,19 @@ def main() -> int:
         "--eval-max-tokens", type=int, default=4096, help="held-out tokens per domain per version (gate)"
     )
     p.add_argument("--no-prescore", action="store_true", help="score current and candidate after the close")
-    p.add_argument("--token-budget", type=int, default=1536)
+    p.add_argument("--quality-examples", type=int, default=24, help="held-out examples per domain (quality)")
+    p.add_argument(
+        "--quality-max-tokens", type=int, default=4096, help="held-out tokens per domain (quality)"
+    )
+    p.add_argument(
+        "--token-budget", type=int, default=0, help="training tokens per participant (0: until the deadline)"
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-seq-len", type=int, default=192)
-    p.add_argument("--deadline-s", type=float, default=240.0)
+    p.add_argument("--deadline-s", type=float, default=45.0)
+    p.add_argument("--deadline-margin-s", type=float, default=5.0, help="replicas send this long before it")
+    p.add_argument("--baseline-offset-s", type=float, default=10.0, help="local-only rounds open this later")
+    p.add_argument("--eval-dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     p.add_argument("--strategy", default="product_svd", choices=("product_svd", "fedavg"))
     p.add_argument("--run-dir", default=None)
     args = p.parse_args()

@@ -11,7 +11,9 @@ in headers and msgpack wire messages in payloads:
   replies (`Nats-Service-Error-Code` header plus an `ErrorReply` body) instead of crashing.
 
 The first connection is retried until `nats_connect_timeout_s` (nats-py does not retry it), later
-disconnects reconnect forever.
+disconnects reconnect forever. Credentials (`nats_user`/`nats_password`, a token, a creds file, or
+`nats://user:pass@host` in the URL) go to the server as they are; replies to this connection's requests
+arrive under `inbox_prefix(...)`, per user, which is what a secured server (deploy/nats/auth.conf) allows.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 import nats
 import nats.micro
@@ -47,6 +51,33 @@ STATUS_HEADER = "Status"
 
 T = TypeVar("T")
 R = TypeVar("R", bound=BaseModel)
+
+DEFAULT_INBOX_PREFIX = "_INBOX"
+_INBOX_USER = re.compile(r"[^\s.*>]+(?:\.[^\s.*>]+)*")
+_URL_PASSWORD = re.compile(r"(//[^/:@]*):[^/@]*@")
+
+
+def inbox_prefix(user: str | None, servers: Sequence[str] = ()) -> str:
+    """Prefix of a connection's reply inboxes: `_INBOX.<user>` for a user that logs in by name (`user`,
+    else the user of the first server URL `nats://user:pass@host`), else NATS's default `_INBOX`.
+
+    A secured server (deploy/nats/auth.conf) lets each user subscribe only under its own prefix, so no
+    service can read the replies (token streams, evaluation reports) meant for another; an open server
+    accepts any prefix under `_INBOX`, so the per-user prefix changes nothing there.
+    """
+    name = user
+    if name is None and servers:
+        url = urlparse(servers[0].strip())
+        if url.password is not None:  # `nats://token@host` names no user
+            name = url.username
+    if name and _INBOX_USER.fullmatch(name):
+        return f"{DEFAULT_INBOX_PREFIX}.{name}"
+    return DEFAULT_INBOX_PREFIX
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by `***` (for logs and error messages)."""
+    return _URL_PASSWORD.sub(r"\1:***@", url)
 
 
 class BusError(Exception):
@@ -174,8 +205,18 @@ class Bus:
         """Connect, retrying the first connection for `nats_connect_timeout_s` (then ConnectionError)."""
         servers = [s.strip() for s in settings.nats_url.split(",")]
 
+        last_error: list[str] = []  # why the first connection fails, a refused login first
+
         async def on_error(exc: Exception) -> None:
-            log.info("nats: %s", exc)
+            text = str(exc)
+            refused = "authorization violation" in text.lower()
+            if refused or not (last_error and "authorization violation" in last_error[0].lower()):
+                last_error[:] = [text]
+            # A refused login, publish or subscription is a deployment error (or an attack): never quiet.
+            if refused or "permissions violation" in text.lower():
+                log.warning("nats: %s", text)
+            else:
+                log.info("nats: %s", exc)
 
         async def on_disconnect() -> None:
             log.warning("nats disconnected")
@@ -192,6 +233,9 @@ class Bus:
                     name=name,
                     user=settings.nats_user,
                     password=settings.nats_password,
+                    token=settings.nats_token,
+                    user_credentials=settings.nats_creds_file,
+                    inbox_prefix=inbox_prefix(settings.nats_user, servers),
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
@@ -205,8 +249,10 @@ class Bus:
                 timeout=settings.nats_connect_timeout_s,
             )
         except TimeoutError:
+            why = f" (last error: {last_error[0]})" if last_error else ""
             raise ConnectionError(
-                f"cannot reach NATS at {settings.nats_url} within {settings.nats_connect_timeout_s:.0f}s"
+                f"cannot reach NATS at {redact_url(settings.nats_url)} "
+                f"within {settings.nats_connect_timeout_s:.0f}s{why}"
             ) from None
         return cls(nc, name)
 

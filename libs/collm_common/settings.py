@@ -22,8 +22,19 @@ class CommonSettings(BaseSettings):
     )
 
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated.")
-    nats_user: str | None = Field(None, description="NATS user name (when the server requires auth).")
+    nats_user: str | None = Field(
+        None,
+        description="NATS user name (when the server requires auth). Replies to this service's requests "
+        "then arrive under its own inbox prefix `_INBOX.<user>` (deploy/nats/auth.conf allows each user "
+        "only its own).",
+    )
     nats_password: str | None = Field(None, description="NATS password for `nats_user`.")
+    nats_token: str | None = Field(
+        None, description="NATS authorization token (a server secured by one shared token instead of users)."
+    )
+    nats_creds_file: str | None = Field(
+        None, description="NATS credentials file (JWT and NKey seed; decentralised auth with `nsc`)."
+    )
     nats_connect_timeout_s: float = Field(
         30.0, gt=0, description="How long a service keeps retrying its first NATS connection."
     )

@@ -28,6 +28,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from collm_common.subjects import check_token
 
@@ -107,8 +109,14 @@ class AdapterStore:
     @classmethod
     def from_url(cls, url: str, prefix: str = "collm", retention_versions: int = 5) -> AdapterStore:
         # Bytes in and out (blobs are binary); short timeouts so a dead Redis fails fast, not hangs.
+        # After a Redis restart every pooled connection is dead: a command that finds its connection
+        # closed reconnects and is sent again (twice at most), instead of failing once per connection.
         client = aioredis.Redis.from_url(
-            url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=10
+            url,
+            socket_timeout=5,
+            socket_connect_timeout=2,
+            health_check_interval=10,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         )
         return cls(client, prefix, retention_versions)
 

@@ -25,7 +25,9 @@ SERVICE_NAMES = (SERVICE_GATEWAY, SERVICE_REPLICA, SERVICE_COORDINATOR, SERVICE_
 STREAM_UPDATES = "COLLM_UPDATES"
 STREAM_SAMPLES = "COLLM_SAMPLES"
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# One subject token (a replica id, an adapter name); wire schemas that carry such ids validate with it.
+TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_TOKEN = re.compile(TOKEN_PATTERN)
 
 
 def check_token(value: str, what: str = "identifier") -> str:

@@ -99,6 +99,11 @@ class ReplicaDouble:
         await svc.endpoint(
             "cancel", subjects.replica(self.replica_id, "cancel"), CancelRequest, self._on_cancel
         )
+        # `status` answers any body with the current telemetry, as the real replica does (the gateway asks
+        # it when telemetry goes stale, to tell a slow replica from a dead one).
+        await svc.svc.add_endpoint(
+            name="status", subject=subjects.replica(self.replica_id, "status"), handler=self._on_status
+        )
         if publish_telemetry:
             await self.publish_telemetry()
             self._telemetry_task = asyncio.create_task(self._telemetry_loop())
@@ -142,6 +147,9 @@ class ReplicaDouble:
                 for n, v in sorted(self.adapters.items())
             ],
         )
+
+    async def _on_status(self, req: Request) -> None:
+        await req.respond(encode(self.telemetry()))
 
     async def publish_telemetry(self) -> None:
         await self.bus.publish(subjects.telemetry(self.replica_id), self.telemetry())

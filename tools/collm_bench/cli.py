@@ -4,6 +4,7 @@
         --mix medical=0.5,math=0.5 --slo-ttft-ms 2000 --slo-tpot-ms 200 --out bench/results/run1
     python -m collm_bench summarize bench/results/run1/requests.jsonl --slo-ttft-ms 1000
     python -m collm_bench traces conv
+    python -m collm_bench headline       # every policy on the live stack (collm_bench.headline)
 """
 
 from __future__ import annotations
@@ -511,6 +512,12 @@ def cmd_traces(args: argparse.Namespace, out: TextIO, _err: TextIO) -> int:
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["headline"]:
+        # The headline benchmark (every policy on the live stack) has its own parser.
+        from collm_bench.headline.cli import main as headline_main
+
+        return headline_main(argv[1:], out, err)
     args = build_parser().parse_args(argv)
     commands = {"loadgen": cmd_loadgen, "summarize": cmd_summarize, "traces": cmd_traces}
     try:

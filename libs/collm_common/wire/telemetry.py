@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from collm_common.subjects import TOKEN_PATTERN
 from collm_common.wire.base import WireModel
 
 
@@ -36,7 +37,8 @@ class TrainingJobStatus(WireModel):
 
 
 class ReplicaTelemetry(WireModel):
-    replica_id: str
+    # A subject token: readers address the replica by it (`subjects.replica`), so no other id is valid.
+    replica_id: str = Field(pattern=TOKEN_PATTERN)
     ts_unix_s: float
     interval_s: float
     model: str

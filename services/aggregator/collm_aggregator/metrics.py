@@ -29,6 +29,10 @@ PRODUCT_ERROR = Gauge(
     "average change from the base",
     ["adapter"],
 )
-EVAL_LOSS = Gauge("collm_aggregator_eval_loss", "Last round's held-out loss", ["adapter", "which"])
+EVAL_LOSS = Gauge(
+    "collm_aggregator_eval_loss_nats",
+    "Last round's held-out loss (nats per token): `before` (the current version), `after` (the candidate)",
+    ["adapter", "which"],
+)
 PUBLICATIONS = Counter("collm_aggregator_publications_total", "Adapter versions published", ["source"])
 PLANS_SKIPPED = Counter("collm_aggregator_plans_skipped_total", "Built-in plans not opened", ["adapter"])

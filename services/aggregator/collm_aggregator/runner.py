@@ -33,9 +33,10 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+import redis.exceptions
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
@@ -84,6 +85,9 @@ from .records import RoundRecords
 log = logging.getLogger(__name__)
 CANDIDATE_ID = "_candidate"
 NOT_STARTED = "not_started"
+# Redis unreachable (down or restarting): a round step that needs the store waits for it (`_through_outage`).
+STORE_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError)
+T = TypeVar("T")
 
 
 def to_numpy(weights: AdapterWeights) -> dict[str, np.ndarray]:
@@ -126,6 +130,7 @@ class RoundRunner:
     _base: AdapterWeights | None = None
     _summary: EvalSummary | None = None
     _product_error: float | None = None
+    _product_error_task: asyncio.Task[None] | None = None
     _current: dict[str, EvalReport] = field(default_factory=dict)  # pre-scored current version, by replica
     _prescore: asyncio.Task[None] | None = None
     _root: trace.Span | None = None
@@ -197,7 +202,7 @@ class RoundRunner:
     async def _announce(self) -> None:
         """Save the outcome and publish it on the round's event subject (best effort on the bus)."""
         out = self.outcome()
-        await self.deps.records.save_outcome(out)
+        await self._through_outage("saving the outcome", lambda: self.deps.records.save_outcome(out))
         try:
             await self.deps.bus.publish(subjects.round_event(self.round_id, out.state), out)
         except Exception as exc:  # the record in Redis is the source of truth; the event is a notification
@@ -289,7 +294,9 @@ class RoundRunner:
         m.candidate_ready(clock.now())
         await self._announce()
         with tracer.start_as_current_span("round.evaluate"):
-            key, sha = await self._store_candidate(blob)
+            key, sha = await self._through_outage(
+                "storing the candidate", lambda: self._store_candidate(blob)
+            )
             await self._evaluate(key, sha)
         assert self._summary is not None
         gate = m.decide(self._summary.before, self._summary.after)
@@ -297,7 +304,26 @@ class RoundRunner:
             m.held_back(clock.now())
             return
         with tracer.start_as_current_span("round.publish"):
-            await self._publish(blob)
+            # Safe to repeat: `_publish` first recognises a version this round already made current.
+            await self._through_outage("publishing", lambda: self._publish(blob))
+
+    async def _through_outage(self, what: str, step: Callable[[], Awaitable[T]]) -> T:
+        """Run a store step; while Redis is unreachable (a restart), retry it with backoff for up to
+        `store_outage_s`, then let the error end the round (aborted). Only idempotent steps come here."""
+        clock = self.deps.clock
+        give_up_s = clock.monotonic() + self.deps.settings.store_outage_s
+        delay_s = 0.1
+        while True:
+            try:
+                return await step()
+            except STORE_UNREACHABLE as exc:
+                if clock.monotonic() + delay_s > give_up_s:
+                    raise
+                log.warning(
+                    "round %s: adapter store unreachable while %s (%s); retrying", self.round_id, what, exc
+                )
+                await clock.sleep(delay_s)
+                delay_s = min(2 * delay_s, 1.0)
 
     async def _load_base(self) -> bool:
         m, store, s = self.machine, self.deps.store, self.deps.settings
@@ -441,6 +467,7 @@ class RoundRunner:
         """Record an update refused before it reached `deliver` (e.g. subject and sender disagree)."""
         self.machine.reject(replica_id, rejection, self.deps.clock.now())
         self._count_reject(rejection)
+        self._wake.set()  # a participant refused this way counts as heard from: the round may close
 
     @staticmethod
     def _count_reject(rejection: Rejection) -> None:
@@ -507,17 +534,18 @@ class RoundRunner:
                 self._tensors[e.replica_id].tensors,
                 e.weight(self.machine.rules.staleness_weight),
             )
-            for e in accepted
+            # In replica order, not arrival order: a round resumed after a restart replays its updates in
+            # another order, and must compute the same candidate (float sums depend on the order).
+            for e in sorted(accepted, key=lambda e: e.replica_id)
         ]
         base_np = self._expected.tensors
         strategy = self.deps.strategy
         t0 = time.perf_counter()
         agg = await asyncio.to_thread(strategy.aggregate, updates, base_np)
         metrics.AGGREGATION_SECONDS.labels(strategy.name).observe(time.perf_counter() - t0)
-        err = await asyncio.to_thread(product_error, agg, updates, base_np)
-        self._product_error = err.get("rel_delta")
-        if self._product_error is not None:
-            metrics.PRODUCT_ERROR.labels(self.plan.adapter).set(self._product_error)
+        # A diagnostic of the aggregate, not needed to evaluate it: computed while replicas evaluate, off
+        # the path from the close to the publication (awaited before publishing, for the version's meta).
+        self._product_error_task = asyncio.create_task(self._measure_product_error(agg, updates, base_np))
         import torch
 
         weights = AdapterWeights(
@@ -527,6 +555,18 @@ class RoundRunner:
             extra={"collm.round_id": str(self.round_id), "collm.strategy": strategy.name},
         )
         return encode_adapter(weights)
+
+    async def _measure_product_error(
+        self, agg: dict[str, np.ndarray], updates: list[WeightedUpdate], base_np: dict[str, np.ndarray]
+    ) -> None:
+        try:
+            err = await asyncio.to_thread(product_error, agg, updates, base_np)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic only
+            log.warning("round %s: product error not measured: %s", self.round_id, exc)
+            return
+        self._product_error = err.get("rel_delta")
+        if self._product_error is not None:
+            metrics.PRODUCT_ERROR.labels(self.plan.adapter).set(self._product_error)
 
     async def _store_candidate(self, blob: bytes) -> tuple[str, str]:
         store, records = self.deps.store, self.deps.records
@@ -540,13 +580,23 @@ class RoundRunner:
                 self.round_id, CANDIDATE_ID, blob, ttl_s=self.deps.settings.update_ttl_s
             )
         except Conflict:
-            # Written before a restart but not recorded: the aggregation is deterministic, so reuse it
-            # only if it is byte-identical.
+            # Written before a restart but not recorded: reuse it if it is byte-identical; else (another
+            # process, other float rounding) store this one beside it: candidate blobs are write-once.
             key = store.update_key(self.round_id, CANDIDATE_ID)
             from collm_common.store import sha256_hex
 
             sha = sha256_hex(blob)
-            await store.get_update(key, sha)
+            try:
+                await store.get_update(key, sha)
+            except CorruptBlob:
+                other = f"{CANDIDATE_ID}-{sha[:16]}"
+                try:
+                    key, sha = await store.put_update(
+                        self.round_id, other, blob, ttl_s=self.deps.settings.update_ttl_s
+                    )
+                except Conflict:  # stored by an earlier restart: the name is its digest
+                    key = store.update_key(self.round_id, other)
+                    await store.get_update(key, sha)
         await records.save_candidate(self.round_id, key, sha)
         return key, sha
 
@@ -636,7 +686,9 @@ class RoundRunner:
             return await self._ask(rid, both)
 
         reports = [r for r in await asyncio.gather(*(ask(r) for r in who)) if r is not None]
-        await self.deps.records.save_evals(self.round_id, reports)
+        await self._through_outage(
+            "saving the evaluations", lambda: self.deps.records.save_evals(self.round_id, reports)
+        )
         entries = [
             LossEntry(r.replica_id, d.domain, d.num_examples, d.current_loss, d.candidate_loss)
             for r in reports
@@ -664,6 +716,9 @@ class RoundRunner:
                 now(),
             )
             return
+        if self._product_error_task is not None:
+            with contextlib.suppress(Exception):
+                await self._product_error_task
         meta = {
             "strategy": self.deps.strategy.name,
             "accepted": ",".join(e.replica_id for e in m.accepted),

@@ -34,7 +34,7 @@ from collm_aggregator.planner import PlanConfig, PlanDraft, ReplicaView, Skip, d
 from collm_aggregator.runner import RoundDeps, RoundRunner
 from collm_aggregator.settings import AggregatorSettings
 from collm_aggregator.strategies import make_strategy
-from collm_aggregator.validation import SENDER_MISMATCH, UNKNOWN_ROUND, Rejection
+from collm_aggregator.validation import NOT_PARTICIPANT, SENDER_MISMATCH, UNKNOWN_ROUND, Rejection
 from collm_common import subjects
 from collm_common.adapter_io import AdapterImportError, check_shapes, import_peft_dir, same_base_model
 from collm_common.bus import Bus, BusError, MicroService, ServiceFailure
@@ -58,13 +58,18 @@ from collm_common.wire.admin import (
     UpdateRecord,
 )
 from collm_common.wire.control import ControlReply, StartTraining
-from collm_common.wire.rounds import LocalUpdate, ParticipantPlan, RoundOutcome, RoundPlan
+from collm_common.wire.rounds import LocalUpdate, ParticipantPlan, RejectedUpdate, RoundOutcome, RoundPlan
 from collm_common.wire.telemetry import ReplicaTelemetry
 
 from .records import RoundRecords
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+
+
+def _count_rejection(why: Rejection) -> None:
+    metrics.REJECTED.labels(why.code).inc()
+    metrics.UPDATES.labels("rejected").inc()
 
 
 def version_info(rec: VersionRecord) -> AdapterVersionInfo:
@@ -468,8 +473,12 @@ class Aggregator:
     ) -> str:
         """Record the update durably for its round, acknowledge it, then hand it to the round.
 
-        Refusals that need no record (sender mismatch, unknown round) are counted, reported and acked:
-        redelivering them could never change the verdict."""
+        Identity: the subject's replica token is the sender (on a secured server only that replica may
+        publish it, deploy/nats/auth.conf), so an update is taken only when the payload names the same
+        replica and round as its subject, and only from a participant of that round's plan (the round
+        machine checks the latter while the round runs; here after it ended). Refusals are counted and
+        reported in the round's record (`rejected`, with the reason), and acked: redelivering them could
+        never change the verdict."""
         runner = self.runners.get(update.round_id)
         if sender != update.replica_id or round_token != str(update.round_id):
             why = Rejection(
@@ -477,10 +486,11 @@ class Aggregator:
                 f"message on the subject of {sender!r}/round {round_token} "
                 f"claims {update.replica_id!r}/round {update.round_id}",
             )
-            if runner is not None:
+            if runner is not None and not runner.machine.final:
                 runner.refuse(sender or update.replica_id, why)
             else:
-                metrics.REJECTED.labels(SENDER_MISMATCH).inc()
+                _count_rejection(why)
+                await self._report_refusal(update.round_id, sender or update.replica_id, why)
             await ack()
             return "rejected: sender mismatch"
         if not await self.records.exists(update.round_id):
@@ -502,6 +512,16 @@ class Aggregator:
         # The round is over: the update is late; keep it on the record (and carry it, by policy).
         rec = record.model_copy(update={"late": True})
         added = await self.records.add_update(update.round_id, rec)
+        plan = await self.records.plan(update.round_id)
+        if plan is not None and update.replica_id not in {p.replica_id for p in plan.participants}:
+            why = Rejection(
+                NOT_PARTICIPANT, f"{update.replica_id} is not a participant of round {plan.round_id}"
+            )
+            if added:
+                _count_rejection(why)
+                await self._report_refusal(update.round_id, update.replica_id, why)
+            await ack()
+            return "rejected: not a participant"
         if added:
             outcome = await self.records.outcome(update.round_id)
             if outcome is not None and update.replica_id in outcome.participants:
@@ -514,6 +534,18 @@ class Aggregator:
             metrics.UPDATES.labels("late").inc()
         await ack()
         return "late"
+
+    async def _report_refusal(self, round_id: int, replica_id: str, why: Rejection) -> None:
+        """Add a refused update to the record of a round that is not running here (it ended)."""
+        outcome = await self.records.outcome(round_id)
+        if outcome is None:
+            return
+        entry = RejectedUpdate(replica_id=replica_id, reason=why.reason, code=why.code)
+        if entry not in outcome.rejected:
+            await self.records.save_outcome(
+                outcome.model_copy(update={"rejected": [*outcome.rejected, entry]})
+            )
+        log.warning("round %s: refused an update from %s: %s", round_id, replica_id, why.reason)
 
     async def _carry(self, rec: UpdateRecord) -> None:
         if self.settings.late_policy == "staleness":

@@ -116,6 +116,13 @@ class AggregatorSettings(CommonSettings):
     )
     rounds_kept: int = Field(1000, ge=10, description="Round records kept in Redis for `rounds list|show`.")
     update_ttl_s: int = Field(86400, ge=60, description="Lifetime of candidate blobs in the store.")
+    store_outage_s: float = Field(
+        120.0,
+        gt=0,
+        description="A round step that needs the adapter store (saving the outcome or the evaluations, "
+        "storing the candidate, publishing) retries this long while Redis is unreachable (a restart); "
+        "after that the round is aborted.",
+    )
     consumer_name: str = Field(
         "collm-aggregator", pattern=r"^[A-Za-z0-9_-]+$", description="Durable JetStream consumer of updates."
     )

@@ -1,5 +1,6 @@
 """Every Prometheus metric of the coordinator (`collm_coordinator_*`), in one place.
 
+Names carry their unit (`_ratio` for shares, weights and attainment, `_replicas`, `_seconds`, `_total`).
 Decision reasons are exported twice: as an Enum per replica (the reason in force now, for dashboards)
 and as labelled counters (how often each reason was decided, for rates).
 """
@@ -29,14 +30,28 @@ TICK_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
 POLICY = Enum("collm_coordinator_policy", "Policy in force", states=POLICY_STATES)
-SHARE = Gauge("collm_coordinator_ft_share", "Fine-tuning share decided for a replica", ["replica"])
-WEIGHT = Gauge("collm_coordinator_routing_weight", "Routing weight published for a replica", ["replica"])
+SHARE = Gauge(
+    "collm_coordinator_ft_share_ratio", "Fine-tuning share decided for a replica (0..1)", ["replica"]
+)
+WEIGHT = Gauge(
+    "collm_coordinator_routing_weight_ratio",
+    "Routing weight decided for a replica (its fraction of the requests, 0..1; sent to the gateway only "
+    "when the policy publishes weights)",
+    ["replica"],
+)
 REASON = Enum(
     "collm_coordinator_share_reason", "Reason of a replica's current share", ["replica"], states=REASON_STATES
 )
 DECISIONS = Counter("collm_coordinator_decisions_total", "Share decisions by reason", ["reason"])
-VIRTUAL_QUEUE = Gauge("collm_coordinator_virtual_queue", "Virtual queue Z of the attainment target")
-ATTAINMENT = Gauge("collm_coordinator_attainment", "SLO attainment measured over the last fast tick")
+VIRTUAL_QUEUE = Gauge(
+    "collm_coordinator_virtual_queue_ratio",
+    "Virtual queue Z of the attainment target: the accumulated shortfall of SLO attainment (a ratio) "
+    "times virtual_queue_gain; grows while attainment is below the target, shrinks to 0 while above it "
+    "(not bounded by 1)",
+)
+ATTAINMENT = Gauge(
+    "collm_coordinator_attainment_ratio", "SLO attainment measured over the last fast tick (0..1)"
+)
 DEMAND = Gauge("collm_coordinator_demand_replicas", "Current serving demand, in fully busy replicas")
 FORECAST = Gauge(
     "collm_coordinator_forecast_demand_replicas", "Forecast serving demand of the next round, in replicas"

@@ -14,7 +14,9 @@
 * Sends each planned round to the aggregator (`subjects.aggregator("open_round")`); the reply (or the
   failure: no aggregator, a refusal) goes back to the core as a round event at the next tick, so a
   missing aggregator never stops the fast loop, it only means rounds cannot open (logged, and shown by
-  `status`).
+  `status`). Each plan is a `round.plan` span (the root of its trace: adapter, base version,
+  participants, budgets, expected gain, and the outcome of opening), the parent of the open_round
+  request; the aggregator's round trace links to that request.
 * NATS micro service `collm-coordinator`: `status` (last decisions, reasons, rounds in flight) and
   `policy` (read, or set at run time).
 """
@@ -29,8 +31,9 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from collm_common import subjects
+from collm_common import subjects, tracing
 from collm_common.bus import Bus, BusError, MicroService, NoResponders, ServiceFailure
 from collm_common.calibration import Calibration
 from collm_common.clock import Clock
@@ -66,6 +69,22 @@ def build_core(s: CoordinatorSettings) -> CoordinatorCore:
     else:
         cfg = s.core_config()
     return CoordinatorCore(cfg, s.coordinator_policy)
+
+
+def plan_attributes(plan: RoundPlanDecision, policy: str) -> dict[str, str | int | float | tuple[str, ...]]:
+    """Span attributes of a planned round (what the slow loop decided, and why)."""
+    return {
+        "collm.adapter": plan.adapter,
+        "collm.base_version": plan.base_version,
+        "collm.policy": policy,
+        "collm.participants": tuple(p.replica_id for p in plan.participants),
+        "collm.participant_count": len(plan.participants),
+        "collm.quorum": plan.quorum,
+        "collm.token_budget_tokens": sum(p.token_budget for p in plan.participants),
+        "collm.expected_gain_nats": plan.expected_gain,
+        "collm.round_deadline_s": plan.deadline_s - plan.opened_s,
+        "collm.plan_reason": plan.reason[:500],
+    }
 
 
 class Coordinator:
@@ -251,6 +270,12 @@ class Coordinator:
 
     # --- rounds ---------------------------------------------------------------------------------------
     async def _open_round(self, plan: RoundPlanDecision) -> None:
+        with tracing.tracer("collm.coordinator").start_as_current_span(
+            "round.plan", kind=SpanKind.INTERNAL, attributes=plan_attributes(plan, self.core.policy)
+        ) as span:
+            await self._request_round(plan, span)
+
+    async def _request_round(self, plan: RoundPlanDecision, span: Span) -> None:
         msg = convert.round_plan_message(plan, self.core.policy)
         try:
             outcome = await self.bus.request(
@@ -264,15 +289,18 @@ class Coordinator:
                 log.warning("no aggregator answers %s: rounds cannot open", subjects.aggregator("open_round"))
             self.aggregator_available = False
             metrics.ROUNDS.labels("no_aggregator").inc()
+            span.set_status(Status(StatusCode.ERROR, "no aggregator"))
             self._events.append(RoundEvent(plan.adapter, "open_failed", reason="no aggregator"))
             return
         except BusError as exc:
             log.warning("aggregator refused the round of %s: %s %s", plan.adapter, exc.code, exc.message)
             metrics.ROUNDS.labels(f"refused_{exc.code}").inc()
+            span.set_status(Status(StatusCode.ERROR, f"{exc.code} {exc.message}"))
             self._events.append(RoundEvent(plan.adapter, "open_failed", reason=exc.message))
             return
         self.aggregator_available = True
         metrics.ROUNDS.labels(outcome.state).inc()
+        span.set_attributes({"collm.round_id": outcome.round_id, "collm.round_state": outcome.state})
         log.info(
             "round %d of %s: %s (%d participants)",
             outcome.round_id,

@@ -2,9 +2,11 @@
 
 The app does not own its bus and store (the service entrypoint, or a test, does); its lifespan
 subscribes to telemetry, routing weights and adapter publications, and registers the `collm-gateway`
-micro service, and undoes all of it on shutdown. Every error leaves as the OpenAI envelope: validation
-errors become 400 (not FastAPI's 422), Starlette's own errors (404 route, 405, 413 body) keep their
-status, anything unexpected is a 500 without internals.
+micro service, and undoes all of it on shutdown. Every `/v1/` request is authenticated first (auth.py:
+API keys, tenants, rate limits), then its body size is checked (limits.py); the admin routes
+(api/admin.py) need an admin key. Every error leaves as the OpenAI envelope: validation errors become
+400 (not FastAPI's 422), Starlette's own errors (404 route, 405, 413 body) keep their status, anything
+unexpected is a 500 without internals.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from collm_common.clock import Clock, WallClock
 from collm_common.store import AdapterStore, version_id
 from collm_common.wire.adapters import AdapterPublished
 from collm_gateway import __version__, micro
-from collm_gateway.api import chat, completions, health, models
+from collm_gateway.adapter_admin import AdapterAdmin
+from collm_gateway.api import admin, chat, completions, health, models
+from collm_gateway.auth import Authenticator, AuthMiddleware
 from collm_gateway.catalog import ModelCatalog
 from collm_gateway.cluster import ClusterView
 from collm_gateway.dispatch import Dispatcher, routing_config
 from collm_gateway.errors import APIError, from_http_status, from_validation
 from collm_gateway.limits import BodyLimitMiddleware
+from collm_gateway.samples import SampleIntake
 from collm_gateway.serving import CompletionServing
 from collm_gateway.settings import GatewaySettings
 from collm_gateway.shapes import model_card
@@ -55,6 +60,9 @@ class GatewayState:
     catalog: ModelCatalog
     dispatcher: Dispatcher
     serving: CompletionServing
+    auth: Authenticator
+    adapter_admin: AdapterAdmin
+    sample_intake: SampleIntake
     started_unix_s: float = 0.0
     micro: MicroService | None = None
     _subs: list[Any] = field(default_factory=list)
@@ -101,6 +109,7 @@ class GatewayState:
             self.settings.base_model,
             extra={"gateway_id": self.settings.gateway_id, "http": http_url},
         )
+        log.info(self.auth.describe(), extra={"keys_required": self.auth.keys_required})
 
     async def stop(self) -> None:
         if self.micro is not None:
@@ -126,7 +135,12 @@ def build_state(
     catalog = ModelCatalog(store, settings.base_model, settings.models_cache_ttl_s, clock)
     dispatcher = Dispatcher(settings, bus, cluster, clock, rng)
     serving = CompletionServing(settings, catalog, dispatcher, clock)
-    return GatewayState(settings, bus, store, clock, cluster, catalog, dispatcher, serving)
+    auth = Authenticator(settings, clock)
+    adapter_admin = AdapterAdmin(settings, bus, store, catalog)
+    intake = SampleIntake(settings, bus, cluster, clock)
+    return GatewayState(
+        settings, bus, store, clock, cluster, catalog, dispatcher, serving, auth, adapter_admin, intake
+    )
 
 
 def build_app(
@@ -155,8 +169,10 @@ def build_app(
     )
     app.state.gateway = state
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    # Added last, so it runs first: an unauthenticated request is refused before its body is read.
+    app.add_middleware(AuthMiddleware, authenticator=state.auth)
     install_error_handlers(app)
-    for module in (chat, completions, models, health):
+    for module in (chat, completions, models, health, admin):
         app.include_router(module.router)
     FastAPIInstrumentor.instrument_app(app, excluded_urls=UNTRACED_URLS, exclude_spans=["send", "receive"])
     return app

@@ -22,6 +22,9 @@ from collm_gateway.errors import model_not_found, unavailable
 
 log = logging.getLogger(__name__)
 
+# The adapter-metadata field (store.meta) naming the owner tenant; absent or "": shared by every tenant.
+OWNER_FIELD = "tenant"
+
 _PINNED = re.compile(r"^(?P<name>[A-Za-z0-9_-]{1,64})@v(?P<version>[1-9][0-9]{0,9})$")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -90,7 +93,7 @@ class ModelCatalog:
                     except NotFound:
                         current = None
                 meta = await self.store.meta(name)
-                cards[name] = AdapterCard(name, current, created, meta.get("tenant") or meta.get("owner"))
+                cards[name] = AdapterCard(name, current, created, meta.get(OWNER_FIELD) or None)
         except (StoreError, RedisError, OSError) as exc:
             if self._cards is None:
                 raise StoreError(f"adapter store unreachable: {exc}") from exc

@@ -27,6 +27,7 @@ from collm_common.bus import Bus, BusError, NoResponders, StreamReplies
 from collm_common.clock import Clock
 from collm_common.tracing import tracer
 from collm_common.wire import WireError, decode
+from collm_common.wire.admin import StatusRequest
 from collm_common.wire.inference import (
     GENERATE_EVENT,
     Accepted,
@@ -36,6 +37,7 @@ from collm_common.wire.inference import (
     GenerateRequest,
     TokenChunk,
 )
+from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_gateway import errors, metrics
 from collm_gateway.cluster import ClusterView
 from collm_gateway.errors import APIError
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 _NO_LIMIT_S = 1e9
 # While a stream is silent, how often the replica's liveness (fresh telemetry) is checked.
 LIVENESS_CHECK_S = 0.5
+# A replica with stale telemetry is asked for its status; this long for an answer (see `replica_gone`).
+LIVENESS_PROBE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -107,9 +111,9 @@ class Generation:
     async def events(self, heartbeat_s: float | None = None) -> AsyncIterator[TokenChunk | Finished | None]:
         """Token chunks then one `Finished`; `None` every `heartbeat_s` of silence (for SSE pings).
 
-        Raises APIError on a timeout (504), a lost chunk or a malformed event (502), a replica whose
-        telemetry went stale mid-request (503 `replica_lost`), or the replica's own error (mapped by
-        `errors.from_replica`).
+        Raises APIError on a timeout (504), a lost chunk or a malformed event (502), a replica gone
+        mid-request (stale telemetry and no responders: 503 `replica_lost`; this gateway's NATS
+        connection down: 503 `nats_unavailable`), or the replica's own error (`errors.from_replica`).
         """
         clock = self._d.clock
         s = self._d.settings
@@ -130,14 +134,22 @@ class Generation:
             except TimeoutError:
                 if step_s >= wait_s:
                     raise self._fail(self._timeout_error(waiting_first, stage_s)) from None
-                if not self._d.cluster.is_fresh(self.replica_id):
+                if not self._d.cluster.is_fresh(self.replica_id) and await self._d.replica_gone(
+                    self.replica_id
+                ):
                     # A replica that died mid-request stops publishing telemetry: fail now rather
-                    # than wait out the token timeouts (its in-flight work is gone with it).
+                    # than wait out the token timeouts (its in-flight work is gone with it). Telemetry
+                    # also stops arriving when this gateway lost NATS itself: say which it was.
+                    why = (
+                        f"replica {self.replica_id} stopped reporting telemetry while generating"
+                        if self._d.bus.connected
+                        else f"NATS connection lost while replica {self.replica_id} was generating"
+                    )
                     raise self._fail(
                         errors.APIError(
                             503,
-                            f"replica {self.replica_id} stopped reporting telemetry while generating",
-                            code="replica_lost",
+                            why,
+                            code="replica_lost" if self._d.bus.connected else "nats_unavailable",
                             headers={"Retry-After": str(s.retry_after_s)},
                         )
                     ) from None
@@ -257,6 +269,35 @@ class Dispatcher:
         self.rng = rng or random.Random()
         self.routing = cluster.routing
         self._tracer = tracer("collm.gateway")
+        self._probes: dict[str, tuple[float, asyncio.Future[bool]]] = {}
+
+    async def replica_gone(self, replica_id: str) -> bool:
+        """Whether a replica whose telemetry went stale is really gone, so that its streams can fail now.
+
+        Stale telemetry alone is not proof: a replica starved of CPU publishes it late. So the replica is
+        asked for its status: "no responders" (no process subscribed: dead, or cut off from NATS) or this
+        gateway's own NATS connection being down means gone; an answer, or no answer within
+        `LIVENESS_PROBE_S` (busy), means alive, and its streams keep waiting, bounded by the token
+        timeouts. One probe per replica per `LIVENESS_CHECK_S` serves every stream waiting on it."""
+        if not self.bus.connected:
+            return True
+        now = self.clock.monotonic()
+        probe = self._probes.get(replica_id)
+        if probe is None or (probe[1].done() and now - probe[0] >= LIVENESS_CHECK_S):
+            probe = (now, asyncio.ensure_future(self._probe(replica_id)))
+            self._probes[replica_id] = probe
+        return await asyncio.shield(probe[1])
+
+    async def _probe(self, replica_id: str) -> bool:
+        try:
+            await self.bus.request(
+                subjects.replica(replica_id, "status"), StatusRequest(), ReplicaTelemetry, LIVENESS_PROBE_S
+            )
+        except NoResponders:
+            return True
+        except BusError:  # busy (timeout) or an error reply: it is there
+            return False
+        return False
 
     async def start(self, req: GenerateRequest, deadline_s: float) -> Generation:
         """Get `req` accepted by a replica (retrying refusals), or raise APIError."""

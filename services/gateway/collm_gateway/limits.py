@@ -12,7 +12,7 @@ import json
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from collm_gateway.errors import from_http_status
+from collm_gateway.errors import APIError, from_http_status
 
 
 class BodyLimitMiddleware:
@@ -45,18 +45,19 @@ class BodyLimitMiddleware:
 
     async def _refuse(self, send: Send, declared: int) -> None:
         err = from_http_status(413, f"{declared} bytes declared, the limit is {self.max_body_bytes}")
-        body = json.dumps(err.body()).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_api_error(send, err)
+
+
+async def send_api_error(send: Send, err: APIError) -> None:
+    """Answer with `err` (status, headers, OpenAI envelope) straight from ASGI middleware."""
+    body = json.dumps(err.body()).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _content_length(scope: Scope) -> int | None:

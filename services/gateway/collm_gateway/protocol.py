@@ -22,11 +22,53 @@ from collm_gateway.settings import GatewaySettings
 log = logging.getLogger(__name__)
 
 MAX_STOP_SEQUENCES = 8
+# Token ids travel as msgpack integers; no vocabulary comes near this bound (the replica checks the
+# real vocabulary size and answers 400 with it).
+MAX_TOKEN_ID = 2**31
 SLO_TTFT_HEADER = "x-collm-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-collm-slo-tpot-ms"
 
 
-class OpenAIModel(BaseModel):
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """Where a string holds a lone UTF-16 surrogate (valid in JSON's `\\ud800`, not in UTF-8 text), or None.
+
+    Such a string cannot be encoded for the wire (msgpack writes UTF-8): it is refused at the edge.
+    """
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "(body)"
+        return None
+    if isinstance(value, BaseModel):
+        items: Any = value.__dict__.items()
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class EdgeModel(BaseModel):
+    """Base of every HTTP request body: its text must be valid Unicode (it travels as UTF-8)."""
+
+    @model_validator(mode="after")
+    def _valid_text(self) -> EdgeModel:
+        where = lone_surrogate_at(self)
+        if where is not None:
+            raise ValueError(f"{where} contains a lone surrogate: not valid Unicode text")
+        return self
+
+
+class OpenAIModel(EdgeModel):
     """Base of request bodies: unknown fields allowed (ignored), known ones validated."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -72,6 +114,11 @@ class ChatMessageIn(OpenAIModel):
             return self.content
         pieces = []
         for j, part in enumerate(self.content):
+            if part.type == "text" and part.text is None:
+                raise bad_request(
+                    "a content part of type 'text' needs its 'text'",
+                    param=f"messages.{index}.content.{j}.text",
+                )
             if part.type != "text" or part.text is None:
                 raise bad_request(
                     f"content part of type {part.type!r} is not supported (text only)",
@@ -230,4 +277,6 @@ class CompletionRequest(SamplingIn):
             raise bad_request("prompt must not be empty", "prompt")
         if any(t < 0 for t in ids):
             raise bad_request("prompt token ids must be non-negative", "prompt")
+        if any(t >= MAX_TOKEN_ID for t in ids):
+            raise bad_request(f"prompt token ids must be below {MAX_TOKEN_ID}", "prompt")
         return None, ids

@@ -10,10 +10,13 @@ Accepted is retried on the next ranked replica, at most `max_retries` times.
 from __future__ import annotations
 
 import socket
+from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from collm_common.settings import CommonSettings
+from collm_gateway.keys import ApiKeySpec, parse_keys, read_keys_file
 
 
 class SloDefaults(BaseModel):
@@ -72,6 +75,42 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = Field(
         256, ge=1, description="`max_tokens` of a request that sets none (capped by max_tokens_limit)."
     )
+    # --- API keys, tenants, rate limits (see collm_gateway/keys.py and README "Keys, tenants, admin") ----
+    api_keys: dict[str, ApiKeySpec] = Field(
+        default_factory=dict,
+        description='API keys, JSON {"<sha256 hex of the key>": {"tenant": "acme", "admin": false, '
+        '"rate_limit_rps": 5, "burst": 10}}. Keys are stored hashed only. With no keys here nor in '
+        "COLLM_API_KEYS_FILE the gateway is open: any key is accepted and every adapter is usable.",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="YAML/JSON file of the same mapping (`python -m collm_gateway.keys add` writes it); "
+        "re-read when it changes. Set, it turns keys on even while it holds none.",
+    )
+    api_keys_reload_s: float = Field(
+        2.0, gt=0, description="How often the keys file is checked for changes (s)."
+    )
+    admin_key: SecretStr | None = Field(
+        None,
+        description="An admin key (the key itself; kept only as its hash in memory). Admin endpoints "
+        "need an admin key: this one or a key with admin: true; with neither, they answer 403.",
+    )
+    rate_limit_rps: float | None = Field(
+        None, gt=0, description="Default per-key rate limit (requests/s) for keys without their own."
+    )
+    rate_limit_burst: int | None = Field(
+        None, ge=1, description="Default bucket size of that limit (None: one second's worth)."
+    )
+    # --- admin endpoints --------------------------------------------------------------------------------
+    admin_timeout_s: float = Field(
+        60.0, gt=0, description="Wait for the aggregator's answer to an adapter load or rollback (s)."
+    )
+    samples_ack_timeout_s: float = Field(
+        5.0, gt=0, description="Wait for JetStream to acknowledge one uploaded training sample (s)."
+    )
+    max_samples_per_request: int = Field(
+        1000, ge=1, description="Most training samples one `POST /v1/samples` may carry."
+    )
     # --- timeouts and retries ---------------------------------------------------------------------------
     first_event_timeout_s: float = Field(
         2.0,
@@ -127,6 +166,29 @@ class GatewaySettings(CommonSettings):
         pattern=r"^\d+\.\d+\.\d+$",
         description="Semver reported by the `collm-gateway` micro service.",
     )
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _hashed_keys(cls, v: Any) -> Any:
+        return parse_keys(v) if isinstance(v, dict) else v
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _readable_keys_file(cls, v: Path | None) -> Path | None:
+        # Checked here so a typo stops the gateway before it serves anything (never an open gateway).
+        if v is not None:
+            if not v.is_file():
+                raise ValueError(
+                    f"COLLM_API_KEYS_FILE={v} does not exist (create it: python -m collm_gateway.keys add "
+                    f"--file {v} --tenant NAME)"
+                )
+            read_keys_file(v)
+        return v
+
+    @property
+    def keys_configured(self) -> bool:
+        """Whether API keys are required (keys in the settings or a keys file named)."""
+        return bool(self.api_keys) or self.api_keys_file is not None
 
     @model_validator(mode="after")
     def _coherent(self) -> GatewaySettings:

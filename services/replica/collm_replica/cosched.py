@@ -89,6 +89,113 @@ class CoScheduler(Protocol):
     # without it are run by the engine as `inp.train.ms(decide(inp))`.
 
 
+@dataclass(frozen=True)
+class ReqTiming:
+    """What the deadline rule needs of one request, as it will be after this iteration's step."""
+
+    arrival_s: float
+    ttft_slo_s: float
+    tpot_slo_s: float
+    # Time of its first token (None: not produced by the end of this step; a first token that this step
+    # produces counts from the step's start), and the index of the token the next iteration produces.
+    first_s: float | None = None
+    next_index: int = 0
+    prompt_left: int = 0  # prompt tokens still to prefill after this step
+    tokens_left: int = 0  # output tokens it may still produce after this step (max_tokens bound)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Predicted costs of the iterations ahead: a decode step of the running batch (s), the extra time
+    of each prefill token in a step (s), and the batch limits that decide when a waiting request starts."""
+
+    decode_step_s: float
+    prefill_s_per_token: float
+    max_batch: int
+    max_batch_tokens: int
+    prefill_chunk_tokens: int
+
+
+def _ahead(
+    running: list[ReqTiming], waiting: list[ReqTiming], model: StepModel
+) -> tuple[float, list[tuple[int, int]], list[tuple[int, int]]]:
+    """(the next step's time, and per running and per waiting request (iterations before its first token,
+    prompt tokens prefilled before it and with it)); iterations 0 for a request past its prefill."""
+    n_run = len(running)
+    prefill_per_iter = max(1, model.max_batch_tokens - n_run)
+    chunk = max(1, model.prefill_chunk_tokens)
+    free = model.max_batch - n_run
+    queued = sum(r.prompt_left for r in running) + sum(r.prompt_left for r in waiting[: max(0, free)])
+    next_step = model.decode_step_s + min(queued, prefill_per_iter) * model.prefill_s_per_token
+    ahead = 0
+    run_out: list[tuple[int, int]] = []
+    for r in running:
+        if r.first_s is not None:
+            run_out.append((0, 0))
+            continue
+        ahead += r.prompt_left
+        run_out.append((max(-(-ahead // prefill_per_iter), -(-r.prompt_left // chunk)), ahead))
+    # Iterations until the k-th batch slot frees: running requests finish after their remaining tokens.
+    finishing = sorted(max(1, r.tokens_left) for r in running)
+    wait_out: list[tuple[int, int]] = []
+    for j, r in enumerate(waiting):
+        ahead += r.prompt_left
+        iters = max(-(-ahead // prefill_per_iter), -(-r.prompt_left // chunk))
+        if j >= free and finishing:
+            iters += finishing[min(j - free, len(finishing) - 1)]
+        wait_out.append((iters, ahead))
+    return next_step, run_out, wait_out
+
+
+def request_deadlines(
+    running: list[ReqTiming], waiting: list[ReqTiming], model: StepModel
+) -> tuple[float, ...]:
+    """Per request, the latest time the iteration *after* this one may start for the request to stay within
+    its SLO; background work between the two iterations must end by then.
+
+    * A decoding request's next token is due at `first_s + next_index * tpot_slo_s` (TPOT is the mean over
+      the request, so one ahead of its budget has slack) and takes the next step.
+    * A prefilling or waiting request must get its first token by `arrival_s + ttft_slo_s`. Before that
+      come whole iterations, not just its own prefill: the prefill ahead of it in the queue (at most
+      `max_batch_tokens` minus the decodes per iteration, `prefill_chunk_tokens` of one sequence), and,
+      when the batch is full, the iterations until enough running requests finish to free a slot. Each of
+      those iterations costs a decode step of the batch plus its prefill tokens.
+
+    The next step is a decode step plus the prefill that the queue will bring into it, so TPOT deadlines
+    also leave room for the prompts that arrived."""
+    next_step, run_plan, wait_plan = _ahead(running, waiting, model)
+    step, per_tok = model.decode_step_s, model.prefill_s_per_token
+    out: list[float] = []
+    for r, (iters, ahead) in zip(running, run_plan, strict=True):
+        if r.first_s is not None:
+            out.append(r.first_s + r.next_index * r.tpot_slo_s - next_step)
+        else:
+            out.append(r.arrival_s + r.ttft_slo_s - iters * step - ahead * per_tok)
+    for r, (iters, ahead) in zip(waiting, wait_plan, strict=True):
+        out.append(r.arrival_s + r.ttft_slo_s - iters * step - ahead * per_tok)
+    return tuple(out)
+
+
+def arrival_guard_s(
+    running: list[ReqTiming],
+    waiting: list[ReqTiming],
+    model: StepModel,
+    step_s: float,
+    ttft_slo_s: float,
+    prompt_tokens: int,
+) -> float:
+    """The longest background stretch per iteration gap that a request arriving now could absorb and still
+    meet `ttft_slo_s`: it waits out this iteration's step (`step_s`), then the iterations before its first
+    token (the queue's prefill and, when the batch is full, until a running request frees a slot), with a
+    stretch in each gap between them. When the batch is full and its requests are far from done, that is
+    nothing: training would keep the batch full and the queue would miss its TTFT."""
+    probe = ReqTiming(0.0, ttft_slo_s, 0.0, prompt_left=max(1, prompt_tokens), tokens_left=1)
+    _, _, wait_plan = _ahead(running, [*waiting, probe], model)
+    iters, ahead = wait_plan[-1]
+    left = ttft_slo_s - step_s - iters * model.decode_step_s - ahead * model.prefill_s_per_token
+    return max(0.0, left / max(1, iters))
+
+
 def slack_ms(inp: CoSchedInput, margin_ms: float) -> float:
     """Time (ms) between the end of this iteration's inference step and the latest start of the next."""
     if not inp.deadlines_s:

@@ -49,10 +49,14 @@ from collm_replica.batching import BatchConfig, Plan, SeqView, plan_iteration
 from collm_replica.cosched import (
     CoSchedInput,
     CoScheduler,
+    ReqTiming,
+    StepModel,
     TrainCost,
+    arrival_guard_s,
     background_budget_ms,
     effective_share,
     make_coscheduler,
+    request_deadlines,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, PieceCosts
 from collm_replica.executor import Executor, ForwardItem, SeqKV
@@ -87,6 +91,16 @@ def parse_version_id(version_id: str) -> tuple[str, int, str | None]:
     if not m:
         raise ValueError(f"malformed adapter version id {version_id!r}")
     return m.group("name"), int(m.group("n")), m.group("local")
+
+
+def eval_dtype(setting: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of evaluation's matrix products when it differs from the model's (None: the model's)."""
+    if setting == "bfloat16":
+        return None if model_dtype == torch.bfloat16 else torch.bfloat16
+    if setting != "auto" or device.type != "cpu" or model_dtype != torch.float32:
+        return None
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return torch.bfloat16 if amx is not None and amx() else None
 
 
 class EngineRefusal(Exception):
@@ -127,6 +141,9 @@ class EngineConfig:
     train_slack_frac: float = 0.5  # share of the requests' slack that background work may use
     eval_max_tokens: int | None = 4096  # held-out tokens per domain an evaluation request scores at most
     eval_cache_entries: int = 64  # evaluation results kept (by weights digest and eval set)
+    # Precision of the base model's products in evaluation passes: "auto" (bfloat16 on a CPU with AMX,
+    # else the model's dtype), "bfloat16", or "float32"/"model" (the model's own dtype).
+    eval_matmul_dtype: str = "auto"
     refresh_slot_wait_s: float = 60.0  # a local job whose refreshes find no slot this long fails
 
     @classmethod
@@ -156,6 +173,7 @@ class EngineConfig:
             train_guard_frac=s.ft_guard_frac,
             train_slack_frac=s.ft_slack_frac,
             eval_max_tokens=s.eval_max_tokens,
+            eval_matmul_dtype=s.eval_matmul_dtype,
         )
 
 
@@ -288,6 +306,9 @@ class Engine:
             loaded.device,
         )
         self.executor.bank = self.bank
+        fast = eval_dtype(self.cfg.eval_matmul_dtype, loaded.device, loaded.dtype)
+        if fast is not None:
+            self.executor.enable_fast_eval(fast)
         self.cosched = coscheduler or make_coscheduler(
             self.cfg.coscheduler, self.cfg.fixed_every_iterations, slack_frac=self.cfg.train_slack_frac
         )
@@ -323,6 +344,7 @@ class Engine:
         self._refresh_counter: dict[str, int] = {}
         self._global_current: dict[str, int] = {}
         self._recent_slos: deque[tuple[float, float]] = deque(maxlen=4096)
+        self._prompt_tokens_ewma = 64.0  # prompt length of recent arrivals (the next one's, as a guess)
         self.iteration = 0
 
         # Costs and counters.
@@ -330,6 +352,7 @@ class Engine:
         self.piece_costs = PieceCosts()
         self._decode_ms: dict[int, float] = {}
         self._prefill_ms_per_token: float | None = None
+        self._prefill_extra_ms_per_token: float | None = None
         self._train_step_ms: float | None = None
         self.window = LatencyWindow(self.cfg.slo_window_s)
         self.generated_tokens_total = 0
@@ -492,18 +515,20 @@ class Engine:
         self._command(lambda: self._pending_installs.append((deadline, attempt)))
         return fut
 
-    def set_share(self, share: float, ttl_s: float) -> None:
+    def set_share(self, share: float, ttl_s: float) -> Future[None]:
+        """Applied at the next iteration boundary; the future resolves once the share is in force."""
+
         def apply() -> None:
             self._share = share
             self._share_expires = self.clock() + ttl_s
 
-        self._command(apply)
+        return self._call(apply)
 
-    def pause_training(self) -> None:
-        self._command(lambda: setattr(self, "training_paused", True))
+    def pause_training(self) -> Future[None]:
+        return self._call(lambda: setattr(self, "training_paused", True))
 
-    def resume_training(self) -> None:
-        self._command(lambda: setattr(self, "training_paused", False))
+    def resume_training(self) -> Future[None]:
+        return self._call(lambda: setattr(self, "training_paused", False))
 
     def add_examples(self, examples: list[Example]) -> Future[int]:
         """Add new local samples (split by the stable hash of their id, as when they are loaded again
@@ -594,7 +619,7 @@ class Engine:
                 _, held = self.examples_for(adapter) if adapter else ([], list(self.dataset.eval))
                 rendered = [r for e in held if (r := self._render(e)) is not None]
                 items = select_eval_items(rendered, max_examples, min(caps) if caps else None)
-                eval_set = eval_set_digests(items, self.cfg.job.max_seq_len)
+                eval_set = eval_set_digests(items, self.cfg.job.max_seq_len, self.executor.eval_precision)
                 set_key = "|".join(f"{d}={h}" for d, h in sorted(eval_set.items()))
                 runs: list[EvalRun] = []
                 todo: list[EvalRun] = []
@@ -750,6 +775,7 @@ class Engine:
                 seq = self._inbox.popleft()
                 self.waiting.append(seq)
                 self._recent_slos.append((now, seq.ttft_slo * 1e3))
+                self._prompt_tokens_ewma = 0.9 * self._prompt_tokens_ewma + 0.1 * seq.prompt_len
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -803,31 +829,48 @@ class Engine:
         """Predicted cost of a decode step of `batch` sequences (measured when seen, else the fit)."""
         return self._decode_ms.get(batch) or self.step_cost.predict(batch)
 
-    def _deadlines(self, now: float, plan: Plan | None = None) -> tuple[float, ...]:
-        """Per request, the latest time the iteration *after* this one may start for the request to stay
-        within its SLO, given the work `plan` gives it in this one: background work between the two must
-        end by then. A decoding request's next token is due at `t_first + k * tpot_slo` (k: its index; a
-        request ahead of its budget has slack) and takes one decode step; a prefilling or waiting request
-        must get its first token by `arrival + ttft_slo`, after the prefill still ahead of it."""
-        fixed, per_tok = self.step_cost.params()
+    def _timings(self, now: float, plan: Plan | None) -> tuple[list[ReqTiming], list[ReqTiming], StepModel]:
+        """The running and waiting requests as they will be after `plan`'s step, and the step model."""
         n_tokens = dict(plan.items) if plan is not None else {}
-        next_step_s = self._decode_ms_at(max(1, len(self.running))) / 1e3
-        out = []
+        running = []
         for s in self.running:
             n = n_tokens.get(s.req.request_id, 0)
-            if s.t_first is not None:
-                k = len(s.output) + (1 if n else 0)  # index of the token the next iteration produces
-                out.append(s.t_first + k * s.tpot_slo - next_step_s)
-            elif s.computed + n >= s.prompt_len:  # its first token comes out of this step
-                out.append(now + s.tpot_slo - next_step_s)
-            else:
-                left = s.prompt_len - s.computed - n
-                out.append(s.t_arrival + s.ttft_slo - (fixed + left * per_tok) / 1e3)
-        ahead = 0
-        for s in self.waiting:
-            ahead += s.prompt_len
-            out.append(s.t_arrival + s.ttft_slo - (fixed + ahead * per_tok) / 1e3)
-        return tuple(out)
+            prompt_left = max(0, s.prompt_len - s.computed - n)
+            produces = 1 if n and prompt_left == 0 else 0  # a token comes out of this step
+            first = s.t_first if s.t_first is not None else (now if produces else None)
+            running.append(
+                ReqTiming(
+                    arrival_s=s.t_arrival,
+                    ttft_slo_s=s.ttft_slo,
+                    tpot_slo_s=s.tpot_slo,
+                    first_s=first,
+                    next_index=len(s.output) + produces,
+                    prompt_left=prompt_left,
+                    tokens_left=s.req.max_tokens - len(s.output) - produces,
+                )
+            )
+        waiting = [
+            ReqTiming(
+                s.t_arrival, s.ttft_slo, s.tpot_slo, prompt_left=s.prompt_len, tokens_left=s.req.max_tokens
+            )
+            for s in self.waiting
+        ]
+        b = self.cfg.batch
+        model = StepModel(
+            decode_step_s=self._decode_ms_at(max(1, len(self.running))) / 1e3,
+            prefill_s_per_token=self._prefill_extra_ms() / 1e3,
+            max_batch=b.max_batch,
+            max_batch_tokens=b.max_batch_tokens,
+            prefill_chunk_tokens=b.prefill_chunk_tokens,
+        )
+        return running, waiting, model
+
+    def _prefill_extra_ms(self) -> float:
+        """Time a prefill token adds to a step: measured (a step's time beyond a decode step of as many
+        sequences, per prefill token), else the slope of the step-cost fit."""
+        if self._prefill_extra_ms_per_token is not None:
+            return self._prefill_extra_ms_per_token
+        return self.step_cost.params()[1]
 
     def _min_ttft_slo_ms(self) -> float:
         """The tightest TTFT SLO of present requests and of those that arrived within the SLO window
@@ -849,6 +892,20 @@ class Engine:
         share, _ = effective_share(now, self._share, self._share_expires, self.cfg.ft_share_default)
         fixed, per = self.piece_costs.micro_step(self.executor.n_layers, head_rows=TRAIN_HEAD_ROWS)
         step_ms = self.step_cost.predict(plan.tokens) if plan.tokens else 0.0
+        running, waiting, model = self._timings(now, plan)
+        min_ttft_ms = self._min_ttft_slo_ms()
+        # A request arriving meanwhile must still meet its TTFT: background work lasts at most a share of
+        # the SLO and, under load, no more than the arrival could absorb given the queue and, when the
+        # batch is full, its wait for a free slot. (Idle, an arrival interrupts the work at the next piece.)
+        guard_ms = self.cfg.train_guard_frac * min_ttft_ms
+        if self.running:
+            guard_ms = min(
+                guard_ms,
+                1e3
+                * arrival_guard_s(
+                    running, waiting, model, step_ms / 1e3, min_ttft_ms / 1e3, round(self._prompt_tokens_ewma)
+                ),
+            )
         inp = CoSchedInput(
             now_s=now,
             share=share,
@@ -858,12 +915,12 @@ class Engine:
             inference_tokens=plan.tokens,
             token_budget=self.cfg.batch.max_batch_tokens,
             step_ms=step_ms,
-            deadlines_s=self._deadlines(now, plan),
+            deadlines_s=request_deadlines(running, waiting, model),
             train=TrainCost(fixed, per),
             micro_tokens=self.cfg.job.micro_tokens,
             batch_tokens=self.cfg.job.batch_tokens,
             iteration=self.iteration,
-            max_train_ms=self.cfg.train_guard_frac * self._min_ttft_slo_ms(),
+            max_train_ms=guard_ms,
         )
         budget = getattr(self.cosched, "budget_ms", None)
         train_ms = budget(inp) if budget is not None else inp.train.ms(self.cosched.decide(inp))
@@ -929,6 +986,11 @@ class Engine:
             per = ms / n_tokens
             old_p = self._prefill_ms_per_token
             self._prefill_ms_per_token = per if old_p is None else 0.8 * old_p + 0.2 * per
+            decode = self._decode_ms.get(len(fitems))
+            if decode is not None:
+                extra = max(0.0, ms - decode) / prefill_tokens
+                old_e = self._prefill_extra_ms_per_token
+                self._prefill_extra_ms_per_token = extra if old_e is None else 0.8 * old_e + 0.2 * extra
         self.prefill_tokens_total += prefill_tokens
         now = self.clock()
         for (seq, n), lg in zip(work, logits, strict=True):
@@ -1009,6 +1071,13 @@ class Engine:
         if span is not None:
             span.add_event("finished", {"finish_reason": reason, "completion_tokens": completion})
             span.set_attribute("collm.finish_reason", reason)
+            span.set_attributes(  # GenAI semantic conventions (collm_replica.observe sets the request's)
+                {
+                    "gen_ai.usage.input_tokens": seq.prompt_len,
+                    "gen_ai.usage.output_tokens": completion,
+                    "gen_ai.response.finish_reasons": (reason,),
+                }
+            )
             span.end()
         self._release(seq)
 

@@ -1,7 +1,19 @@
-"""Prometheus metrics of a replica (`collm_replica_*`, units in names), served on `metrics_port`."""
+"""Prometheus metrics of a replica (`collm_replica_*`, units in names), served on `metrics_port`.
+
+Requests and their latencies are labelled by replica, model (the base model id or the adapter name, as
+the gateway labels them) and the exact adapter version that served (`medical@v7`, a local refresh
+`medical@v7+r2.3`, `base`; `none` for a request refused before a version was chosen). Versions only
+grow, so the number of series is bounded explicitly: `VersionSeries` keeps, per replica and model, the
+series of the `VERSIONS_PER_MODEL` most recently seen versions and removes older ones. That covers the
+versions a replica can still serve (the aggregator's retention window, `COLLM_RETENTION_VERSIONS`, 5 by
+default, plus the current one) with room for local refreshes; it stays bounded however many rounds
+publish.
+"""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -18,22 +30,84 @@ FT_SHARE = Gauge("collm_replica_ft_share_ratio", "Fine-tuning share in force (0.
 ADAPTERS = Gauge(
     "collm_replica_resident_adapter_versions", "Adapter versions resident in the LoRA bank", LABELS
 )
-REQUESTS = Counter("collm_replica_requests_total", "Generate requests by outcome", [*LABELS, "outcome"])
+REQUEST_LABELS = [*LABELS, "model", "adapter_version"]
+REQUESTS = Counter(
+    "collm_replica_requests_total",
+    "Generate requests by model, exact adapter version that served them, and outcome (finish reason, "
+    "error, refused_<code>)",
+    [*REQUEST_LABELS, "outcome"],
+)
 TTFT = Histogram(
     "collm_replica_ttft_seconds",
-    "Time to first token",
-    LABELS,
+    "Time to first token at the replica (arrival to first token), by model and exact adapter version",
+    REQUEST_LABELS,
     buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
 )
 TPOT = Histogram(
     "collm_replica_tpot_seconds",
-    "Time per output token after the first",
-    LABELS,
+    "Time per output token after the first, by model and exact adapter version",
+    REQUEST_LABELS,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6),
 )
 SWAPS = Counter(
     "collm_replica_adapter_swaps_total", "Adapter versions installed (shadow swaps)", [*LABELS, "source"]
 )
+
+
+VERSIONS_PER_MODEL = 8
+NO_VERSION = "none"
+
+
+class VersionSeries:
+    """Bounds the version-labelled request series: per (replica, model), the latest versions seen."""
+
+    def __init__(self, versions_per_model: int = VERSIONS_PER_MODEL) -> None:
+        self.versions_per_model = versions_per_model
+        self._seen: dict[tuple[str, str], OrderedDict[str, set[str]]] = {}  # -> version -> outcomes
+        self._lock = threading.Lock()
+
+    def touch(self, replica: str, model: str, version: str, outcome: str) -> list[str]:
+        """Note a request of `model` served by `version`; returns the versions whose series were removed."""
+        with self._lock:
+            versions = self._seen.setdefault((replica, model), OrderedDict())
+            versions.setdefault(version, set()).add(outcome)
+            versions.move_to_end(version)
+            evicted = []
+            while len(versions) > self.versions_per_model:
+                old, outcomes = versions.popitem(last=False)
+                evicted.append(old)
+                for out in outcomes:
+                    _remove(REQUESTS, replica, model, old, out)
+                for hist in (TTFT, TPOT):
+                    _remove(hist, replica, model, old)
+            return evicted
+
+
+def _remove(metric: Counter | Histogram, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:  # never observed with these labels (e.g. no TPOT for one-token answers)
+        pass
+
+
+VERSIONS = VersionSeries()
+
+
+def record_request(
+    replica: str,
+    model: str,
+    version: str,
+    outcome: str,
+    ttft_s: float | None = None,
+    tpot_s: float | None = None,
+) -> None:
+    """Count one finished, failed or refused request and observe its latencies (None: not defined)."""
+    VERSIONS.touch(replica, model, version, outcome)
+    REQUESTS.labels(replica, model, version, outcome).inc()
+    if ttft_s is not None:
+        TTFT.labels(replica, model, version).observe(ttft_s)
+    if tpot_s is not None:
+        TPOT.labels(replica, model, version).observe(tpot_s)
 
 
 class TokenCounters(Protocol):

@@ -7,6 +7,8 @@ Micro service `collm-replica` (metadata: replica_id, model) with endpoints on `s
   handler only decodes and hands off to a task; tokenization, adapter resolution (fetch from the store
   when not resident, never in the engine thread) and admission happen there. W3C trace context from the
   headers becomes the parent of a `generate` span (captured here: contextvars do not reach the engine).
+  Each request ends with its metrics by model and exact version and one `collm_replica.requests` log
+  line written in the span's context (its trace id), both from `collm_replica.observe`.
 * `cancel`: `CancelRequest` (reply optional) stops a generation.
 * `control`: `CONTROL_COMMAND` -> `ControlReply` (share with TTL, start/stop training, pause/resume,
   publish now, sync adapter).
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 from nats.micro.request import Request
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from collm_common import subjects, tracing
@@ -69,7 +72,7 @@ from collm_common.wire.control import (
 from collm_common.wire.inference import CancelRequest, GenerateError, GenerateRequest
 from collm_common.wire.rounds import DomainLoss, EvalReport, EvaluateCandidate, LocalUpdate
 from collm_common.wire.telemetry import ReplicaTelemetry
-from collm_replica import __version__, metrics
+from collm_replica import __version__, metrics, observe
 from collm_replica.engine import Engine, EngineConfig, EngineRefusal, EngineRequest, JobEvent, NotResident
 from collm_replica.lora_bank import AdapterMismatch, LiveLora
 from collm_replica.models import LoadedModel, load_model
@@ -77,6 +80,7 @@ from collm_replica.settings import ReplicaSettings
 from collm_replica.training import JobSpec
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("collm_replica.requests")  # one line per finished request
 
 SAMPLES_FILE = "collm-samples.jsonl"
 SAMPLES_SUBDIR = "samples"
@@ -234,8 +238,8 @@ class Replica:
         ctx = tracing.extract(req.headers or {})
         self._spawn(self._generate(req, gr, ctx))
 
-    async def _refuse(self, req: Request, request_id: str, r: Refusal) -> None:
-        metrics.REQUESTS.labels(self.rid, f"refused_{r.code}").inc()
+    async def _refuse(self, req: Request, request_id: str, r: Refusal, model: str = "unknown") -> None:
+        observe.record_failed(self.rid, model, None, f"refused_{r.code}")
         body = encode(GenerateError(request_id=request_id or "?", code=r.code, type=r.type, message=r.message,
                                     param=r.param))  # fmt: skip
         headers = {ERROR_HEADER: r.message.replace("\n", " ")[:512], ERROR_CODE_HEADER: str(r.code)}
@@ -277,8 +281,10 @@ class Replica:
             context=ctx,
             kind=SpanKind.SERVER,
             attributes={"collm.request_id": gr.request_id, "collm.replica_id": self.rid,
-                        "collm.adapter": gr.adapter or "base"},
+                        "collm.adapter": gr.adapter or "base",
+                        **observe.request_attributes(gr, self.loaded.name)},
         )  # fmt: skip
+        model = observe.model_label(gr, self.loaded.name)
         events: asyncio.Queue[Any] = asyncio.Queue()
 
         def sink(ev: Any) -> None:
@@ -325,30 +331,41 @@ class Replica:
             span.set_status(Status(StatusCode.ERROR, refusal.message))
             span.set_attribute("collm.refused", refusal.code)
             span.end()
-            await self._refuse(req, gr.request_id, refusal)
+            await self._refuse(req, gr.request_id, refusal, model)
             return
         except Exception as exc:  # noqa: BLE001
             log.exception("generate %s failed before admission", gr.request_id)
             span.end()
-            await self._refuse(
-                req, gr.request_id, Refusal(500, f"internal error: {type(exc).__name__}", "server_error")
-            )
+            internal = Refusal(500, f"internal error: {type(exc).__name__}", "server_error")
+            await self._refuse(req, gr.request_id, internal, model)
             return
         if gr.adapter:
             self._known.add(gr.adapter)
+        version: str | None = None
         while True:
             ev = await events.get()
             with contextlib.suppress(Exception):
                 await req.respond(encode(ev))
-            if ev.kind == "finished":
-                metrics.REQUESTS.labels(self.rid, ev.finish_reason).inc()
-                if ev.completion_tokens:
-                    metrics.TTFT.labels(self.rid).observe(ev.ttft_ms / 1e3)
-                if ev.completion_tokens > 1:
-                    metrics.TPOT.labels(self.rid).observe(ev.tpot_ms / 1e3)
+            if ev.kind == "accepted":
+                version = ev.adapter_version_id
+            elif ev.kind == "finished":
+                observe.record_finished(self.rid, model, ev)
+                # Written in the span's context: the line carries the request's trace id (the span has
+                # ended in the engine by now; its context still names the trace).
+                with trace.use_span(span, end_on_exit=False):
+                    request_log.info(
+                        "request %s %s", gr.request_id, ev.finish_reason,
+                        extra=observe.finished_fields(ev, model),
+                    )  # fmt: skip
                 return
-            if ev.kind == "error":
-                metrics.REQUESTS.labels(self.rid, "error").inc()
+            elif ev.kind == "error":
+                observe.record_failed(self.rid, model, version, "error")
+                with trace.use_span(span, end_on_exit=False):
+                    request_log.warning(
+                        "request %s failed: %s %s", gr.request_id, ev.code, ev.message,
+                        extra={"request_id": gr.request_id, "model": model, "adapter_version": version,
+                               "code": ev.code},
+                    )  # fmt: skip
                 return
 
     # ================================================================================== adapters
@@ -458,13 +475,13 @@ class Replica:
     async def _on_control(self, cmd: Any, _headers: Mapping[str, str]) -> ControlReply:
         e = self.engine
         if isinstance(cmd, SetFineTuneShare):
-            e.set_share(cmd.share, cmd.ttl_s)
+            await asyncio.wrap_future(e.set_share(cmd.share, cmd.ttl_s))  # in force once we reply
             return ControlReply(ok=True, message=f"share {cmd.share:.2f} for {cmd.ttl_s:.0f}s")
         if isinstance(cmd, PauseTraining):
-            e.pause_training()
+            await asyncio.wrap_future(e.pause_training())
             return ControlReply(ok=True, message="training paused")
         if isinstance(cmd, ResumeTraining):
-            e.resume_training()
+            await asyncio.wrap_future(e.resume_training())
             return ControlReply(ok=True, message="training resumed")
         if isinstance(cmd, StopTraining):
             ok = await asyncio.wrap_future(e.stop_job(cmd.adapter))
@@ -814,6 +831,15 @@ class Replica:
             except Exception as exc:  # noqa: BLE001 - JetStream not ready yet
                 log.debug("samples consumer not ready: %s", exc)
                 await asyncio.sleep(2.0)
+        try:
+            await self._consume_samples(sub, path)
+        finally:
+            # A pull subscription left behind by a cancelled fetch holds the connection's drain (the last
+            # step of a stop) for its whole drain timeout (30 s): the process would outlive a SIGTERM.
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _consume_samples(self, sub: Any, path: Path) -> None:
         while True:
             try:
                 msgs = await sub.fetch(64, timeout=1.0)

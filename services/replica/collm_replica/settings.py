@@ -119,6 +119,15 @@ class ReplicaSettings(CommonSettings):
         "eval_max_examples; at least one example; None: examples only). Bounds the work of the promotion "
         "gate on this replica; a request may ask for fewer.",
     )
+    eval_matmul_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="Precision of the base model's matrix products in held-out evaluations (the federated "
+        "gate, a job's evaluations): `bfloat16` keeps a bf16 copy of the projections and LM head (about "
+        "270 MB for SmolLM2) and evaluates several times faster on CPUs with AMX; activations, norms, "
+        "attention, LoRA and the loss stay in the model's dtype, and the eval-set digest records the "
+        "precision. `auto`: bfloat16 on a CPU with AMX running the model in fp32, else the model's dtype; "
+        "`float32`: the model's dtype. Inference and training never use the copy.",
+    )
     round_deadline_margin_s: float = Field(
         3.0, ge=0, description="A round's training stops this long before its deadline to send the update."
     )

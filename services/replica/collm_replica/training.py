@@ -119,12 +119,14 @@ def pack(items: list[Rendered], start: int, max_tokens: int) -> tuple[list[Rende
     return batch, i
 
 
-def eval_set_digests(items: list[Rendered], max_seq_len: int) -> dict[str, str]:
-    """Per domain, a digest of exactly what an evaluation scores (example ids, token ids, labels): two
-    losses with the same digest were measured on the same tokens, so they may be compared."""
+def eval_set_digests(items: list[Rendered], max_seq_len: int, precision: str = "") -> dict[str, str]:
+    """Per domain, a digest of exactly what an evaluation scores (example ids, token ids, labels) and how
+    (`precision`, "" for the model's own dtype): two losses with the same digest were measured on the
+    same tokens the same way, so they may be compared."""
+    seed = f"max_seq_len={max_seq_len};" + (f"precision={precision};" if precision else "")
     hashes: dict[str, Any] = {}
     for r in items:
-        h = hashes.setdefault(r.domain, hashlib.sha256(f"max_seq_len={max_seq_len};".encode()))
+        h = hashes.setdefault(r.domain, hashlib.sha256(seed.encode()))
         h.update(r.example_id.encode())
         h.update(b"\0")
         h.update(",".join(map(str, r.ids)).encode())
@@ -214,7 +216,10 @@ class EvalRun:
             self.pos += 1
         ids, mask, labels = collate(batch, pad_id)
         self._batch = batch
-        self._pass = LayerPass(executor, ids, mask, labels, self.live, train=False, head_rows=EVAL_HEAD_ROWS)
+        self._pass = LayerPass(
+            executor, ids, mask, labels, self.live, train=False, head_rows=EVAL_HEAD_ROWS,
+            fast=bool(executor.eval_precision),
+        )  # fmt: skip
 
     def next_piece(self, executor: Executor, pad_id: int) -> tuple[str, int] | None:
         """(cost-model kind, units) of the next piece, starting the next batch if needed."""

@@ -393,3 +393,25 @@ async def test_replica_lost_mid_stream_ends_the_stream_quickly(make_served_gatew
         elapsed_s = loop.time() - t0
         assert '"code":"replica_lost"' in rest.replace(" ", "") and rest.rstrip().endswith("data: [DONE]")
         assert elapsed_s < 5.0  # not the 30 s inter-token timeout
+
+
+async def test_replica_with_late_telemetry_keeps_its_stream(make_served_gateway, replicas) -> None:
+    # Telemetry stops (a replica starved of CPU publishes it late) but the replica still answers its
+    # status endpoint: the gateway does not cut its stream as lost; the stream completes.
+    async with make_served_gateway(
+        telemetry_stale_s=0.3, telemetry_stale_intervals=1.0, inter_token_timeout_s=30
+    ) as gw:
+        r0 = await replicas(
+            "r0", ReplicaBehaviour(tokens=["a", "b", "c", "d"], token_delay_s=0.4), telemetry_interval_s=0.1
+        )
+        await gw.wait_replicas("r0")
+        async with gw.http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+            assert resp.status_code == 200
+            lines = resp.aiter_lines()
+            while '"content":"a"' not in (await anext(lines)):
+                pass
+            await r0.stop_telemetry()
+            rest = "\n".join([line async for line in lines])
+        assert '"error"' not in rest and rest.rstrip().endswith("data: [DONE]")
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in sse_events(rest)[:-1])
+        assert text == "bcd"

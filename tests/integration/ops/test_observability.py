@@ -52,6 +52,19 @@ def scrape(url: str) -> str:
     return r.text
 
 
+def total(text: str, name: str, **labels: str) -> float:
+    """The sum of every sample of `name` whose labels include `labels` (across the other labels)."""
+    out = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(3) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            out += float(m.group(4))
+    return out
+
+
 def sample(text: str, name: str, **labels: str) -> float | None:
     """The value of the first sample of `name` whose labels include `labels`."""
     for line in text.splitlines():
@@ -90,7 +103,7 @@ def test_every_service_serves_its_metrics_after_traffic(ops: OpsStack, traffic: 
             assert sample(rep, name, replica=rid) is not None, (rid, name)
         assert (sample(rep, "collm_replica_ft_tokens_total", replica=rid) or 0) > 0, "it trained in the round"
         for outcome in ("length", "stop"):
-            total_requests += sample(rep, "collm_replica_requests_total", replica=rid, outcome=outcome) or 0
+            total_requests += total(rep, "collm_replica_requests_total", replica=rid, outcome=outcome)
         if rid in served_by:
             assert (sample(rep, "collm_replica_generated_tokens_total", replica=rid) or 0) > 0
             assert sample(rep, "collm_replica_ttft_seconds_count", replica=rid)
@@ -120,12 +133,6 @@ def ops_round_state(ops: OpsStack) -> str:
     return ops.round_outcome.state
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="replica (services/replica/collm_replica/metrics.py): requests and latencies are labelled by "
-    "replica only; wanted `model` and `adapter_version` labels on collm_replica_requests_total and "
-    "collm_replica_ttft_seconds / _tpot_seconds",
-)
 def test_replica_requests_and_latencies_are_by_model_and_version(
     ops: OpsStack, traffic: list[dict[str, str]]
 ) -> None:
@@ -134,6 +141,23 @@ def test_replica_requests_and_latencies_are_by_model_and_version(
     version = traffic[-1]["x-collm-adapter-version"]
     assert sample(rep, "collm_replica_requests_total", replica=rid, adapter_version=version) is not None
     assert sample(rep, "collm_replica_ttft_seconds_count", replica=rid, adapter_version=version) is not None
+    assert sample(
+        rep, "collm_replica_tpot_seconds_count", replica=rid, model=ADAPTER, adapter_version=version
+    )
+    # Every request of the traffic, on either replica, is counted under its model and exact version.
+    urls = ops.stack.metrics_urls()
+    by_version: dict[tuple[str, str], int] = {}
+    for h in traffic:
+        key = (ADAPTER if h["x-collm-adapter-version"] != "base" else "tiny", h["x-collm-adapter-version"])
+        by_version[key] = by_version.get(key, 0) + 1
+    for (model, v), n in by_version.items():
+        counted = sum(
+            total(
+                scrape(urls[f"replica-{r}"]), "collm_replica_requests_total", model=model, adapter_version=v
+            )
+            for r in ("r0", "r1")
+        )
+        assert counted >= n, (model, v, counted)
 
 
 # --- traces over OTLP/HTTP ---------------------------------------------------------------------------------
@@ -215,13 +239,6 @@ def test_gateway_log_lines_are_json_with_the_requests_trace_id(
         assert ops.logs.json_lines(child), f"{child} writes JSON lines"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="replica (services/replica/collm_replica/service.py): it logs nothing per request, and its "
-    "generate span is never made current, so no replica line carries the request's trace id; wanted: one "
-    "structured line per finished request (request_id, adapter version, tokens, ttft_ms, tpot_ms) "
-    "written inside the span's context or with extra={'trace_id': ...}",
-)
 def test_a_requests_log_lines_in_gateway_and_replica_carry_the_same_trace_id(
     ops: OpsStack, traffic: list[dict[str, str]]
 ) -> None:
@@ -230,3 +247,14 @@ def test_a_requests_log_lines_in_gateway_and_replica_carry_the_same_trace_id(
     assert request_lines(ops, "gateway", trace_id)
     time.sleep(1.0)
     assert request_lines(ops, f"replica-{headers['x-collm-replica']}", trace_id)
+    # The replica's line of the finished request: its id, the exact version, tokens and latencies.
+    line = next(
+        d
+        for d in request_lines(ops, f"replica-{headers['x-collm-replica']}", trace_id)
+        if d.get("request_id") == headers["x-request-id"]
+    )
+    assert (
+        line["service"] == "collm-replica" and line["adapter_version"] == headers["x-collm-adapter-version"]
+    )
+    assert line["completion_tokens"] >= 1 and line["prompt_tokens"] > 0 and line["ttft_ms"] > 0
+    assert {"tpot_ms", "queue_ms", "e2e_ms", "finish_reason", "model"} <= set(line)

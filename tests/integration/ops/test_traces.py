@@ -3,8 +3,8 @@
 A streamed request: the real gateway app and a real replica (tiny model) in this process, on real NATS
 and Redis: one trace from the gateway's HTTP span through the NATS hop to the replica's generation.
 A round: the real coordinator and aggregator in this process with participant doubles
-(tests/doubles/participant.py): the coordinator's plan request, the aggregator's round trace and its
-phases. Gaps in services this package does not own are strict xfails naming what is missing.
+(tests/doubles/participant.py): the coordinator's plan span and request, the aggregator's round trace and
+its phases.
 """
 
 from __future__ import annotations
@@ -172,12 +172,6 @@ async def test_a_streamed_request_is_one_trace_from_http_to_the_replica_generati
     assert client.attributes["gen_ai.response.finish_reasons"] == (gen.attributes["collm.finish_reason"],)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="replica (services/replica/collm_replica/service.py, engine.py): its `generate` span lacks the "
-    "GenAI attributes gen_ai.operation.name, gen_ai.request.model, gen_ai.request.max_tokens, "
-    "gen_ai.usage.input_tokens, gen_ai.usage.output_tokens, gen_ai.response.finish_reasons",
-)
 async def test_the_replica_generation_span_follows_the_genai_conventions(served: Served) -> None:
     _request_id, spans = await stream_one(served)
     gen = next(s for s in spans if s.name == "generate")
@@ -190,6 +184,14 @@ async def test_the_replica_generation_span_follows_the_genai_conventions(served:
         "gen_ai.response.finish_reasons",
     ):
         assert key in gen.attributes, key
+    assert gen.attributes["gen_ai.operation.name"] == "chat"
+    assert (
+        gen.attributes["gen_ai.request.model"] == "tiny" and gen.attributes["gen_ai.request.max_tokens"] == 6
+    )
+    client = next(s for s in spans if s.name == "generate r0")
+    assert gen.attributes["gen_ai.usage.output_tokens"] == client.attributes["gen_ai.usage.output_tokens"]
+    assert gen.attributes["gen_ai.usage.input_tokens"] > 0
+    assert gen.attributes["gen_ai.response.finish_reasons"] == (gen.attributes["collm.finish_reason"],)
 
 
 # --- a round ----------------------------------------------------------------------------------------------
@@ -303,12 +305,6 @@ async def test_a_round_planned_by_the_coordinator_is_one_trace_with_a_span_per_p
     assert round_id >= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="coordinator (services/coordinator/collm_coordinator/service.py): no span of its own for a "
-    "planned round; the open_round request is a root span without collm.adapter / participants / "
-    "expected gain (wanted: e.g. a `round.plan` span with those attributes, parent of the request)",
-)
 async def test_the_coordinator_has_a_span_for_each_round_it_plans(round_cluster: RoundCluster) -> None:
     await finished_round(round_cluster)
     spans = round_cluster.spans.get_finished_spans()
@@ -317,3 +313,8 @@ async def test_the_coordinator_has_a_span_for_each_round_it_plans(round_cluster:
     parent = parent_of(plan_req, index)
     assert parent is not None, "the open_round request has no parent span in the coordinator"
     assert parent.attributes.get("collm.adapter") == ADAPTER
+    assert parent.name == "round.plan" and parent.parent is None, "the plan is the root of its trace"
+    assert set(parent.attributes["collm.participants"]) == {"p0", "p1"}
+    assert parent.attributes["collm.expected_gain_nats"] >= 0
+    assert parent.attributes["collm.token_budget_tokens"] > 0
+    assert parent.attributes["collm.round_state"] == "opened" and parent.attributes["collm.round_id"] >= 1

@@ -161,9 +161,13 @@ def test_services_reach_infrastructure_by_service_name(compose: dict[str, Any]) 
     for name, (_target, svc) in collm_services(compose).items():
         env = env_of(svc)
         assert env["COLLM_NATS_URL"] == "nats://nats:4222", name
-        password = re.search(r"--requirepass\s+(\S+)", " ".join(services["redis"]["command"]))
-        assert password, "redis runs with a password"
-        assert env["COLLM_REDIS_URL"] == f"redis://:{password.group(1)}@redis:6379/0", name
+        # Each service logs in as its own Redis ACL user (deploy/redis/users.acl), with the password the
+        # redis container renders that user's ACL line with.
+        login = re.fullmatch(r"redis://([^:@]+):([^@]+)@redis:6379/0", env["COLLM_REDIS_URL"])
+        assert login, f"{name}: COLLM_REDIS_URL names no Redis user"
+        user, password = login.groups()
+        var = "REDIS_PASSWORD_" + user.removeprefix("collm-").upper()
+        assert env_of(services["redis"]).get(var) == password, f"{name}: {user}'s password differs from {var}"
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
         assert env.get("OTEL_EXPORTER_OTLP_PROTOCOL") == "http/protobuf", name
         assert "OTEL_SERVICE_NAME" not in env, f"{name}: each service names itself"

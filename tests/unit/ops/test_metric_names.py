@@ -44,28 +44,7 @@ def without_unit(service: str) -> list[str]:
     )
 
 
-@pytest.mark.parametrize(
-    "service",
-    [
-        "gateway",
-        "replica",
-        "wire",
-        pytest.param(
-            "coordinator",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="owned by the coordinator: collm_coordinator_ft_share, _routing_weight, _attainment "
-                "need a unit (_ratio), _virtual_queue one too",
-            ),
-        ),
-        pytest.param(
-            "aggregator",
-            marks=pytest.mark.xfail(
-                strict=True, reason="owned by the aggregator: collm_aggregator_eval_loss needs a unit (_nats)"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("service", ["gateway", "replica", "coordinator", "aggregator", "wire"])
 def test_metric_names_carry_units(service: str) -> None:
     assert without_unit(service) == []
 
@@ -97,3 +76,29 @@ def test_gateway_latencies_are_by_model_and_version_with_bounded_series() -> Non
         if s.labels.get("model") == model
     }
     assert names == {f"{model}@v2", f"{model}@v3"}
+
+
+def test_replica_requests_are_by_model_and_version_with_bounded_series() -> None:
+    from collm_replica import metrics
+
+    assert metrics.REQUESTS._labelnames == ("replica", "model", "adapter_version", "outcome")  # noqa: SLF001
+    for hist in (metrics.TTFT, metrics.TPOT):
+        assert hist._labelnames == ("replica", "model", "adapter_version")  # noqa: SLF001
+    series = metrics.VersionSeries(versions_per_model=2)
+    rid, model = "unit-test-replica", "unit-test-model"
+    evicted: list[str] = []
+    for version in (f"{model}@v1", f"{model}@v2", f"{model}@v2+r1.1"):
+        metrics.REQUESTS.labels(rid, model, version, "stop").inc()
+        metrics.TTFT.labels(rid, model, version).observe(0.1)
+        evicted = series.touch(rid, model, version, "stop")
+    assert evicted == [f"{model}@v1"]
+    assert series.touch(rid, model, f"{model}@v2", "length") == []  # seen again: now the most recent
+    assert series.touch("another-replica", model, f"{model}@v1", "stop") == []  # bounded per replica
+    names = {
+        s.labels.get("adapter_version")
+        for fam in REGISTRY.collect()
+        if fam.name in ("collm_replica_requests", "collm_replica_ttft_seconds")
+        for s in fam.samples
+        if s.labels.get("model") == model and s.labels.get("replica") == rid
+    }
+    assert names == {f"{model}@v2", f"{model}@v2+r1.1"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from collm_common.lora import AdapterWeights, LoraSpec, decode_adapter, encode_adapter
-from collm_replica.executor import Executor, ForwardItem
+from collm_replica.executor import Executor, ForwardItem, LayerPass
 from collm_replica.lora_bank import AdapterMismatch, LiveLora, LoraBank
 from collm_replica.models import LoadedModel, build_tiny_model, load_model
 
@@ -233,3 +233,27 @@ def test_layer_pass_in_pieces_equals_the_whole_loss_and_gradients(tiny: LoadedMo
     assert abs(float(ev.example_loss.sum()) - ev.loss_sum) < 1e-4
     loss, count = ex.response_loss(ids, mask, labels, None)
     assert count == 9 and float(loss) > 0
+
+
+def test_fast_eval_scores_close_to_the_model_dtype_and_leaves_training_alone(tiny: LoadedModel) -> None:
+    ex = Executor(tiny)
+    w = random_adapter(tiny, 5)
+    ids = torch.tensor([PROMPT, PROMPT[:6] + [0] * 5])
+    mask = torch.tensor([[1] * 11, [1] * 6 + [0] * 5])
+    labels = ids.clone()
+    labels[:, :4] = -100
+    labels[mask == 0] = -100
+    live = LiveLora.from_weights(w, ex.n_layers, ex.shapes)
+    exact = LayerPass(ex, ids, mask, labels, live, train=False).run_all()
+    assert ex.eval_precision == ""
+    ex.enable_fast_eval(torch.bfloat16)
+    assert ex.eval_precision == "bfloat16-matmul"
+    fast = LayerPass(ex, ids, mask, labels, live, train=False, fast=True).run_all()
+    assert fast.loss_sum != exact.loss_sum  # the products really ran in bf16
+    torch.testing.assert_close(fast.example_loss, exact.example_loss, rtol=2e-2, atol=2e-2)
+    # A training pass ignores `fast`: same loss as before the copies existed.
+    a = LayerPass(ex, ids, mask, labels, live, train=True, fast=True)
+    assert not a.fast
+    with torch.enable_grad():
+        a.run_all()
+    assert abs(a.loss_sum - exact.loss_sum) < 1e-3

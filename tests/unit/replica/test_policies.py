@@ -10,10 +10,14 @@ from collm_replica.cosched import (
     FixedRatioCoScheduler,
     LeftoverCoScheduler,
     NoTraining,
+    ReqTiming,
     SloAwareCoScheduler,
+    StepModel,
     TrainCost,
+    arrival_guard_s,
     effective_share,
     make_coscheduler,
+    request_deadlines,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, percentile
 from collm_replica.lru import VersionLru
@@ -262,3 +266,75 @@ def test_background_budget_ignores_share_and_job_but_not_slack() -> None:
     )
     assert background_budget_ms(inp(has_job=False, deadlines_s=(100.1,)), 5.0, 0.5) == pytest.approx(37.5)
     assert background_budget_ms(inp(deadlines_s=(100.01,)), 5.0, 0.5) == 0.0
+
+
+# --- request deadlines ---------------------------------------------------------------------------------
+def model(**kw: float) -> StepModel:
+    base: dict[str, float] = {
+        "decode_step_s": 0.1,
+        "prefill_s_per_token": 0.001,
+        "max_batch": 4,
+        "max_batch_tokens": 64,
+        "prefill_chunk_tokens": 32,
+    }
+    base.update(kw)
+    return StepModel(**base)  # type: ignore[arg-type]
+
+
+def decoding(first_s: float, next_index: int, left: int = 10) -> ReqTiming:
+    return ReqTiming(0.0, 5.0, 0.2, first_s=first_s, next_index=next_index, tokens_left=left)
+
+
+def test_decoding_deadline_is_its_accumulated_tpot_budget_minus_the_next_step() -> None:
+    # Token 3 is due at 10 + 3 * 0.2; the next step (0.1 s) must start by then.
+    assert request_deadlines([decoding(10.0, 3)], [], model()) == pytest.approx((10.5,))
+
+
+def test_queued_prompts_lengthen_the_next_step() -> None:
+    waiting = [ReqTiming(10.0, 1.0, 0.2, prompt_left=40, tokens_left=8)]
+    d = request_deadlines([decoding(10.0, 3)], waiting, model())
+    # the next step prefills min(40, 64 - 1) tokens: 0.1 + 0.04 s
+    assert d[0] == pytest.approx(10.6 - 0.14)
+    # the waiting request: its 40 tokens take two chunks of 32, so two iterations, before its first token
+    assert d[1] == pytest.approx(11.0 - 2 * 0.1 - 0.04)
+
+
+def test_prefill_ahead_spreads_over_iterations() -> None:
+    waiting = [ReqTiming(10.0, 1.0, 0.2, prompt_left=60, tokens_left=8) for _ in range(2)]
+    d = request_deadlines([], waiting, model(max_batch_tokens=64, prefill_chunk_tokens=64))
+    assert d[0] == pytest.approx(11.0 - 1 * 0.1 - 0.06)
+    assert d[1] == pytest.approx(11.0 - 2 * 0.1 - 0.12)  # 120 tokens ahead: two iterations
+
+
+def test_a_full_batch_delays_waiting_requests_until_a_slot_frees() -> None:
+    running = [decoding(10.0, 3, left=left) for left in (7, 2, 9, 5)]  # the batch of 4 is full
+    waiting = [ReqTiming(10.0, 3.0, 0.2, prompt_left=10, tokens_left=8) for _ in range(2)]
+    d = request_deadlines(running, waiting, model())
+    # first waiting: 2 iterations until the earliest finishes, then 1 to prefill its 10 tokens
+    assert d[4] == pytest.approx(13.0 - 3 * 0.1 - 0.01)
+    # second: the next to finish has 5 tokens left
+    assert d[5] == pytest.approx(13.0 - 6 * 0.1 - 0.02)
+    # the queue does not lengthen the next step: nobody can be admitted into it
+    assert d[0] == pytest.approx(10.6 - 0.1)
+
+
+def test_prefilling_request_counts_whole_iterations() -> None:
+    pre = ReqTiming(10.0, 1.0, 0.2, prompt_left=40, tokens_left=8)
+    d = request_deadlines([pre], [], model(prefill_chunk_tokens=16))
+    assert d == pytest.approx((11.0 - 3 * 0.1 - 0.04,))  # 40 tokens in chunks of 16: 3 iterations
+
+
+def test_arrival_guard_leaves_an_arrival_its_ttft() -> None:
+    running = [decoding(10.0, 3, left=20) for _ in range(2)]
+    # room in the batch: the arrival waits this step (0.1), then one iteration (0.1 + 30 prefill tokens)
+    assert arrival_guard_s(running, [], model(), 0.1, 1.0, 30) == pytest.approx(1.0 - 0.2 - 0.03)
+    # a 40-token prompt takes two chunks of 32: two iterations, a stretch in each gap
+    assert arrival_guard_s(running, [], model(), 0.1, 1.0, 40) == pytest.approx((1.0 - 0.3 - 0.04) / 2)
+
+
+def test_arrival_guard_is_nothing_when_the_batch_is_full_and_far_from_done() -> None:
+    full = [decoding(10.0, 3, left=20) for _ in range(4)]
+    assert arrival_guard_s(full, [], model(), 0.1, 1.0, 40) == 0.0  # 20 steps before a slot frees
+    nearly_done = [decoding(10.0, 3, left=left) for left in (2, 20, 20, 20)]
+    # 2 iterations until a slot frees, 1 to prefill: 1.0 - 0.1 - 3 * 0.1 - 0.03 spread over 3 gaps
+    assert arrival_guard_s(nearly_done, [], model(), 0.1, 1.0, 30) == pytest.approx(0.57 / 3)

@@ -1,4 +1,4 @@
-"""Dependencies the routes take: the gateway's runtime state and the calling principal."""
+"""Dependencies the routes take: the gateway's runtime state and the calling principal (or admin)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
-from collm_gateway.auth import PrincipalDep
+from collm_gateway.auth import AdminDep, PrincipalDep
 
 if TYPE_CHECKING:
     from collm_gateway.app import GatewayState
@@ -18,4 +18,4 @@ def gateway_state(request: Request) -> GatewayState:
 
 StateDep = Annotated["GatewayState", Depends(gateway_state)]
 
-__all__ = ["PrincipalDep", "StateDep", "gateway_state"]
+__all__ = ["AdminDep", "PrincipalDep", "StateDep", "gateway_state"]

@@ -6,9 +6,9 @@ An adapter's card has `parent` = the base model and `root` = the exact current v
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Path
 
 from collm_common.store import StoreError
 from collm_gateway.api.deps import PrincipalDep, StateDep
@@ -16,6 +16,8 @@ from collm_gateway.auth import can_use_adapter
 from collm_gateway.errors import unavailable
 
 router = APIRouter()
+
+ModelId = Annotated[str, Path(min_length=1, max_length=256, description="A model id, as in requests.")]
 
 
 @router.get("/v1/models")
@@ -35,7 +37,7 @@ async def list_models(state: StateDep, principal: PrincipalDep) -> dict[str, Any
 
 
 @router.get("/v1/models/{model}")
-async def retrieve_model(model: str, state: StateDep, principal: PrincipalDep) -> dict[str, Any]:
+async def retrieve_model(model: ModelId, state: StateDep, principal: PrincipalDep) -> dict[str, Any]:
     ref = await state.catalog.resolve(model, principal, state.settings.retry_after_s)
     if ref.adapter is None:
         return state.base_card()

@@ -1,0 +1,128 @@
+"""Fault figures: the six faults of tests/integration/faults, run on one live stack, with larger loads.
+
+Starts its own nats-server, redis-server and the stack (tiny model; aggregator, coordinator, two
+replicas with local data, gateway; settings of tests/integration/faults/harness.py), runs the scenarios
+of tests/integration/faults/scenarios.py in order, and writes bench/results/faults.json (every report,
+with its details) and a Markdown table (printed, and bench/results/faults.md).
+
+    flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/run.py
+    flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/run.py --only replica_kill,nats_restart
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.integration.faults import scenarios as sc  # noqa: E402
+from tests.integration.faults.harness import FaultStack  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    return {
+        "replica_kill": {
+            "concurrency": args.concurrency,
+            "duration_s": args.load_s,
+            "kill_at_s": args.load_s / 3,
+            "max_tokens": 256,
+        },
+        "nats_restart": {"down_s": args.down_s},
+        "redis_restart": {"down_s": args.down_s},
+        "aggregator_kill": {},
+        "coordinator_down": {},
+        "straggler": {"deadline_s": 8.0},
+        "nats_crash": {"down_s": args.down_s},
+        "redis_crash": {"down_s": args.down_s},
+    }
+
+
+def table(reports: list[dict[str, Any]]) -> str:
+    lines = [
+        "| fault | requests sent | succeeded | retried | clear errors | lost | recovery s "
+        "| recovery measured as | checks passed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        rec = f"{r['recovery_s']:.2f}" if r.get("recovery_s") is not None else "-"
+        passed = sum(r["checks"].values())
+        failed = "" if not r["failed_checks"] else f" (failed: {'; '.join(r['failed_checks'])})"
+        lines.append(
+            f"| {r['fault']} | {r['sent']} | {r['succeeded']} | {r['retried']} | {r['failed_clear']} "
+            f"| {r['lost']} | {rec} | {r['recovery_what']} | {passed}/{len(r['checks'])}{failed} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--only", default=",".join([*sc.SCENARIOS, *sc.VARIANTS]), help="comma-separated scenario names"
+    )
+    ap.add_argument("--concurrency", type=int, default=16, help="replica_kill: concurrent requests")
+    ap.add_argument("--load-s", type=float, default=15.0, help="replica_kill: seconds of load")
+    ap.add_argument("--down-s", type=float, default=5.0, help="NATS and Redis: seconds down")
+    ap.add_argument("--out", type=Path, default=RESULTS / "faults.json")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    runs = {**{n: (f, {}) for n, f in sc.SCENARIOS.items()}, **sc.VARIANTS}
+    unknown = set(names) - set(runs)
+    if unknown:
+        ap.error(f"unknown scenarios {sorted(unknown)}; choose from {list(runs)}")
+    p = params(args)
+    reports: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="collm-faults-") as tmp:
+        fs = FaultStack(Path(tmp))
+        t0 = time.monotonic()
+        fs.start()
+        print(f"stack ready in {time.monotonic() - t0:.1f}s", flush=True)
+        try:
+            for name in names:
+                t1 = time.monotonic()
+                try:
+                    fn, fixed = runs[name]
+                    rep = asyncio.run(fn(fs, **fixed, **p[name]))  # type: ignore[operator]
+                    d = rep.as_dict()
+                except Exception as exc:  # report it and go on: the other faults still get measured
+                    traceback.print_exc()
+                    d = sc.FaultReport(name, details={"error": f"{type(exc).__name__}: {exc}"}).as_dict()
+                    d["checks"] = {"scenario ran to the end": False}
+                    d["failed_checks"] = ["scenario ran to the end"]
+                    d["log_tail"] = fs.log_tail(4000)
+                d["params"] = p[name]
+                d["wall_s"] = round(time.monotonic() - t1, 1)
+                reports.append(d)
+                keys = ("sent", "succeeded", "retried", "failed_clear", "lost", "recovery_s", "failed_checks")
+                print(f"{name}: {json.dumps({k: d[k] for k in keys})}", flush=True)
+        finally:
+            fs.stop()
+    result = {
+        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+        "model": "tiny",
+        "reports": reports,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    md = table(reports)
+    args.out.with_suffix(".md").write_text(md + "\n")
+    print("\n" + md)
+    print(f"\nwrote {args.out}")
+    return 0 if all(not r["failed_checks"] for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

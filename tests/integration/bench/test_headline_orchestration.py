@@ -1,0 +1,90 @@
+"""`make bench`'s orchestration with the tiny model and tiny durations: two policies, each on a fresh stack
+(its own NATS and Redis, aggregator, coordinator, two replicas with local data, gateway), the same plan
+replayed against each, one table, one figure, and the results file.
+
+The trace and the datasets are made up here (the real ones live outside the repository), so the test
+runs anywhere; the Makefile target is checked to run exactly this command under the heavy-work lock.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[3]
+TRACE = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(
+    f"2023-11-16 18:17:{i:02d}.2500000,{200 + 40 * (i % 9)},{30 + 10 * (i % 5)}" for i in range(40)
+)
+
+
+def dataset(root: Path, domain: str) -> Path:
+    for split, n in (("train", 24), ("eval", 6)):
+        rows = [
+            {"id": f"{domain}-{split}-{i}", "domain": domain, "prompt": f"A {domain} question number {i}?",
+             "response": f"The {domain} answer is {i * 7}."}
+            for i in range(n)
+        ]  # fmt: skip
+        (root / domain / split).mkdir(parents=True, exist_ok=True)
+        (root / domain / split / f"{domain}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return root / domain
+
+
+def test_headline_runs_each_policy_on_a_fresh_stack(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE)
+    out = tmp_path / "out"
+    argv = [
+        "--model", "tiny", "--policies", "collm,separate", "--rate-labels", "light", "--rates", "light=1",
+        "--traces", str(trace), "--data", f"math={dataset(tmp_path, 'math')}",
+        "--data", f"medical={dataset(tmp_path, 'medical')}", "--duration", "5", "--drain-s", "10",
+        "--out-dir", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "collm_bench", "headline", *argv],
+        capture_output=True, text=True, timeout=170, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    print(proc.stdout)  # the table, shown with -s
+    (run_root,) = [p for p in out.iterdir() if p.is_dir()]
+    results = json.loads((run_root / "results.json").read_text())
+    assert results["command"].startswith("python -m collm_bench headline --model tiny")
+    (tr,) = results["traces"]
+    block = tr["rates"]["light"]
+    assert list(tr["rates"]) == ["light"] and block["n_requests"] == 5 and block["given"]
+    assert block["plan"]["requests"] == 5
+    for policy in ("collm", "separate"):
+        live = block["runs"][policy]["live"]
+        # The stack ran the policy asked for, with its co-scheduler, and replayed the whole plan.
+        assert live["coordinator_policy"] == policy and live["coscheduler"] == "slo"
+        assert live["submitted"] == 5 and live["by_status"]["ok"] == 5, live["by_status"]
+        assert live["goodput_rps"] is not None and live["goodput_rps"] > 0
+        assert live["quality_joined"] == 5  # every request joined with its version's held-out loss
+        assert live["ft_tokens"] >= 0 and set(live["rounds"]) >= {"opened", "published"}
+        run = json.loads((Path(live["run_dir"]) / "result.json").read_text())
+        assert set(run["base_losses"]) == {"math", "medical"}
+        assert all(v > 0 for v in run["base_losses"].values())
+        assert (Path(live["run_dir"]) / "requests.jsonl").is_file()
+        assert (Path(live["run_dir"]) / "stack.log").stat().st_size > 0
+    assert block["compare"]["goodput_ratio"]["separate"] is not None
+    assert (run_root / "headline.png").stat().st_size > 0 and (out / "latest.png").is_file()
+    table = (out / "latest.md").read_text()
+    assert "| collm |" in table and "| separate |" in table and "rate given on the command line" in table
+    assert table.splitlines()[0] in proc.stdout
+
+
+def test_make_bench_runs_the_headline_command_under_the_lock() -> None:
+    proc = subprocess.run(
+        ["make", "-n", "bench", "BENCH_ARGS=--model tiny"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench headline --model tiny" in proc.stdout

@@ -1,0 +1,23 @@
+"""One live stack for every fault test (starting one costs seconds; each scenario leaves it healthy)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from .harness import FaultStack
+
+
+@pytest.fixture(scope="session")
+def fault_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack]:
+    fs = FaultStack(tmp_path_factory.mktemp("faults"))
+    try:
+        fs.start()
+    except Exception:
+        print(fs.log_tail())
+        raise
+    try:
+        yield fs
+    finally:
+        fs.stop()

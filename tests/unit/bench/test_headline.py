@@ -1,0 +1,319 @@
+"""The headline benchmark's pure parts: rate search, drain cut, the simulator's workload against the live
+plan, ratios and goals, the table, configuration and the stack each policy gets."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collm_bench.goodput import summarize
+from collm_bench.headline import setup
+from collm_bench.headline.cli import build_parser, config_from_args, main, parse_rates
+from collm_bench.headline.config import HeadlineConfig
+from collm_bench.headline.live import Observer, parse_counter, stack_config
+from collm_bench.headline.predict import drain_cut, simulate_run, workload_spec
+from collm_bench.headline.rates import BestBaseline, grid_counts, search_rate
+from collm_bench.headline.table import compact, compare, markdown
+from collm_bench.records import RequestRecord
+from collm_bench.workload import Slo, draw_domains
+from collm_common.calibration import Calibration
+from collm_common.wire.rounds import RoundOutcome
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[3]
+CALIBRATION = REPO / "bench" / "calibration" / "smollm2.json"
+
+TRACE = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(
+    f"2023-11-16 18:17:{i // 4:02d}.{(i % 4) * 25:02d}00000,{300 + 37 * (i % 11)},{20 + 13 * (i % 7)}"
+    for i in range(200)
+)
+
+
+def trace_cfg(tmp_path: Path, **kw: object) -> HeadlineConfig:
+    (tmp_path / "traces").mkdir(exist_ok=True)
+    (tmp_path / "traces" / "t.csv").write_text(TRACE)
+    return HeadlineConfig(traces=(str(tmp_path / "traces" / "t.csv"),), traces_dir=tmp_path / "traces", **kw)  # type: ignore[arg-type]
+
+
+# --- rate search --------------------------------------------------------------------------------------
+def cliff(at: dict[str, int]) -> object:
+    """Attainment 1.0 up to `at[policy]` requests, then falling by 0.02 per request (monotone)."""
+    return lambda policy, n: 1.0 if n <= at[policy] else max(0.0, 1.0 - 0.02 * (n - at[policy]))
+
+
+def test_search_finds_the_last_count_holding_the_target_for_the_best_baseline() -> None:
+    best = BestBaseline(
+        cliff({"separate": 40, "fixed_ratio": 10, "leftover": 5}), ("separate", "fixed_ratio", "leftover")
+    )  # type: ignore[arg-type]
+    light = search_rate(best, "light", 0.95, [5, 20, 60, 120], 60.0)
+    # separate: 1 - 0.02 (n - 40) >= 0.95  <=>  n <= 42.5
+    assert light.n_requests == 42 and light.best_baseline == "separate"
+    assert light.rate_rps == pytest.approx(42 / 60) and light.attainment == pytest.approx(0.96)
+    heavy = search_rate(best, "heavy", 0.85, [5, 20, 60, 120], 60.0)
+    assert heavy.n_requests == 47 and heavy.attainment == pytest.approx(0.86)
+    assert "first crossing" in heavy.how
+    # Memoised: every count simulated once per baseline.
+    assert set(best.cache) >= {5, 20, 42, 43, 47, 48, 60}
+
+
+def test_search_extends_the_grid_downward_and_reports_bounds() -> None:
+    best = BestBaseline(cliff({"separate": 3}), ("separate",))  # type: ignore[arg-type]
+    c = search_rate(best, "light", 0.95, [40, 80], 10.0)
+    assert c.n_requests == 5 and "first crossing" in c.how  # 1 - 0.02 (n - 3) >= 0.95 <=> n <= 5.5
+    never = BestBaseline(lambda p, n: 0.5, ("separate",))
+    c = search_rate(never, "light", 0.95, [40, 80], 10.0)
+    assert c.attainment == 0.5 and "lowest rate tried" in c.how
+    always = BestBaseline(lambda p, n: 1.0, ("separate",))
+    c = search_rate(always, "light", 0.95, [40, 80], 10.0)
+    assert c.n_requests == 80 and "lower bound" in c.how
+
+
+def test_grid_counts() -> None:
+    assert grid_counts(1.0, 90.0, (0.1, 0.5, 1.0, 1.0)) == [9, 45, 90]
+    assert grid_counts(0.001, 10.0, (0.5,)) == [1]
+    with pytest.raises(ValueError):
+        grid_counts(0.0, 10.0, (0.5,))
+
+
+# --- drain cut and the simulator's workload ------------------------------------------------------------
+def rec(i: int, status: str, end_s: float, ttft_ms: float = 100.0) -> RequestRecord:
+    return RequestRecord(
+        request_id=f"r{i}", index=i, domain="math", model="math", status=status,  # type: ignore[arg-type]
+        scheduled_s=float(i), sent_s=float(i), end_s=end_s, ttft_ms=ttft_ms, e2e_ms=(end_s - i) * 1e3,
+        completion_tokens=5, usage_reported=True, slo_ttft_ms=1000.0, slo_tpot_ms=5000.0,
+    )  # fmt: skip
+
+
+def test_drain_cut_turns_late_completions_into_timeouts() -> None:
+    records = [rec(0, "ok", 1.0), rec(1, "ok", 30.0), rec(2, "rejected", 2.0), rec(3, "ok", 12.0)]
+    cut = drain_cut(records, 12.0)
+    assert [r.status for r in cut] == ["ok", "timeout", "rejected", "ok"]
+    assert cut[1].end_s == 12.0 and records[1].status == "ok"  # the input is left alone
+    s = summarize(cut, timeline_bin_s=None)
+    assert s["counts"]["good"] == 2 and s["duration_s"] == pytest.approx(12.0)
+    assert s["goodput_rps"] == pytest.approx(2 / 12.0)
+
+
+def test_simulated_workload_is_the_live_plan(tmp_path: Path) -> None:
+    from collm_sim.workload import build_workload
+
+    cfg = trace_cfg(tmp_path, duration_s=30.0, max_output_tokens=64, trace_start_s=5.0)
+    source = setup.resolve_sources(cfg)[0]
+    slo = Slo(5000.0, 300.0)
+    for rate in (0.5, 2.0, 4.5):
+        live = setup.shapes(cfg, source, rate)
+        wl = build_workload(workload_spec(cfg, source, rate, slo), tuple(sorted(cfg.domains)))
+        assert len(wl) == len(live) == round(rate * cfg.duration_s)
+        np.testing.assert_allclose(wl.arrival_s, [s.arrival_s for s in live])
+        assert list(wl.input_tokens) == [s.input_tokens for s in live]
+        assert list(wl.output_tokens) == [s.output_tokens for s in live]
+        assert [wl.domains[d] for d in wl.domain] == draw_domains(len(live), cfg.mix, cfg.seed)
+        assert max(wl.output_tokens) <= 64
+
+
+def test_synthetic_fallback_is_labelled_and_matches_the_simulator(tmp_path: Path) -> None:
+    from collm_sim.workload import build_workload
+
+    missing = HeadlineConfig(traces=("conv",), traces_dir=tmp_path / "nowhere")
+    with pytest.raises(setup.SetupError, match="synthetic-fallback"):
+        setup.resolve_sources(missing)
+    cfg = dataclasses.replace(missing, synthetic_fallback=True, duration_s=20.0)
+    (source,) = setup.resolve_sources(cfg)
+    assert source.synthetic and "SYNTHETIC gamma" in source.label(cfg)
+    live = setup.shapes(cfg, source, 2.0)
+    wl = build_workload(workload_spec(cfg, source, 2.0, Slo(1.0, 1.0)), tuple(sorted(cfg.domains)))
+    np.testing.assert_allclose(wl.arrival_s, [s.arrival_s for s in live])
+    assert set(wl.input_tokens) == {round(cfg.synthetic_input_tokens * cfg.input_scale)}
+
+
+def test_slo_from_the_calibration(tmp_path: Path) -> None:
+    cal = Calibration.load(CALIBRATION)
+    cfg = trace_cfg(tmp_path)
+    source = setup.resolve_sources(cfg)[0]
+    slo = setup.slo_for(cfg, source, cal, 16)
+    fitted = [round(r.input_tokens * cfg.input_scale) for r in source.requests]
+    p99 = int(np.percentile(fitted, 99))
+    assert slo.ttft_ms == pytest.approx(3 * cal.cost.prefill_ms(p99), abs=0.1)
+    assert slo.tpot_ms == pytest.approx(3 * cal.cost.decode_ms(16), abs=0.1)
+    given = dataclasses.replace(cfg, slo_ttft_ms=123.0, slo_tpot_ms=45.0)
+    assert setup.slo_for(given, source, None, 16) == Slo(123.0, 45.0)
+    with pytest.raises(setup.SetupError):
+        setup.slo_for(cfg, source, None, 16)
+
+
+def test_simulate_run_is_deterministic_and_cut_at_the_drain(tmp_path: Path) -> None:
+    cal = Calibration.load(CALIBRATION)
+    cfg = trace_cfg(tmp_path, duration_s=20.0, drain_s=0.5)
+    source = setup.resolve_sources(cfg)[0]
+    a = simulate_run(cfg, cal, source, 3.0, Slo(5000.0, 500.0), "collm", 100)
+    b = simulate_run(cfg, cal, source, 3.0, Slo(5000.0, 500.0), "collm", 100)
+    assert a["summary"]["goodput_rps"] == b["summary"]["goodput_rps"]
+    assert a["summary"]["counts"]["submitted"] == 60
+    # A 0.5 s drain after the last arrival leaves the last requests unfinished at this rate.
+    assert a["summary"]["counts"]["by_status"]["timeout"] > 0
+
+
+# --- ratios, goals and the table -----------------------------------------------------------------------
+def fig(goodput: float, att: float, q_end: float | None, q_mean: float | None) -> dict[str, object]:
+    return {
+        "goodput_rps": goodput, "attainment": att, "quality_gain_end": q_end, "quality_gain_mean": q_mean,
+        "good": 9, "submitted": 10, "ttft_ms_p50": 100.0, "ttft_ms_p99": 900.0, "tpot_ms_p50": 50.0,
+        "tpot_ms_p99": 90.0, "ft_tokens": 1234.0, "rounds": {"published": 2, "held_back": 1, "aborted": 0},
+        "timeline": {"t_s": [0.0, 10.0], "goodput_rps": [0.5, 0.7], "mean_quality_gain": [0.0, 0.1]},
+    }  # fmt: skip
+
+
+def test_compare_ratios_goals_and_simulator_error() -> None:
+    live = {
+        "collm": fig(0.9, 0.95, 0.10, 0.05),
+        "separate": fig(0.3, 0.40, 0.20, 0.10),
+        "fixed_ratio": fig(0.6, 0.70, 0.05, 0.02),
+        "leftover": fig(0.5, 0.60, 0.08, 0.04),
+    }
+    sim = {p: {**f, "goodput_rps": f["goodput_rps"] * 1.2} for p, f in live.items()}  # type: ignore[operator]
+    sim["leftover"]["goodput_rps"] = 0.5 * 1.3
+    c = compare(live, sim)
+    assert c["goodput_ratio"] == pytest.approx({"separate": 3.0, "fixed_ratio": 1.5, "leftover": 1.8})
+    assert c["best_baseline"] == "fixed_ratio" and c["best_colocated"] == "fixed_ratio"
+    assert c["goals"]["goodput_vs_separate"] == {"goal": 3.0, "reached": pytest.approx(3.0), "met": True}
+    assert c["goals"]["goodput_vs_best_colocated"]["met"] is True
+    assert c["goals"]["quality_end_vs_best_baseline"]["reached"] == pytest.approx(2.0)
+    assert c["quality_end_ratio"]["separate"] == pytest.approx(0.5)
+    assert c["sim_error"]["collm"] == pytest.approx(0.2) and c["sim_error"]["leftover"] == pytest.approx(0.3)
+    assert c["sim_within_tolerance"] is False
+    # No gain on the baseline's side: the ratio is unbounded, not a division error.
+    zero = compare({"collm": fig(1, 1, 0.1, 0.1), "separate": fig(0, 0, 0.0, None)}, None)
+    assert (
+        zero["goodput_ratio"]["separate"] == float("inf") and zero["quality_mean_ratio"]["separate"] is None
+    )
+    text = markdown(
+        {
+            "traces": [
+                {"label": "azure conv", "rates": {"light": {"rate_rps": 0.5, "compare": c, "given": True,
+                 "runs": {p: {"live": live[p], "sim": sim[p]} for p in live}}}}
+            ]
+        }
+    )  # fmt: skip
+    assert text.count("| azure conv | light 0.500 |") == 4
+    assert "| collm | 0.900 | 1.080 (+20%) | 0.950 (9/10) | 100 / 900 | 50 / 90 | 1234 | 2 / 3 |" in text
+    assert "goodput 3.00, 1.50, 1.80" in text and "rate given on the command line" in text
+
+
+def test_compact_takes_the_summary_figures() -> None:
+    records = [rec(0, "ok", 1.0), rec(1, "error", 2.0)]
+    c = compact(summarize(records, timeline_bin_s=1.0), {"ft_tokens": 7})
+    assert c["submitted"] == 2 and c["good"] == 1 and c["attainment"] == 0.5 and c["ft_tokens"] == 7
+    assert c["timeline"]["goodput_rps"]
+
+
+# --- configuration and the stack ----------------------------------------------------------------------
+def test_config_validation_and_replica_domains() -> None:
+    cfg = HeadlineConfig(replicas=3)
+    assert [cfg.replica_domain(r) for r in cfg.replica_ids()] == ["math", "medical", "math"]
+    assert cfg.replicas_of("math") == ["r0", "r2"] and cfg.needs_search() == ["light", "heavy"]
+    assert HeadlineConfig(rates={"light": 1.0}).needs_search() == ["heavy"]
+    for bad in ({"policies": ("nope",)}, {"rates": {"medium": 1.0}}, {"rates": {"light": 0.0}},
+                {"round_deadline_s": 99.0}, {"heavy_attainment": 0.99}, {"replicas": 0}):  # fmt: skip
+        with pytest.raises(ValueError):
+            HeadlineConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_arguments_override_the_presets() -> None:
+    assert parse_rates("light=0.5,heavy=1.5") == {"light": 0.5, "heavy": 1.5}
+    assert parse_rates("0.5,1.5") == {"light": 0.5, "heavy": 1.5}
+    cfg = config_from_args(build_parser().parse_args([]))
+    assert cfg == HeadlineConfig()
+    argv = ["--model", "tiny", "--duration", "7", "--rates", "heavy=9", "--rate-labels", "heavy"]
+    tiny = config_from_args(build_parser().parse_args(argv))
+    assert tiny.model == "tiny" and tiny.duration_s == 7 and tiny.max_output_tokens == 8
+    assert tiny.rates == {"light": 1.0, "heavy": 9.0} and tiny.rate_labels == ("heavy",)
+    assert tiny.calibration is None and not tiny.simulate and tiny.needs_search() == []
+
+
+def test_missing_traces_exit_2_with_one_clear_line(tmp_path: Path) -> None:
+    err = io.StringIO()
+    rc = main(["--traces-dir", str(tmp_path), "--out-dir", str(tmp_path / "out")], io.StringIO(), err)
+    assert rc == 2
+    assert "not found" in err.getvalue() and "--synthetic-fallback" in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("policy", "cosched"),
+    [("collm", "slo"), ("separate", "slo"), ("fixed_ratio", "fixed"), ("leftover", "leftover")],
+)
+def test_each_policy_gets_its_coordinator_and_co_scheduler(tmp_path: Path, policy: str, cosched: str) -> None:
+    cfg = HeadlineConfig(replicas=3)
+    data = {r: tmp_path / r for r in cfg.replica_ids()}
+    sc = stack_config(cfg, policy, data, tmp_path)
+    assert sc.coordinator_policy == policy and sc.model == "smollm2"
+    assert [(r.replica_id, r.data_dir, r.env["COLLM_COSCHEDULER"]) for r in sc.replicas] == [
+        (r, str(tmp_path / r), cosched) for r in ("r0", "r1", "r2")
+    ]
+    assert sc.service_env["aggregator"]["COLLM_DEFAULT_PLAN"] == "false"
+    for service in ("aggregator", "replica"):
+        assert sc.service_env[service]["COLLM_EVAL_MAX_EXAMPLES"] == "8"
+        assert sc.service_env[service]["COLLM_EVAL_MAX_TOKENS"] == "1024"
+    co = sc.service_env["coordinator"]
+    assert co["COLLM_COORDINATOR_SLOW_INTERVAL_S"] == "30.0" and co["COLLM_COORDINATOR_WARMUP_S"] == "10.0"
+    assert co["COLLM_COORDINATOR_CALIBRATION_PATH"].endswith("smollm2.json")
+    assert sc.start_servers and sc.nats_url != "nats://127.0.0.1:4222" and sc.metrics_port_base == 0
+
+
+async def test_observer_counts_rounds_in_the_window() -> None:
+    obs = Observer(t0=0.0)
+    times = iter([1.0, 5.0, 2.0, 50.0, 3.0, 99.0])
+    obs.now = lambda: next(times)  # type: ignore[method-assign]
+
+    def out(rid: int, state: str) -> RoundOutcome:
+        return RoundOutcome(round_id=rid, adapter="math", state=state, base_version=1)  # type: ignore[arg-type]
+
+    events = [(1, "opened"), (1, "published"), (2, "opened"), (2, "held_back"), (3, "opened"), (3, "aborted")]
+    for rid, state in events:
+        await obs.on_round(out(rid, state), None)
+    assert obs.round_counts(0.0, 60.0) == {"opened": 3, "published": 1, "held_back": 1, "aborted": 0}
+
+
+def test_parse_counter() -> None:
+    text = (
+        "# HELP collm_replica_ft_tokens_total Tokens processed by co-executed fine-tuning\n"
+        "# TYPE collm_replica_ft_tokens_total counter\n"
+        'collm_replica_ft_tokens_total{replica="r0"} 512.0\n'
+        'collm_replica_generated_tokens_total{replica="r0"} 9.0\n'
+    )
+    assert parse_counter(text, "collm_replica_ft_tokens") == {"r0": 512.0}
+
+
+def test_heavy_takes_the_count_nearer_the_target() -> None:
+    # separate: 1.0 up to 40 requests, then 0.80 at 41: 0.80 is nearer 85% than 1.0.
+    steep = BestBaseline(lambda p, n: 1.0 if n <= 40 else 0.80, ("separate",))
+    assert search_rate(steep, "heavy", 0.85, [10, 80], 60.0, nearest=True).n_requests == 41
+    assert search_rate(steep, "heavy", 0.85, [10, 80], 60.0).n_requests == 40
+    gentle = BestBaseline(lambda p, n: 1.0 if n <= 40 else 0.70, ("separate",))
+    assert search_rate(gentle, "heavy", 0.85, [10, 80], 60.0, nearest=True).n_requests == 40
+
+
+def test_simulated_only_run_dedupes_equal_rates_and_renders_again(tmp_path: Path) -> None:
+    cfg = trace_cfg(tmp_path)
+    trace = cfg.traces[0]
+    out = io.StringIO()
+    argv = ["--no-live", "--traces", trace, "--duration", "10", "--rates", "light=1,heavy=1.01",
+            "--out-dir", str(tmp_path / "out"), "--policies", "collm,separate"]  # fmt: skip
+    assert main(argv, out, io.StringIO()) == 0
+    (root,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
+    results = json.loads((root / "results.json").read_text())
+    (tr,) = results["traces"]
+    assert list(tr["rates"]) == ["light"] and "run once" in tr["notes"][0]
+    runs = tr["rates"]["light"]["runs"]
+    assert set(runs) == {"collm", "separate"} and all("sim" in r and "live" not in r for r in runs.values())
+    assert tr["rates"]["light"]["compare"]["simulated_only"] is True
+    table = (tmp_path / "out" / "latest.md").read_text()
+    assert "(not run live)" in table and "run once" in table
+    again = io.StringIO()
+    assert main(["--render", str(root / "results.json")], again, io.StringIO()) == 0
+    assert (root / "table.md").read_text() == table

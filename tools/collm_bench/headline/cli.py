@@ -1,0 +1,474 @@
+"""`python -m collm_bench headline` (what `make bench` runs): every policy on the live stack, one table.
+
+    python -m collm_bench headline                                   # defaults (SmolLM2, 2 replicas, conv)
+    python -m collm_bench headline --traces conv,code                # both Azure traces
+    python -m collm_bench headline --model tiny                      # quick check of the pipeline
+    python -m collm_bench headline --no-live                         # the rate search and simulator only
+    python -m collm_bench headline --replicas 8 --duration 600 --rates light=4,heavy=6   # a bigger machine
+
+Writes `OUT/<timestamp>/` (results.json, table.md, headline.png, one directory per run with the
+requests, summary, stack logs and telemetry) and copies the table and figure to `OUT/latest.md` and
+`OUT/latest.png`. Exit status: 0 done (goals met or not: the table says), 2 something required is
+missing (trace files, domain data, calibration), 1 a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from collm_common.calibration import Calibration
+from collm_replica.naming import served_name
+from collm_replica.settings import ReplicaSettings
+
+from . import setup
+from .config import BASELINES, RATE_LABELS, HeadlineConfig, tiny_preset
+from .live import LiveRunError, run_live
+from .plot import plot
+from .predict import simulate_run
+from .rates import BestBaseline, capacity_estimate_rps, grid_counts, search_rate
+from .setup import SetupError, TraceSource
+from .table import compact, compare, markdown
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m collm_bench headline",
+        description="The headline benchmark: each coordinator policy on the live stack over the same trace "
+        "slice, at a light and a heavy rate found with the simulator; goodput, SLO attainment, latency, "
+        "fine-tuning, rounds and served quality in one table, the simulator's prediction beside it.",
+        epilog="Defaults fit a 2-core CPU machine in about 15 minutes; --model tiny sets quick-check sizes.",
+    )
+    d = HeadlineConfig()
+    g = p.add_argument_group("what runs")
+    g.add_argument(
+        "--model", default=None, help=f"smollm2, tiny, an HF directory or .gguf (default {d.model})"
+    )
+    g.add_argument("--replicas", type=int, default=None, help=f"replicas per stack (default {d.replicas})")
+    g.add_argument(
+        "--domains", default=None, help=f"replica i holds domain i mod n (default {','.join(d.domains)})"
+    )
+    g.add_argument("--policies", default=None, help=f"default {','.join(d.policies)}")
+    g.add_argument("--traces", default=None, help=f"Azure traces to replay (default {','.join(d.traces)})")
+    g.add_argument("--traces-dir", type=Path, default=None, help=f"default {d.traces_dir}")
+    g.add_argument(
+        "--domains-dir", type=Path, default=None, help=f"public datasets (default {d.domains_dir})"
+    )
+    g.add_argument("--data", action="append", metavar="DOMAIN=DIR", help="a prepared dataset directory")
+    g.add_argument(
+        "--synthetic-fallback",
+        action="store_true",
+        help="replay synthetic gamma arrivals when a trace file is absent (labelled SYNTHETIC)",
+    )
+    g = p.add_argument_group("the slice")
+    g.add_argument("--trace-start-s", type=float, default=None, help="slice start in trace time")
+    g.add_argument(
+        "--duration", type=float, default=None, help=f"seconds of arrivals per run (default {d.duration_s:g})"
+    )
+    g.add_argument(
+        "--drain-s", type=float, default=None, help=f"wait after the last arrival (default {d.drain_s:g})"
+    )
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--input-scale", type=float, default=None, help=f"default {d.input_scale}")
+    g.add_argument("--output-scale", type=float, default=None, help=f"default {d.output_scale}")
+    g.add_argument("--max-input-tokens", type=int, default=None)
+    g.add_argument("--max-output-tokens", type=int, default=None, help=f"default {d.max_output_tokens}")
+    g.add_argument("--max-context-tokens", type=int, default=None, help=f"default {d.max_context_tokens}")
+    g = p.add_argument_group("rates and SLOs")
+    g.add_argument("--rates", default=None, help="light=R1,heavy=R2 (req/s); omitted ones are searched")
+    g.add_argument("--rate-labels", default=None, help="which rates run: light,heavy (default both)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="default: 3 x unloaded p99-prompt TTFT")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3 x a full-batch decode step")
+    g.add_argument("--calibration", type=Path, default=None, help=f"default {d.calibration}")
+    g = p.add_argument_group("the stack")
+    g.add_argument(
+        "--slow-interval-s", type=float, default=None, help=f"round plans (default {d.slow_interval_s:g})"
+    )
+    g.add_argument("--round-deadline-s", type=float, default=None, help=f"default {d.round_deadline_s:g}")
+    g.add_argument(
+        "--coordinator-warmup-s", type=float, default=None, help=f"default {d.coordinator_warmup_s:g}"
+    )
+    g.add_argument("--eval-max-examples", type=int, default=None, help=f"default {d.eval_max_examples}")
+    g.add_argument("--eval-max-tokens", type=int, default=None, help=f"default {d.eval_max_tokens}")
+    g.add_argument(
+        "--train-examples", type=int, default=None, help=f"local data (default {d.train_examples})"
+    )
+    g.add_argument("--eval-examples", type=int, default=None, help=f"default {d.eval_examples}")
+    g.add_argument("--torch-threads", type=int, default=None, help=f"per replica (default {d.torch_threads})")
+    g.add_argument("--request-timeout-s", type=float, default=None)
+    g = p.add_argument_group("output")
+    g.add_argument("--out-dir", type=Path, default=None, help=f"default {d.out_dir}")
+    g.add_argument("--no-simulate", action="store_true", help="no simulator prediction beside the live runs")
+    g.add_argument("--no-live", action="store_true", help="only the rate search and the simulator")
+    g.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="recompute the ratios, table and figure of a finished run (nothing runs)",
+    )
+    return p
+
+
+def _pairs(values: Sequence[str] | None) -> dict[str, str]:
+    out = {}
+    for v in values or []:
+        for part in v.split(","):
+            k, sep, val = part.partition("=")
+            if not sep:
+                raise SetupError(f"{part!r} is not DOMAIN=DIR")
+            out[k.strip()] = val.strip()
+    return out
+
+
+def parse_rates(spec: str | None) -> dict[str, float]:
+    """`light=0.5,heavy=1.2` or `0.5,1.2` (light first)."""
+    if not spec:
+        return {}
+    out: dict[str, float] = {}
+    for i, part in enumerate(p for p in spec.split(",") if p.strip()):
+        key, sep, value = part.partition("=")
+        label, value = (key.strip(), value) if sep else (RATE_LABELS[min(i, 1)], key)
+        try:
+            out[label] = float(value)
+        except ValueError:
+            raise SetupError(f"--rates: {part!r} is not LABEL=REQ_PER_S") from None
+    return out
+
+
+def _csv(v: str | None) -> tuple[str, ...] | None:
+    return None if v is None else tuple(x.strip() for x in v.split(",") if x.strip())
+
+
+def config_from_args(args: argparse.Namespace) -> HeadlineConfig:
+    base = HeadlineConfig()
+    if args.model == "tiny":
+        base = tiny_preset(base)
+    given: dict[str, Any] = {
+        "model": args.model,
+        "replicas": args.replicas,
+        "domains": _csv(args.domains),
+        "policies": _csv(args.policies),
+        "traces": _csv(args.traces),
+        "traces_dir": args.traces_dir,
+        "domains_dir": args.domains_dir,
+        "trace_start_s": args.trace_start_s,
+        "duration_s": args.duration,
+        "drain_s": args.drain_s,
+        "seed": args.seed,
+        "input_scale": args.input_scale,
+        "output_scale": args.output_scale,
+        "max_input_tokens": args.max_input_tokens,
+        "max_output_tokens": args.max_output_tokens,
+        "max_context_tokens": args.max_context_tokens,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "calibration": args.calibration,
+        "slow_interval_s": args.slow_interval_s,
+        "round_deadline_s": args.round_deadline_s,
+        "coordinator_warmup_s": args.coordinator_warmup_s,
+        "eval_max_examples": args.eval_max_examples,
+        "eval_max_tokens": args.eval_max_tokens,
+        "train_examples": args.train_examples,
+        "eval_examples": args.eval_examples,
+        "torch_threads": args.torch_threads,
+        "request_timeout_s": args.request_timeout_s,
+        "out_dir": args.out_dir,
+        "rate_labels": _csv(args.rate_labels),
+    }
+    changes = {k: v for k, v in given.items() if v is not None}
+    rates = parse_rates(args.rates)
+    if rates:
+        changes["rates"] = {**base.rates, **rates}
+    data = _pairs(args.data)
+    if data:
+        changes["data_dirs"] = {k: Path(v) for k, v in data.items()}
+    if args.synthetic_fallback:
+        changes["synthetic_fallback"] = True
+    if args.no_simulate:
+        changes["simulate"] = False
+    if args.no_live:
+        changes["live"] = False
+    return dataclasses.replace(base, **changes)
+
+
+def _jsonable(cfg: HeadlineConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+class Headline:
+    """One invocation: the setup shared by every run, then per trace the rates, then per rate every
+    policy (simulated and live), saving `results.json` after each run so a partial run is kept."""
+
+    def __init__(self, cfg: HeadlineConfig, argv: Sequence[str], out: TextIO, err: TextIO) -> None:
+        self.cfg, self.out, self.err = cfg, out, err
+        self.t_start = time.monotonic()
+        self.sources = setup.resolve_sources(cfg)
+        self.cal: Calibration | None = None
+        if cfg.calibration is not None:
+            if not Path(cfg.calibration).is_file():
+                raise SetupError(
+                    f"calibration {cfg.calibration} does not exist: `bench/engine/run.py calibrate` writes "
+                    "it (or pass --rates, --slo-ttft-ms, --slo-tpot-ms and --no-simulate)"
+                )
+            self.cal = Calibration.load(cfg.calibration)
+            if self.cal.model != served_name(cfg.model):
+                err.write(
+                    f"collm-bench headline: warning: the calibration measured {self.cal.model}, the stack "
+                    f"runs {served_name(cfg.model)}: simulated rates and predictions are for the former\n"
+                )
+        if self.cal is None and (cfg.needs_search() or cfg.simulate):
+            raise SetupError("the rate search and the simulator need a calibration (--calibration FILE)")
+        if not cfg.live and self.cal is None:
+            raise SetupError("--no-live without a calibration leaves nothing to run")
+        self.max_batch = int(ReplicaSettings.model_fields["max_batch"].default)
+        self.root = Path(cfg.out_dir) / time.strftime("%Y%m%d-%H%M%S")
+        self.root.mkdir(parents=True, exist_ok=True)
+        cal = self.cal
+        self.results: dict[str, Any] = {
+            "schema": "collm-headline/1",
+            "command": ("python -m collm_bench headline " + " ".join(argv)).strip(),
+            "config": _jsonable(cfg),
+            "calibration": None
+            if cal is None
+            else {
+                "path": str(cfg.calibration),
+                "command": cal.command,
+                "measured_unix_s": cal.measured_unix_s,
+            },
+            "started_unix_s": time.time(),
+            "traces": [],
+        }
+        self.failed = 0
+        self.say(f"{self.results['command']}\n[headline] results in {self.root}")
+        self.datasets: dict[str, Path] = {}
+        self.builder: Any = None
+        if cfg.live:
+            self.datasets = setup.prepare_data(cfg, self.root / "data")
+            self.builder = setup.prompt_builder(cfg, setup.token_counter(cfg.model))
+        self.samples = _samples_per_replica(self.datasets, cfg)
+
+    def say(self, line: str) -> None:
+        self.out.write(f"[headline] {line}\n")
+        self.out.flush()
+
+    def save(self) -> None:
+        text = json.dumps(self.results, indent=1, default=str) + "\n"
+        (self.root / "results.json").write_text(text, encoding="utf-8")
+
+    # --- per trace ------------------------------------------------------------------------------------
+    def run(self) -> int:
+        for source in self.sources:
+            self.run_trace(source)
+        return self.finish()
+
+    def run_trace(self, source: TraceSource) -> None:
+        cfg = self.cfg
+        slo = setup.slo_for(cfg, source, self.cal, self.max_batch)
+        label = source.label(cfg)
+        tr: dict[str, Any] = {
+            "trace": source.name,
+            "label": label,
+            "path": str(source.path) if source.path else None,
+            "slo": dataclasses.asdict(slo),
+            "rates": {},
+        }
+        self.results["traces"].append(tr)
+        self.say(f"{label}: SLO TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms")
+        cache: dict[tuple[str, int], dict[str, Any]] = {}
+
+        def sim(policy: str, n: int) -> dict[str, Any]:
+            if (policy, n) not in cache:
+                assert self.cal is not None
+                rate = n / cfg.duration_s
+                cache[policy, n] = simulate_run(cfg, self.cal, source, rate, slo, policy, self.samples)
+            return cache[policy, n]
+
+        choices = self.search(source, sim)
+        for lab in cfg.rate_labels:
+            rate = cfg.rates.get(lab, choices.get(lab, {}).get("rate_rps"))
+            if rate is None:
+                continue
+            n = max(1, round(rate * cfg.duration_s))
+            same = [k for k, b in tr["rates"].items() if b["n_requests"] == n]
+            if same:
+                # A slice is its request count: the same count is the same replay, run once.
+                tr.setdefault("notes", []).append(
+                    f"{lab} and {same[0]} are the same {n} requests in {cfg.duration_s:g} s: run once"
+                )
+                self.say(tr["notes"][-1])
+                continue
+            block: dict[str, Any] = {"rate_rps": n / cfg.duration_s, "n_requests": n, "runs": {}}
+            block.update({"choice": choices[lab]} if lab in choices else {"given": True})
+            tr["rates"][lab] = block
+            plan = []
+            if self.builder is not None:
+                plan = setup.build_plan(cfg, source, block["rate_rps"], self.builder, slo)
+                block["plan"] = setup.plan_stats(plan)
+            for policy in cfg.policies:
+                block["runs"][policy] = self.run_policy(source, lab, block, policy, plan, sim)
+                self.save()
+            self.compare_block(block)
+            self.save()
+
+    def search(self, source: TraceSource, sim: Any) -> dict[str, dict[str, Any]]:
+        """The rates not given on the command line, found with the simulator (`rates`)."""
+        cfg, cal = self.cfg, self.cal
+        if not cfg.needs_search():
+            return {}
+        assert cal is not None
+        probe = setup.shapes(cfg, source, max(1.0, 200 / cfg.duration_s))
+        cap = capacity_estimate_rps(
+            cal.cost.prefill_ms_per_token,
+            cal.cost.decode_ms(self.max_batch),
+            self.max_batch,
+            cal.cost.lora_overhead_frac_per_adapter,
+            sum(s.input_tokens for s in probe) / len(probe),
+            sum(s.output_tokens for s in probe) / len(probe),
+            cfg.replicas,
+        )
+        grid = grid_counts(cap, cfg.duration_s, cfg.rate_grid_fractions)
+        best = BestBaseline(lambda p, n: sim(p, n)["summary"]["attainment"] or 0.0, BASELINES)
+        targets = {"light": cfg.light_attainment, "heavy": cfg.heavy_attainment}
+        out = {}
+        for lab in cfg.needs_search():
+            c = search_rate(best, lab, targets[lab], grid, cfg.duration_s, nearest=lab == "heavy")
+            out[lab] = c.as_dict() | {"capacity_estimate_rps": cap, "grid_requests": grid}
+            self.say(
+                f"{lab} rate {c.rate_rps:.3f} req/s ({c.n_requests} requests): {c.how}; "
+                f"simulated {c.best_baseline} attains {c.attainment:.3f}"
+            )
+        return out
+
+    # --- per policy -----------------------------------------------------------------------------------
+    def run_policy(
+        self, source: TraceSource, lab: str, block: dict[str, Any], policy: str, plan: list[Any], sim: Any
+    ) -> dict[str, Any]:
+        cfg = self.cfg
+        entry: dict[str, Any] = {}
+        if cfg.simulate and self.cal is not None:
+            s = sim(policy, block["n_requests"])
+            extra = {
+                "ft_tokens": s["sim"]["ft_tokens"],
+                "rounds": s["sim"]["rounds"],
+                "quality_gain_model": s["sim"]["quality_gain_mix"],
+            }
+            entry["sim"] = compact(s["summary"], extra)
+        if not cfg.live:
+            return entry
+        run_dir = self.root / f"{source.name}-{lab}-{policy}"
+        self.say(f"{source.label(cfg)}, {lab} {block['rate_rps']:.3f} req/s: {policy} ...")
+        t0 = time.monotonic()
+        try:
+            data = setup.replica_data(cfg, self.datasets, run_dir)
+            res = run_live(cfg, policy, plan, data, run_dir, self.err)
+        except (LiveRunError, OSError) as exc:
+            self.failed += 1
+            entry["live_error"] = str(exc)
+            self.say(f"  {policy} FAILED: {exc}")
+            return entry
+        keep = (
+            "ft_tokens",
+            "rounds",
+            "stack_ready_s",
+            "wall_s",
+            "coordinator_policy",
+            "coscheduler",
+            "run_dir",
+        )
+        extra = {k: res[k] for k in keep} | {"quality_gain_current_end": res["final_current_gain"]}
+        lv = entry["live"] = compact(res["summary"], extra)
+        self.say(
+            f"  {policy}: goodput {lv['goodput_rps']:.3f} req/s, attainment {lv['attainment']:.3f}, "
+            f"ft tokens {lv['ft_tokens']:.0f}, rounds {lv['rounds']}, quality gain end "
+            f"{lv['quality_gain_end']} ({time.monotonic() - t0:.0f}s)"
+        )
+        return entry
+
+    def compare_block(self, block: dict[str, Any]) -> None:
+        compare_block(block)
+
+    # --- the end ---------------------------------------------------------------------------------------
+    def finish(self) -> int:
+        self.results["wall_s"] = time.monotonic() - self.t_start
+        self.save()
+        write_outputs(self.results, self.root, Path(self.cfg.out_dir), self.out)
+        return 1 if self.failed else 0
+
+
+def compare_block(block: dict[str, Any]) -> None:
+    """Ratios and goals of one rate's runs (live, with the simulator's error; else simulated only)."""
+    live = {p: e["live"] for p, e in block["runs"].items() if e.get("live")}
+    sims = {p: e["sim"] for p, e in block["runs"].items() if e.get("sim")}
+    if live:
+        block["compare"] = compare(live, sims or None)
+    else:
+        block["compare"] = compare(sims, None) | {"simulated_only": True}
+
+
+def write_outputs(results: dict[str, Any], root: Path, latest_dir: Path | None, out: TextIO) -> None:
+    """table.md and headline.png beside results.json (and as latest.* in `latest_dir`); prints the table."""
+    cfg = results["config"]
+    started = time.strftime("%Y-%m-%d %H:%M", time.localtime(results.get("started_unix_s", time.time())))
+    header = (
+        f"Command: `{results['command']}` ({started}, {results.get('wall_s', 0.0) / 60:.1f} min; "
+        f"model {cfg['model']}, {cfg['replicas']} replicas, {cfg['duration_s']:g} s of arrivals per run, "
+        f"seed {cfg['seed']})\n\n"
+    )
+    table = markdown(results)
+    (root / "table.md").write_text(header + table + "\n", encoding="utf-8")
+    png = plot(results, root / "headline.png")
+    if latest_dir is not None:
+        shutil.copyfile(root / "table.md", latest_dir / "latest.md")
+        if png is not None:
+            shutil.copyfile(png, latest_dir / "latest.png")
+    out.write("\n" + header + table + "\n\n")
+    out.write(f"[headline] {root / 'results.json'}\n")
+    if png is not None:
+        out.write(f"[headline] {png}\n")
+
+
+def render(path: Path, out: TextIO) -> int:
+    """`--render`: recompute the comparisons of a finished run's results.json and write its outputs."""
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SetupError(f"--render {path}: {exc}") from None
+    for tr in results["traces"]:
+        for block in tr["rates"].values():
+            compare_block(block)
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+    write_outputs(results, path.parent, None, out)
+    return 0
+
+
+def _samples_per_replica(datasets: dict[str, Path], cfg: HeadlineConfig) -> int:
+    """Local training examples of a replica (the simulator's data-volume input), from the manifests."""
+    counts = []
+    for d in datasets.values():
+        m = Path(d) / "manifest.json"
+        if m.is_file():
+            counts.append(int(json.loads(m.read_text()).get("train", cfg.train_examples)))
+    return round(sum(counts) / len(counts)) if counts else cfg.train_examples
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.render is not None:
+            return render(args.render, out)
+        cfg = config_from_args(args)
+        return Headline(cfg, argv, out, err).run()
+    except (SetupError, ValueError) as exc:
+        err.write(f"collm-bench headline: {exc}\n")
+        return 2

@@ -1,0 +1,411 @@
+"""One policy on the live stack: start everything, replay the plan while rounds run, measure, stop.
+
+Per run, in order:
+
+1. a fresh stack through the launcher (`collm_ops.launcher.Stack`): its own nats-server and
+   redis-server on free ports, the aggregator (built-in plans off: only the coordinator plans), the
+   coordinator with the policy under test (and the calibration's priors), N replicas each with a private
+   copy of its domain's local data and the policy's co-scheduler (`COLLM_COSCHEDULER`: collm and
+   separate `slo`, fixed_ratio `fixed`, leftover `leftover`, as `collm_sim.plugins` maps them), the
+   gateway; it checks that the coordinator reports the policy asked for;
+2. every domain's adapter gets its v1 (a zero-B LoRA created by a replica holding the domain, exactly
+   the base model's behaviour) and is made resident on every replica; the base model's held-out loss
+   per domain is measured by the replicas holding that domain (the bounded eval set the aggregator's
+   gate also scores), so quality gains are known even for a policy that never publishes;
+3. the load generator replays the plan (open loop, streamed, per-request SLOs sent) while the
+   coordinator plans federated rounds; telemetry and round outcomes are recorded on the side, and the
+   replicas' fine-tuning token counters (Prometheus) are read before and after the replay;
+4. the summary (`collm_bench.goodput.summarize`) joins every served request with the held-out loss of
+   the version that served it (published versions: the aggregator's records in the store);
+5. the stack stops (in reverse order); its logs stay in the run directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from collm_bench.client import ClientOptions, endpoint_url
+from collm_bench.goodput import summarize
+from collm_bench.quality import QualityTable
+from collm_bench.records import write_records
+from collm_bench.runner import run_plan
+from collm_bench.workload import PlannedRequest
+from collm_common import subjects
+from collm_common.bus import Bus, BusError
+from collm_common.settings import CommonSettings
+from collm_common.store import AdapterStore, version_id
+from collm_common.wire.control import (
+    ControlReply,
+    CoordinatorStatus,
+    CoordinatorStatusRequest,
+    StartTraining,
+    StopTraining,
+    SyncAdapter,
+)
+from collm_common.wire.rounds import EvalReport, EvaluateCandidate, RoundOutcome
+from collm_common.wire.telemetry import ReplicaTelemetry
+from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
+from collm_ops.servers import free_port
+from collm_sim.plugins import COSCHEDULER_FOR_POLICY
+
+from .config import HeadlineConfig
+
+FINAL_ROUND_STATES = ("published", "held_back", "aborted")
+REDIS_PREFIX = "headline"
+
+
+class LiveRunError(RuntimeError):
+    pass
+
+
+def stack_config(
+    cfg: HeadlineConfig, policy: str, replica_data: dict[str, Path], run_dir: Path
+) -> StackConfig:
+    """The launcher's configuration of one run (pure apart from picking free ports)."""
+    nats_port, redis_port, gateway_port = free_port(), free_port(), free_port()
+    coordinator = {
+        "COLLM_COORDINATOR_SLOW_INTERVAL_S": str(cfg.slow_interval_s),
+        "COLLM_COORDINATOR_ROUND_DEADLINE_S": str(cfg.round_deadline_s),
+        "COLLM_COORDINATOR_WARMUP_S": str(cfg.coordinator_warmup_s),
+    }
+    if cfg.calibration is not None:
+        coordinator["COLLM_COORDINATOR_CALIBRATION_PATH"] = str(cfg.calibration)
+    aggregator = {
+        "COLLM_DEFAULT_PLAN": "false",
+        "COLLM_EVAL_MAX_EXAMPLES": str(cfg.eval_max_examples),
+        "COLLM_EVAL_MAX_TOKENS": str(cfg.eval_max_tokens),
+    }
+    gateway = {"COLLM_REQUEST_DEADLINE_S": str(max(cfg.request_timeout_s, 60.0))}
+    # A training job scores its live copy on the held-out set before it trains (and after, and every few
+    # optimizer steps); on a CPU the default 32 examples take most of a short round, so the benchmark
+    # bounds every evaluation (the job's and the aggregator's gate) alike.
+    replica = {
+        "COLLM_EVAL_MAX_EXAMPLES": str(cfg.eval_max_examples),
+        "COLLM_EVAL_MAX_TOKENS": str(cfg.eval_max_tokens),
+    }
+    cos = COSCHEDULER_FOR_POLICY[policy]
+    replicas = [
+        ReplicaSpec(rid, data_dir=str(replica_data[rid]), env={"COLLM_COSCHEDULER": cos})
+        for rid in cfg.replica_ids()
+    ]
+    return StackConfig(
+        nats_url=f"nats://127.0.0.1:{nats_port}",
+        redis_url=f"redis://127.0.0.1:{redis_port}/0",
+        redis_prefix=REDIS_PREFIX,
+        model=cfg.model,
+        gateway_port=gateway_port,
+        replicas=replicas,
+        coordinator_policy=policy,
+        torch_threads=cfg.torch_threads,
+        service_env={
+            "coordinator": coordinator,
+            "aggregator": aggregator,
+            "gateway": gateway,
+            "replica": replica,
+        },
+        start_servers=True,
+        run_dir=run_dir / "stack",
+        ready_timeout_s=cfg.ready_timeout_s,
+        metrics_port_base=0,
+    )
+
+
+@dataclass
+class Observer:
+    """Telemetry and round outcomes seen during a run, timestamped on this process's monotonic clock."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    telemetry: list[dict[str, Any]] = field(default_factory=list)
+    rounds: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def on_telemetry(self, t: ReplicaTelemetry, _msg: object) -> None:
+        self.telemetry.append(
+            {
+                "t_s": self.now(),
+                "replica": t.replica_id,
+                "ft_share": t.ft_share,
+                "ft_tokens_per_s": t.ft_tokens_per_s,
+                "running": t.running,
+                "queue": t.queue_len,
+                "train_busy_frac": t.train_busy_frac,
+                "jobs": [
+                    [j.adapter, j.state, j.round_id, j.tokens_done, j.token_budget, j.message]
+                    for j in t.training_jobs
+                ],
+            }
+        )
+
+    async def on_round(self, o: RoundOutcome, _msg: object) -> None:
+        row = self.rounds.setdefault(o.round_id, {"round_id": o.round_id, "adapter": o.adapter})
+        row[f"{o.state}_t_s"] = self.now()
+        row["state"] = o.state
+        if o.state in FINAL_ROUND_STATES:
+            row.update(
+                {
+                    "new_version": o.new_version,
+                    "accepted": list(o.accepted),
+                    "participants": list(o.participants),
+                    "domain_losses_before": dict(o.domain_losses_before),
+                    "domain_losses_after": dict(o.domain_losses_after),
+                    "reason": o.reason,
+                }
+            )
+
+    def round_counts(self, start_s: float, end_s: float) -> dict[str, int]:
+        """Rounds that ended in [start_s, end_s], by final state, and rounds opened in it."""
+        out = {"opened": 0, **dict.fromkeys(FINAL_ROUND_STATES, 0)}
+        for row in self.rounds.values():
+            opened = row.get("opened_t_s")
+            if opened is not None and start_s <= opened <= end_s:
+                out["opened"] += 1
+            state = row.get("state")
+            t = row.get(f"{state}_t_s")
+            if state in FINAL_ROUND_STATES and t is not None and start_s <= t <= end_s:
+                out[str(state)] += 1
+        return out
+
+
+def parse_counter(text: str, name: str) -> dict[str, float]:
+    """{replica label: value} of a Prometheus counter family in exposition text (pure)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in (name, f"{name}_total"):
+                out[s.labels.get("replica", "")] = float(s.value)
+    return out
+
+
+async def read_ft_tokens(stack: Stack) -> dict[str, float]:
+    """Every replica's `collm_replica_ft_tokens_total` (tokens its co-executed fine-tuning processed)."""
+    out: dict[str, float] = {}
+    urls = {n: u for n, u in stack.metrics_urls().items() if n.startswith("replica-")}
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
+        for name, url in sorted(urls.items()):
+            r = await http.get(url)
+            r.raise_for_status()
+            values = parse_counter(r.text, "collm_replica_ft_tokens")
+            out[name.removeprefix("replica-")] = sum(values.values())
+    return out
+
+
+async def coordinator_policy(bus: Bus) -> str:
+    st = await bus.request(
+        subjects.coordinator("status"), CoordinatorStatusRequest(), CoordinatorStatus, timeout_s=10
+    )
+    return st.policy
+
+
+async def create_adapters(bus: Bus, store: AdapterStore, cfg: HeadlineConfig) -> None:
+    """v1 of each domain adapter, created by a replica holding the domain (as replicas create them: a
+    zero-B LoRA of the loaded base model), tagged with its domain so the aggregator's gate evaluates it
+    on that domain's held-out data."""
+    for d in sorted(cfg.domains):
+        holders = cfg.replicas_of(d)
+        if not holders:
+            raise LiveRunError(f"no replica holds domain {d!r}")
+        ctl = subjects.replica(holders[0], "control")
+        if await store.current(d) is None:
+            await bus.request(ctl, StartTraining(adapter=d, token_budget=1), ControlReply, timeout_s=120)
+            await bus.request(ctl, StopTraining(adapter=d), ControlReply, timeout_s=60)
+        await store.set_meta(d, {"domains": d})
+
+
+async def make_resident(bus: Bus, cfg: HeadlineConfig) -> None:
+    """Every adapter's current version resident on every replica before the first request."""
+    for rid in cfg.replica_ids():
+        for d in sorted(cfg.domains):
+            reply = await bus.request(
+                subjects.replica(rid, "control"), SyncAdapter(adapter=d), ControlReply, timeout_s=60
+            )
+            if not reply.ok:
+                raise LiveRunError(f"{rid} could not load {d}: {reply.message}")
+
+
+async def base_losses(bus: Bus, cfg: HeadlineConfig) -> dict[str, float]:
+    """Held-out loss of v1 (= the base model) per domain, example-weighted over the replicas holding it
+    (all replicas score at once)."""
+
+    async def one(rid: str, d: str) -> tuple[str, EvalReport]:
+        req = EvaluateCandidate(
+            adapter=d,
+            candidate_key="",
+            candidate_sha256="",
+            candidate_version=1,
+            score_current=False,
+            max_examples=cfg.eval_max_examples,
+            max_tokens=cfg.eval_max_tokens,
+        )
+        return d, await bus.request(subjects.replica(rid, "evaluate"), req, EvalReport, timeout_s=300)
+
+    reports = await asyncio.gather(*(one(r, d) for d in sorted(cfg.domains) for r in cfg.replicas_of(d)))
+    sums: dict[str, list[float]] = {}
+    for d, rep in reports:
+        for loss in rep.losses:
+            if loss.domain == d and loss.num_examples > 0:
+                acc = sums.setdefault(d, [0.0, 0.0])
+                acc[0] += loss.candidate_loss * loss.num_examples
+                acc[1] += loss.num_examples
+    return {d: total / n for d, (total, n) in sums.items()}
+
+
+async def quality_table(store: AdapterStore, cfg: HeadlineConfig, base: dict[str, float]) -> QualityTable:
+    """Base losses measured at the start; every version's losses as the aggregator recorded them (v1,
+    the zero-B adapter, is the base model when the store has no record of it)."""
+    table = QualityTable(base=dict(base))
+    for d in sorted(cfg.domains):
+        for rec in await store.list_versions(d):
+            losses = await store.quality(d, rec.version)
+            if losses:
+                table.versions[version_id(d, rec.version)] = dict(losses)
+            elif rec.version == 1 and d in base:
+                table.versions[version_id(d, 1)] = {d: base[d]}
+    return table
+
+
+async def wait_models(url: str, names: Sequence[str], timeout_s: float = 60.0) -> None:
+    """Until the gateway lists every adapter (its model cache refreshes every few seconds)."""
+    end = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
+        while time.monotonic() < end:
+            with contextlib.suppress(httpx.HTTPError):
+                r = await http.get(f"{url}/v1/models")
+                have = {m["id"] for m in r.json().get("data", [])}
+                if set(names) <= have:
+                    return
+            await asyncio.sleep(0.5)
+    raise LiveRunError(f"the gateway did not list the adapters {list(names)} within {timeout_s:.0f}s")
+
+
+async def _drive(
+    cfg: HeadlineConfig,
+    policy: str,
+    plan: Sequence[PlannedRequest],
+    stack: Stack,
+    out_dir: Path,
+    progress: IO[str],
+) -> dict[str, Any]:
+    scfg = stack.config
+    bus = await Bus.connect(
+        CommonSettings(nats_url=scfg.nats_url, nats_connect_timeout_s=10), "collm-headline"
+    )
+    store = AdapterStore.from_url(scfg.redis_url, scfg.redis_prefix)
+    obs = Observer()
+    try:
+        await bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, obs.on_telemetry)
+        await bus.subscribe(subjects.round_events_all(), RoundOutcome, obs.on_round)
+        seen = await coordinator_policy(bus)
+        if seen != policy:
+            raise LiveRunError(f"the coordinator runs policy {seen!r}, not {policy!r}")
+        t_prep = obs.now()
+        await create_adapters(bus, store, cfg)
+        await make_resident(bus, cfg)
+        base = await base_losses(bus, cfg)
+        await wait_models(stack.gateway_url, sorted(cfg.domains))
+        prep_s = obs.now() - t_prep
+        ft_before = await read_ft_tokens(stack)
+        opts = ClientOptions(
+            url=endpoint_url(stack.gateway_url, "chat"),
+            send_slo=True,
+            ignore_eos=True,
+            request_timeout_s=cfg.request_timeout_s,
+        )
+        replay_start = obs.now()
+        result = await run_plan(
+            plan,
+            opts,
+            drain_timeout_s=cfg.drain_s,
+            progress_interval_s=10.0,
+            progress_out=progress,
+            duration_s=cfg.duration_s,
+        )
+        replay_end = obs.now()
+        ft_after = await read_ft_tokens(stack)
+        status: CoordinatorStatus | None = None
+        with contextlib.suppress(BusError):
+            status = await bus.request(
+                subjects.coordinator("status"), CoordinatorStatusRequest(), CoordinatorStatus, timeout_s=10
+            )
+        table = await quality_table(store, cfg, base)
+        current = {d: await store.current(d) for d in sorted(cfg.domains)}
+    finally:
+        await store.close()
+        await bus.close()
+    write_records(out_dir / "requests.jsonl", result.records)
+    summary = summarize(result.records, None, table, cfg.timeline_bin_s)
+    ft = {r: ft_after.get(r, 0.0) - ft_before.get(r, 0.0) for r in sorted(ft_after)}
+    return {
+        "policy": policy,
+        "coordinator_policy": seen,
+        "coscheduler": COSCHEDULER_FOR_POLICY[policy],
+        "summary": summary,
+        "ft_tokens": sum(ft.values()),
+        "ft_tokens_by_replica": ft,
+        "rounds": obs.round_counts(replay_start, replay_end),
+        "round_log": sorted(obs.rounds.values(), key=lambda r: r["round_id"]),
+        "base_losses": base,
+        "quality_table": {"base": table.base, "versions": table.versions},
+        "current_versions": current,
+        "final_current_gain": current_gain(table, current),
+        "telemetry": obs.telemetry,
+        "replay_window_s": [replay_start, replay_end],
+        "prep_s": prep_s,
+        "interrupted": result.interrupted,
+        "coordinator_status": status.model_dump(mode="json") if status is not None else None,
+    }
+
+
+def current_gain(table: QualityTable, current: dict[str, int | None]) -> float | None:
+    """Mean over domains of base loss - loss of the adapter's current version at the end of the run."""
+    gains = []
+    for d, v in current.items():
+        base = table.base_loss(d)
+        if v is None or base is None:
+            continue
+        loss, _ = table.served_loss(version_id(d, v), d)
+        if loss is not None:
+            gains.append(base - loss)
+    return sum(gains) / len(gains) if gains else None
+
+
+def run_live(
+    cfg: HeadlineConfig,
+    policy: str,
+    plan: Sequence[PlannedRequest],
+    replica_data: dict[str, Path],
+    run_dir: Path,
+    progress: IO[str],
+) -> dict[str, Any]:
+    """Run `plan` against a fresh stack under `policy`; return the run's results (see `_drive`)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    scfg = stack_config(cfg, policy, replica_data, run_dir)
+    t0 = time.monotonic()
+    with (run_dir / "stack.log").open("w", encoding="utf-8") as log:
+        stack = Stack(scfg, log_sink=log)
+        try:
+            stack.start()
+        except Exception as exc:
+            raise LiveRunError(f"the stack did not start ({exc}); logs: {run_dir / 'stack.log'}") from exc
+        ready_s = time.monotonic() - t0
+        try:
+            out = asyncio.run(_drive(cfg, policy, plan, stack, run_dir, progress))
+        finally:
+            stack.stop()
+    out["stack_ready_s"] = ready_s
+    out["wall_s"] = time.monotonic() - t0
+    out["run_dir"] = str(run_dir)
+    (run_dir / "result.json").write_text(json.dumps(out, indent=1, default=str) + "\n", encoding="utf-8")
+    return out

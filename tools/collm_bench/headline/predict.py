@@ -1,0 +1,134 @@
+"""The simulator, given the live run's setup: same replicas and domains, slice, rate, lengths, SLOs, seed,
+coordinator cadences and calibration, so its goodput can be set beside the live one.
+
+What is made equal, and how:
+
+* workload: `collm_sim.workload.WorkloadSpec` from the same trace, start, rate, duration, length policy
+  and seed, so the simulated requests have the live plan's arrival times, token lengths and domains
+  (`tests/unit/bench/test_headline.py` checks this);
+* replicas: replica i holds domain i mod len(domains), as live; engine and gateway sizes are the
+  services' setting defaults on both sides;
+* policy: the coordinator core with the live coordinator's cadences (`slow_interval_s`,
+  `round_deadline_s`, `warmup_s`), the policy's replica co-scheduler, and for `separate` the shared
+  gateway's draw on the coordinator's weights (what the live stack does: one gateway for both sides);
+* the end of the run: the live load generator stops waiting `drain_s` after the last arrival and
+  counts what is still running as timed out; the simulated records get the same cut (`drain_cut`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from collm_bench.goodput import summarize
+from collm_bench.records import RequestRecord
+from collm_bench.workload import Slo
+from collm_common.calibration import Calibration
+
+from .config import HeadlineConfig
+from .setup import TraceSource
+
+
+def drain_cut(records: Sequence[RequestRecord], cut_s: float) -> list[RequestRecord]:
+    """Records as a load generator that stops at `cut_s` sees them: completions after it become
+    timeouts ending at the cut (pure)."""
+    out = []
+    for r in records:
+        if r.status == "ok" and r.end_s is not None and r.end_s > cut_s:
+            r = dataclasses.replace(
+                r, status="timeout", end_s=cut_s, error="run ended before it completed (drain cut)"
+            )
+        out.append(r)
+    return out
+
+
+def workload_spec(
+    cfg: HeadlineConfig, source: TraceSource, rate_rps: float, slo: Slo
+) -> Any:  # collm_sim.workload.WorkloadSpec
+    from collm_sim.workload import WorkloadSpec
+
+    return WorkloadSpec(
+        arrivals="gamma" if source.synthetic else "trace",
+        trace=None if source.synthetic else str(source.path),
+        traces_dir=None,
+        rate_rps=rate_rps,
+        duration_s=cfg.duration_s,
+        burstiness=cfg.synthetic_burstiness,
+        trace_start_s=cfg.trace_start_s,
+        input_scale=cfg.input_scale,
+        output_scale=cfg.output_scale,
+        max_input_tokens=cfg.max_input_tokens,
+        max_output_tokens=cfg.max_output_tokens,
+        max_context_tokens=cfg.max_context_tokens,
+        input_tokens=cfg.synthetic_input_tokens,
+        output_tokens=cfg.synthetic_output_tokens,
+        ttft_slo_ms=slo.ttft_ms,
+        tpot_slo_ms=slo.tpot_ms,
+        mix=cfg.mix,
+        seed=cfg.seed,
+    )
+
+
+def sim_config(
+    cfg: HeadlineConfig,
+    source: TraceSource,
+    rate_rps: float,
+    slo: Slo,
+    policy: str,
+    samples_per_replica: int,
+) -> Any:  # collm_sim.config.SimConfig
+    from collm_sim.config import SimConfig
+
+    return SimConfig(
+        replicas=cfg.replicas,
+        policy=policy,
+        workload=workload_spec(cfg, source, rate_rps, slo),
+        core={
+            "slow_interval_s": cfg.slow_interval_s,
+            "round_deadline_s": cfg.round_deadline_s,
+            "warmup_s": cfg.coordinator_warmup_s,
+        },
+        samples_per_replica=samples_per_replica,
+        domains=tuple(sorted(cfg.domains)),
+        request_timeout_s=cfg.request_timeout_s,
+        separate_routing="weights",
+        seed=cfg.seed,
+    )
+
+
+def simulate_run(
+    cfg: HeadlineConfig,
+    cal: Calibration,
+    source: TraceSource,
+    rate_rps: float,
+    slo: Slo,
+    policy: str,
+    samples_per_replica: int,
+) -> dict[str, Any]:
+    """One simulated run: the summary (same code as the live one, after the drain cut) and the
+    simulator's own figures (fine-tuning tokens, rounds, quality model)."""
+    from collm_sim.cluster import Simulation
+
+    simulation = Simulation(sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica), cal)
+    res = simulation.run()
+    last_arrival = max((r.scheduled_s for r in res.records), default=0.0)
+    records = drain_cut(res.records, last_arrival + cfg.drain_s)
+    summary = summarize(records, quality=simulation.quality_table(), timeline_bin_s=cfg.timeline_bin_s)
+    keep = (
+        "ft_tokens",
+        "ft_tokens_published",
+        "rounds",
+        "quality_gain_by_domain",
+        "quality_gain_mix",
+        "trained_tokens_by_domain",
+        "tokens_past_measured_by_domain",
+        "mean_total_share",
+        "wall_s",
+    )
+    return {
+        "policy": policy,
+        "rate_rps": rate_rps,
+        "summary": summary,
+        "sim": {k: res.sim[k] for k in keep},
+    }
