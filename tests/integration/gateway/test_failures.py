@@ -402,7 +402,7 @@ async def test_replica_with_late_telemetry_keeps_its_stream(make_served_gateway,
         telemetry_stale_s=0.3, telemetry_stale_intervals=1.0, inter_token_timeout_s=30
     ) as gw:
         r0 = await replicas(
-            "r0", ReplicaBehaviour(tokens=["a", "b", "c", "d"], token_delay_s=0.4), telemetry_interval_s=0.1
+            "r0", ReplicaBehaviour(tokens=["a", "b", "c"], token_delay_s=1.0), telemetry_interval_s=0.1
         )
         await gw.wait_replicas("r0")
         async with gw.http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
@@ -412,6 +412,5 @@ async def test_replica_with_late_telemetry_keeps_its_stream(make_served_gateway,
                 pass
             await r0.stop_telemetry()
             rest = "\n".join([line async for line in lines])
-        assert '"error"' not in rest and rest.rstrip().endswith("data: [DONE]")
-        text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in sse_events(rest)[:-1])
-        assert text == "bcd"
+        assert '"error"' not in rest and rest.rstrip().endswith("data: [DONE]"), rest
+        assert '"content":"b"' in rest and '"content":"c"' in rest, rest
