@@ -351,6 +351,29 @@ def eval_loss(eng: Engine, live: LiveLora | None) -> float | None:
     return runs["x"].mean()
 
 
+def pool(runs: list[dict[str, Any]], train_only_tps: float) -> dict[str, Any]:
+    """Repetitions of one run pooled: counts and durations summed, the rest averaged."""
+    good = sum(r["good"] for r in runs)
+    submitted = sum(r["submitted"] for r in runs)
+    dur = sum(r["duration_s"] for r in runs)
+    ft = sum(r["ft_tokens"] for r in runs)
+    out = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if isinstance(runs[0][k], int | float)}
+    out.update(
+        {
+            "good": good,
+            "submitted": submitted,
+            "attainment": good / submitted,
+            "goodput_rps": good / dur,
+            "duration_s": dur,
+            "ft_tokens": ft,
+            "ft_tokens_per_s": ft / dur,
+            "ft_frac_of_train_only": ft / dur / train_only_tps,
+            "longest_background_ms": max(r["longest_background_ms"] for r in runs),
+        }
+    )
+    return out
+
+
 def bench_coexec(args: argparse.Namespace) -> None:
     examples = domain_examples("medical", 600)
     if not examples:
@@ -401,41 +424,40 @@ def bench_coexec(args: argparse.Namespace) -> None:
             for i, q in enumerate(qs)
         ]
 
-    # Train only: the reference fine-tuning throughput (the same job on an idle replica).
-    with coexec_engine(loaded, SloAwareCoScheduler(slack_frac=sf), ds, job_cfg, 1.0, sf) as eng:
-        start_job(eng, loaded, args.lr)
-        snap0, t0 = eng.snapshot(), time.perf_counter()
-        time.sleep(args.train_only_s)
-        snap1 = eng.snapshot()
-        train_only_tps = (snap1.ft_tokens_total - snap0.ft_tokens_total) / (time.perf_counter() - t0)
-        train_only_busy = (snap1.train_ms_total - snap0.train_ms_total) / 1e3 / (time.perf_counter() - t0)
-    print(
-        f"train only: {train_only_tps:.1f} training tokens/s (training busy {train_only_busy:.2f} of the "
-        f"time; micro-step {snap1.train_step_ms or 0:.0f} ms)"
-    )
+    def train_only() -> tuple[float, float, float | None]:
+        """The reference fine-tuning throughput: the same job on an idle replica (tokens/s, busy, step ms)."""
+        with coexec_engine(loaded, SloAwareCoScheduler(slack_frac=sf), ds, job_cfg, 1.0, sf) as eng:
+            start_job(eng, loaded, args.lr)
+            snap0, t0 = eng.snapshot(), time.perf_counter()
+            time.sleep(args.train_only_s)
+            snap1 = eng.snapshot()
+            dt = time.perf_counter() - t0
+        tps = (snap1.ft_tokens_total - snap0.ft_tokens_total) / dt
+        busy = (snap1.train_ms_total - snap0.train_ms_total) / 1e3 / dt
+        print(
+            f"train only: {tps:.1f} training tokens/s (training busy {busy:.2f}; "
+            f"step {snap1.train_step_ms or 0:.0f} ms)"
+        )
+        return tps, busy, snap1.train_step_ms
 
-    results: dict[str, Any] = {}
-    for name, policy, train in (
-        ("a_ft_off", NoTraining(), False),
-        ("b_fixed_ratio", FixedRatioCoScheduler(args.fixed_every), True),
-        ("c_slo_aware", SloAwareCoScheduler(slack_frac=sf), True),
-    ):
+    def one_run(name: str, policy: CoScheduler, train: bool, rep: int, ref_tps: float) -> dict[str, Any]:
         with coexec_engine(loaded, policy, ds, job_cfg, 1.0 if train else 0.0, sf) as eng:
             live = start_job(eng, loaded, args.lr) if train else None
             s0 = eng.snapshot()
             f0, tm0, im0 = s0.ft_tokens_total, s0.train_ms_total, s0.infer_ms_total
             eng.longest_background_ms = 0.0
-            traces, dur = open_loop(eng, reqs(name[:1]), arrivals)
+            traces, dur = open_loop(eng, reqs(f"{name[:1]}{rep}-"), arrivals)
             s1 = eng.snapshot()
             ft_tokens = s1.ft_tokens_total - f0
             eng.pause_training()
-            stats = slo_stats(traces, ttft_slo, tpot_slo, dur)
+            stats: dict[str, Any] = slo_stats(traces, ttft_slo, tpot_slo, dur)
             stats.update(
                 {
                     "duration_s": dur,
                     "ft_tokens": ft_tokens,
                     "ft_tokens_per_s": ft_tokens / dur,
-                    "ft_frac_of_train_only": (ft_tokens / dur) / train_only_tps,
+                    "train_only_tokens_per_s": ref_tps,
+                    "ft_frac_of_train_only": (ft_tokens / dur) / ref_tps,
                     "eval_loss_after": eval_loss(eng, live) if live is not None else base_eval,
                     "optimizer_steps": eng.snapshot().jobs[0].steps_done if train else 0,
                     # Where the wall time went during the run (ms of inference iterations, of training
@@ -446,16 +468,40 @@ def bench_coexec(args: argparse.Namespace) -> None:
                     "train_step_ms": s1.train_step_ms,
                 }
             )
-            results[name] = stats
-            print(
-                f"{name}: attainment {stats['attainment']:.3f} ({stats['good']}/{stats['submitted']}), "
-                f"goodput {stats['goodput_rps']:.2f} req/s, TTFT p50 {stats['ttft_ms_p50']:.0f} ms, "
-                f"TPOT p50 {stats['tpot_ms_p50']:.0f} ms, FT {stats['ft_tokens_per_s']:.1f} tok/s "
-                f"({100 * stats['ft_frac_of_train_only']:.0f}% of train-only), "
-                f"eval loss {stats['eval_loss_after']:.4f}; busy: inference {stats['infer_busy_frac']:.2f}, "
-                f"training {stats['train_busy_frac']:.2f}; longest background stretch "
-                f"{stats['longest_background_ms']:.0f} ms"
-            )
+        print(
+            f"{name} #{rep}: attainment {stats['attainment']:.3f} ({stats['good']}/{stats['submitted']}), "
+            f"goodput {stats['goodput_rps']:.2f} req/s, TTFT p50 {stats['ttft_ms_p50']:.0f} ms, "
+            f"TPOT p50 {stats['tpot_ms_p50']:.0f} ms, FT {stats['ft_tokens_per_s']:.1f} tok/s "
+            f"({100 * stats['ft_frac_of_train_only']:.0f}% of train-only), "
+            f"eval loss {stats['eval_loss_after']:.4f}; busy: inference {stats['infer_busy_frac']:.2f}, "
+            f"training {stats['train_busy_frac']:.2f}; longest background stretch "
+            f"{stats['longest_background_ms']:.0f} ms",
+            flush=True,
+        )
+        return stats
+
+    # The machine is shared, so its speed drifts: each repetition measures the train-only reference and
+    # the three runs back to back, and the figures pool the repetitions (drift hits every run alike).
+    policies: list[tuple[str, Any, bool]] = [
+        ("a_ft_off", NoTraining, False),
+        ("b_fixed_ratio", lambda: FixedRatioCoScheduler(args.fixed_every), True),
+        ("c_slo_aware", lambda: SloAwareCoScheduler(slack_frac=sf), True),
+    ]
+    refs: list[tuple[float, float, float | None]] = []
+    per_rep: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in policies}
+    for rep in range(args.repeat):
+        refs.append(train_only())
+        for name, make, train in policies:
+            per_rep[name].append(one_run(name, make(), train, rep, refs[-1][0]))
+    train_only_tps = sum(r[0] for r in refs) / len(refs)
+    train_only_busy = sum(r[1] for r in refs) / len(refs)
+    results: dict[str, Any] = {name: pool(runs, train_only_tps) for name, runs in per_rep.items()}
+    for name, st in results.items():
+        print(
+            f"{name} (pooled over {args.repeat}): attainment {st['attainment']:.3f} "
+            f"({st['good']}/{st['submitted']}), FT {st['ft_tokens_per_s']:.1f} tok/s "
+            f"({100 * st['ft_frac_of_train_only']:.0f}% of train-only {train_only_tps:.1f})"
+        )
     a, c = results["a_ft_off"], results["c_slo_aware"]
     att_ratio = c["attainment"] / a["attainment"] if a["attainment"] else float("nan")
     print(
@@ -482,8 +528,13 @@ def bench_coexec(args: argparse.Namespace) -> None:
             "learning_rate": args.lr,
             "train_only_tokens_per_s": train_only_tps,
             "train_only_busy_frac": train_only_busy,
-            "train_only_step_ms": snap1.train_step_ms,
+            "train_only_step_ms": refs[-1][2],
+            "train_only_by_repeat": [r[0] for r in refs],
+            "repeat": args.repeat,
+            "runs_by_repeat": per_rep,
             "slack_frac": sf,
+            "unloaded_ttft_ms_each": [1e3 * (t.ttft_s or 0) for t in singles],
+            "unloaded_tpot_ms_each": [1e3 * (t.tpot_s or 0) for t in singles],
             "base_eval_loss": base_eval,
             "runs": results,
             "attainment_ratio_c_over_a": att_ratio,
@@ -567,35 +618,42 @@ def bench_calibrate(args: argparse.Namespace) -> None:
     ex = Executor(loaded)
     prompts = token_prompts(loaded, 32, 256, seed=5)
 
-    def best_ms(fn: Any, reps: int = 3) -> float:
-        fn()
-        out = []
+    def best_ms(fns: dict[Any, Any], reps: int) -> dict[Any, float]:
+        """Fastest of `reps` timings of each function, taken round-robin: the machine is shared, so its
+        speed drifts, and interleaving lets a slow period hit every size alike (min: the least disturbed)."""
+        for fn in fns.values():
+            fn()  # warm-up
+        out: dict[Any, list[float]] = {k: [] for k in fns}
         for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return min(out)
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                out[k].append((time.perf_counter() - t0) * 1e3)
+        return {k: min(v) for k, v in out.items()}
 
+    reps = args.reps
     # Prefill: one sequence of n tokens.
-    pre = {
-        n: best_ms(lambda n=n: ex.forward([ForwardItem(prompts[0][:n], 0, ex.new_kv(n + 1))]))
-        for n in (16, 64, 128, 256)
-    }
+    pre = best_ms(
+        {
+            n: lambda n=n: ex.forward([ForwardItem(prompts[0][:n], 0, ex.new_kv(n + 1))])
+            for n in (16, 64, 128, 256)
+        },
+        reps,
+    )
     xs, ys = list(pre), list(pre.values())
     slope = (ys[-1] - ys[1]) / (xs[-1] - xs[1])
     fixed = max(0.0, ys[1] - slope * xs[1])
     # Decode: batch b at context 128.
-    decode = {}
+    decode_fns = {}
     for b in (1, 2, 4, 8, 12, 16, 24):
         kvs = [ex.new_kv(160) for _ in range(b)]
         for kv, p in zip(kvs, prompts, strict=False):
             ex.forward([ForwardItem(p[:128], 0, kv)])
-        decode[b] = best_ms(
-            lambda kvs=kvs: (
-                [setattr(kv, "length", 128) for kv in kvs]
-                and ex.forward([ForwardItem([5], 128, kv) for kv in kvs])
-            )
+        decode_fns[b] = lambda kvs=kvs: (
+            [setattr(kv, "length", 128) for kv in kvs]
+            and ex.forward([ForwardItem([5], 128, kv) for kv in kvs])
         )
+    decode = best_ms(decode_fns, reps)
     # LoRA overhead: batch 16 spread over k distinct adapters.
     from collm_replica.lora_bank import LoraBank
 
@@ -608,15 +666,14 @@ def bench_calibrate(args: argparse.Namespace) -> None:
     kvs = [ex.new_kv(160) for _ in range(16)]
     for kv, p in zip(kvs, prompts, strict=False):
         ex.forward([ForwardItem(p[:128], 0, kv)])
-    lora_ms = {}
+    lora_fns = {}
     for k in (0, 1, 2, 4, 8):
         slots = [(i % k) if k else -1 for i in range(16)]
         order = sorted(range(16), key=lambda i: slots[i])
-        lora_ms[k] = best_ms(
-            lambda order=order, slots=slots: ex.forward(
-                [ForwardItem([5], 128, kvs[i], slot=slots[i]) for i in order]
-            )
+        lora_fns[k] = lambda order=order, slots=slots: ex.forward(
+            [ForwardItem([5], 128, kvs[i], slot=slots[i]) for i in order]
         )
+    lora_ms = best_ms(lora_fns, reps)
     ex.bank = None
     per_adapter = max(0.0, (lora_ms[8] - lora_ms[0]) / lora_ms[0] / 8)
     # Training: micro-steps of n tokens (one sequence).
@@ -628,7 +685,7 @@ def bench_calibrate(args: argparse.Namespace) -> None:
             loss, _ = ex.response_loss(ids, torch.ones_like(ids), ids, live)
             loss.backward()
 
-    tr = {n: best_ms(lambda n=n: train(n), reps=2) for n in (32, 64, 128)}
+    tr = best_ms({n: lambda n=n: train(n) for n in (32, 64, 128)}, max(2, reps // 2))
     t_slope = (tr[128] - tr[32]) / 96
     t_fixed = max(0.0, tr[32] - t_slope * 32)
     print(f"prefill ms {pre}; decode ms {decode}; lora ms by #adapters {lora_ms}; train ms {tr}")
@@ -716,6 +773,7 @@ def main() -> None:
     c.add_argument("--fixed-every", type=int, default=8)
     c.add_argument("--lr", type=float, default=1e-3)
     c.add_argument("--train-only-s", type=float, default=20.0)
+    c.add_argument("--repeat", type=int, default=1, help="repetitions of train-only, (a), (b), (c), pooled")
     c.add_argument("--name", default="coexec", help="results go to bench/results/engine_<name>.json")
     m = sub.add_parser("memory")
     m.add_argument("--seconds", type=float, default=20.0)
@@ -725,6 +783,7 @@ def main() -> None:
     k = sub.add_parser("calibrate")
     k.add_argument("--domains", nargs="*", default=["medical", "math"])
     k.add_argument("--quality-tokens", nargs="*", type=int, default=[1024, 2048, 4096])
+    k.add_argument("--reps", type=int, default=7, help="timings of each size (the fastest is kept)")
     sub.add_parser("all")
     args = ap.parse_args()
     if args.cmd == "all":

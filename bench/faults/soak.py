@@ -4,19 +4,22 @@ Starts its own nats-server and redis-server and the stack through the launcher (
 built-in rounds, coordinator, two replicas with local data, gateway; every service with its default
 settings), then:
 
-1. capacity ramp: closed-loop requests through the gateway at 1, 2, 4, ... concurrent clients for
-   `--ramp-step-s` each, until throughput stops growing (< 5% more); capacity = the best completed
-   requests per second (this also warms the stack up: batches, allocator, first rounds);
-2. soak: open-loop Poisson arrivals at `--load` x capacity for `--duration-s`, alternating streamed and
-   plain chat completions of `--max-tokens` tokens (greedy, ignore_eos), each classified as a full
-   answer, a clear error or lost (tests/integration/faults/probe.py);
-3. every `--sample-s` the RSS of every process (each service, nats-server, redis-server) from /proc.
+1. capacity: a closed-loop ramp (1, 2, 4, ... concurrent clients, `--ramp-step-s` each, until completed
+   requests per second stop growing by 5%) gives the peak throughput; an open-loop ramp (Poisson
+   arrivals at 40%, 50%, ... 100% of that peak, `--capacity-step-s` each) then finds the capacity: the
+   highest arrival rate whose requests all succeed with a p99 end-to-end latency under `--p99-limit-s`
+   (past it the queues only grow). Both ramps also warm the stack up (batches, allocator);
+2. soak: Poisson arrivals at `--load` x capacity for `--duration-s`, alternating streamed and plain chat
+   completions of `--max-tokens` tokens (greedy, ignore_eos), each classified as a full answer, a clear
+   error, or lost (tests/integration/faults/probe.py; unanswered after `--request-timeout-s`: lost);
+3. every `--sample-s` the RSS of every process (each service, nats-server, redis-server) from /proc, and
+   the client's requests in flight.
 
 Reports errors (goal 0) and, per process, RSS growth from the soak's first minute to its last (mean of
 the samples in each; goal < 5%), per-minute throughput and latency. Writes bench/results/soak.json.
 
     flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/soak.py                    # 10 minutes
-    .venv/bin/python bench/faults/soak.py --duration-s 120 --ramp-step-s 5              # a quick look
+    .venv/bin/python bench/faults/soak.py --duration-s 120 --ramp-step-s 5 --capacity-step-s 10  # a look
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import os
 import platform
 import random
 import statistics
@@ -44,14 +48,13 @@ from tests.integration.faults.harness import FaultStack  # noqa: E402
 from tests.integration.faults.probe import Outcome, one_request, run_load, tally  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-PAGE_KB = 1024
 
 
 def rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / PAGE_KB
+                return int(line.split()[1]) / 1024
     except OSError:
         return None
     return None
@@ -64,7 +67,10 @@ def pct(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def ramp(fs: FaultStack, step_s: float, max_tokens: int, max_concurrency: int) -> dict[str, Any]:
+async def closed_loop_peak(
+    fs: FaultStack, step_s: float, max_tokens: int, max_concurrency: int
+) -> dict[str, Any]:
+    """Completed requests per second at 1, 2, 4, ... concurrent clients, until it stops growing (< 5%)."""
     steps = []
     best = 0.0
     c = 1
@@ -76,51 +82,96 @@ async def ramp(fs: FaultStack, step_s: float, max_tokens: int, max_concurrency: 
         wall = time.monotonic() - t0
         t = tally(out)
         rps = t["succeeded"] / wall
-        steps.append({"concurrency": c, "completed_rps": round(rps, 3), **t,
-                      "e2e_p50_s": pct([o.latency_s for o in out if o.kind == "ok"], 0.5)})  # fmt: skip
-        print(f"ramp: concurrency {c:3d}: {rps:7.2f} req/s ({t})", flush=True)
-        if rps < best * 1.05:
-            best = max(best, rps)
-            break
+        p50 = pct([o.latency_s for o in out if o.kind == "ok"], 0.5)
+        steps.append({"concurrency": c, "completed_rps": round(rps, 3), **t, "e2e_p50_s": p50})
+        print(f"closed loop: concurrency {c:3d}: {rps:7.2f} req/s {t}", flush=True)
+        grew = rps >= best * 1.05
         best = max(best, rps)
+        if not grew:
+            break
         c *= 2
-    return {"steps": steps, "capacity_rps": round(best, 3)}
+    return {"steps": steps, "peak_rps": round(best, 3)}
 
 
-async def soak(
+async def open_loop_capacity(
+    fs: FaultStack, peak_rps: float, step_s: float, max_tokens: int, timeout_s: float, p99_limit_s: float
+) -> dict[str, Any]:
+    """The highest Poisson arrival rate, among 40%, 50%, ... 100% of the closed-loop peak, whose requests
+    all succeed with a p99 end-to-end latency under `p99_limit_s`."""
+    steps = []
+    best = None
+    for frac in (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+        rate = frac * peak_rps
+        res = await open_loop(fs, rate, step_s, max_tokens, timeout_s, seed=int(frac * 100))
+        out: list[Outcome] = res["outcomes"]
+        t = tally(out)
+        p99 = pct([o.latency_s for o in out if o.kind == "ok"], 0.99)
+        ok = t["succeeded"] == t["sent"] and p99 is not None and p99 <= p99_limit_s
+        steps.append({"offered_rps": round(rate, 3), **t, "e2e_p99_s": p99, "sustained": ok})
+        print(
+            f"open loop: {rate:7.2f} req/s: p99 {p99 or 0:.2f}s {t} -> {'ok' if ok else 'over'}", flush=True
+        )
+        if not ok:
+            break
+        best = rate
+    capacity = best if best is not None else 0.4 * peak_rps
+    return {"steps": steps, "capacity_rps": round(capacity, 3), "p99_limit_s": p99_limit_s}
+
+
+async def open_loop(
     fs: FaultStack,
     rate_rps: float,
     duration_s: float,
     max_tokens: int,
-    sample_s: float,
-    seed: int,
     timeout_s: float,
+    seed: int = 0,
+    sample_s: float | None = None,
+    progress_s: float | None = None,
 ) -> dict[str, Any]:
+    """Poisson arrivals at `rate_rps` for `duration_s` (then the last requests drain), alternating streamed
+    and plain requests; with `sample_s`, the RSS of every process and the client's requests in flight."""
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
     rss: list[dict[str, Any]] = []
     t_start = time.monotonic()
     t_end = t_start + duration_s
-    servers = {"nats-server": fs.nats.proc.pid, "redis-server": fs.redis.proc.pid}  # type: ignore[union-attr]
+    assert fs.nats is not None and fs.redis is not None
+    servers = {"nats-server": fs.nats.proc.pid, "redis-server": fs.redis.proc.pid}
     tasks: set[asyncio.Task[None]] = set()
 
-    async def sampler() -> None:
+    async def sampler(every_s: float) -> None:
         while time.monotonic() < t_end:
             point: dict[str, Any] = {"t_s": round(time.monotonic() - t_start, 2), "in_flight": len(tasks)}
             for name, pid in {**fs.s.pids(), **servers}.items():
                 point[name] = rss_mb(pid)
             rss.append(point)
-            await asyncio.sleep(sample_s)
+            await asyncio.sleep(every_s)
 
-    async def progress() -> None:
+    async def progress(every_s: float) -> None:
         while time.monotonic() < t_end:
-            await asyncio.sleep(60)
-            t = tally(outcomes)
-            print(f"soak: {time.monotonic() - t_start:6.0f}s {t}", flush=True)
+            await asyncio.sleep(every_s)
+            print(
+                f"soak: {time.monotonic() - t_start:6.0f}s in flight {len(tasks)} {tally(outcomes)}",
+                flush=True,
+            )
 
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s)) as http:
-        bg = [asyncio.create_task(sampler()), asyncio.create_task(progress())]
+        bg = []
+        if sample_s:
+            bg.append(asyncio.create_task(sampler(sample_s)))
+        if progress_s:
+            bg.append(asyncio.create_task(progress(progress_s)))
+
+        async def one(i: int) -> None:
+            o = await one_request(
+                http, fs.gateway_url, fs.base_model, stream=i % 2 == 0, max_tokens=max_tokens, index=i,
+                timeout_s=timeout_s,
+            )  # fmt: skip
+            o.sent_s -= t_start
+            o.end_s -= t_start
+            outcomes.append(o)
+
         i = 0
         next_s = t_start
         while True:
@@ -128,15 +179,7 @@ async def soak(
             if next_s >= t_end:
                 break
             await asyncio.sleep(max(0.0, next_s - time.monotonic()))
-
-            async def one(i: int = i) -> None:
-                o = await one_request(http, fs.gateway_url, fs.base_model, stream=i % 2 == 0,
-                                      max_tokens=max_tokens, index=i, timeout_s=timeout_s)  # fmt: skip
-                o.sent_s -= t_start
-                o.end_s -= t_start
-                outcomes.append(o)
-
-            task = asyncio.create_task(one())
+            task = asyncio.create_task(one(i))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             i += 1
@@ -177,14 +220,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration-s", type=float, default=600.0)
     ap.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity")
-    ap.add_argument("--ramp-step-s", type=float, default=10.0)
+    ap.add_argument("--ramp-step-s", type=float, default=10.0, help="seconds per closed-loop step")
+    ap.add_argument(
+        "--capacity-step-s", type=float, default=30.0, help="seconds per open-loop step (a backlog shows)"
+    )
+    ap.add_argument(
+        "--p99-limit-s", type=float, default=2.0, help="capacity: the highest rate with p99 under"
+    )
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--request-timeout-s", type=float, default=120.0, help="a request unanswered by then counts as lost"
-    )
+    ap.add_argument("--request-timeout-s", type=float, default=120.0, help="unanswered by then: lost")
     ap.add_argument("--keep-dir", type=Path, default=None, help="run directory kept afterwards (logs)")
     ap.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     args = ap.parse_args()
@@ -196,20 +243,21 @@ def main() -> int:
         fs.start()
         print(f"stack ready in {time.monotonic() - t0:.1f}s: {fs.gateway_url}", flush=True)
         try:
-            cap = asyncio.run(ramp(fs, args.ramp_step_s, args.max_tokens, args.max_concurrency))
+            peak = asyncio.run(closed_loop_peak(fs, args.ramp_step_s, args.max_tokens, args.max_concurrency))
+            cap = asyncio.run(
+                open_loop_capacity(
+                    fs, peak["peak_rps"], args.capacity_step_s, args.max_tokens, args.request_timeout_s,
+                    args.p99_limit_s,
+                )
+            )  # fmt: skip
             rate = args.load * cap["capacity_rps"]
             print(f"capacity {cap['capacity_rps']:.2f} req/s; soak at {rate:.2f} req/s", flush=True)
             res = asyncio.run(
-                soak(
-                    fs,
-                    rate,
-                    args.duration_s,
-                    args.max_tokens,
-                    args.sample_s,
-                    args.seed,
-                    args.request_timeout_s,
+                open_loop(
+                    fs, rate, args.duration_s, args.max_tokens, args.request_timeout_s, args.seed,
+                    sample_s=args.sample_s, progress_s=60.0,
                 )
-            )
+            )  # fmt: skip
             dead = fs.dead_children()
         finally:
             fs.stop()
@@ -217,14 +265,16 @@ def main() -> int:
     t = tally(outcomes)
     growth = rss_growth(res["rss"], args.duration_s)
     errors = [o for o in outcomes if o.kind != "ok"]
+    ok_latency = [o.latency_s for o in outcomes if o.kind == "ok"]
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},
+        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "model": "tiny",
         "duration_s": args.duration_s,
         "load_fraction": args.load,
         "max_tokens": args.max_tokens,
         "request_timeout_s": args.request_timeout_s,
+        "closed_loop": peak,
         "capacity": cap,
         "offered_rps": round(rate, 3),
         "completed_rps": round(t["succeeded"] / res["wall_s"], 3),
@@ -236,10 +286,7 @@ def main() -> int:
             )
         ),
         "error_examples": sorted({f"{o.status} {o.code}: {o.message[:120]}" for o in errors})[:10],
-        "e2e_s": {
-            "p50": pct([o.latency_s for o in outcomes if o.kind == "ok"], 0.5),
-            "p99": pct([o.latency_s for o in outcomes if o.kind == "ok"], 0.99),
-        },  # fmt: skip
+        "e2e_s": {"p50": pct(ok_latency, 0.5), "p99": pct(ok_latency, 0.99)},
         "per_minute": per_minute(outcomes, args.duration_s),
         "rss_growth": growth,
         "rss_samples": res["rss"],
@@ -254,6 +301,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"\nrequests {t['sent']}: ok {t['succeeded']}, clear errors {t['failed_clear']}, lost {t['lost']}")
+    print(f"errors by kind: {result['errors_by_kind']}")
     print(f"offered {rate:.2f} req/s, completed {result['completed_rps']} req/s; e2e {result['e2e_s']}")
     print("| process | RSS first minute (MB) | RSS last minute (MB) | growth |")
     print("|---|---|---|---|")
