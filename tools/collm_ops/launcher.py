@@ -66,6 +66,10 @@ class StackConfig:
     with_aggregator: bool = True
     start_servers: bool = True  # start NATS/Redis when they do not answer
     run_dir: Path = Path(".collm/run")
+    # None: every child's output is pumped, prefixed, to the launcher's log sink (what `collm up` shows).
+    # A directory: each child writes `<name>.log` there itself, and nothing passes through this process
+    # (a load generator sharing the process cannot then slow the services down by reading their pipes late).
+    log_dir: Path | None = None
     log_json: bool = False
     ready_timeout_s: float = 600.0
     # Prometheus ports: None = no metrics port (the gateway still serves /metrics on its HTTP port),
@@ -205,13 +209,21 @@ class Stack:
         return env
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> Child:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        out: IO[bytes] | int = subprocess.PIPE
+        if self.config.log_dir is not None:
+            self.config.log_dir.mkdir(parents=True, exist_ok=True)
+            out = (self.config.log_dir / f"{name}.log").open("ab")
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            if not isinstance(out, int):
+                out.close()  # the child holds its own descriptor
         child = Child(name, proc, module=module, env=env)
         if proc.stdout is not None:
             child.pump = threading.Thread(target=self._pump, args=(name, proc.stdout), daemon=True)

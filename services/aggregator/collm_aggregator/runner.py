@@ -84,6 +84,20 @@ from .records import RoundRecords
 
 log = logging.getLogger(__name__)
 CANDIDATE_ID = "_candidate"
+_blas_limited = False
+
+
+def limit_blas_threads(threads: int | None) -> None:
+    """Cap the BLAS threads of this process once (`AggregatorSettings.blas_threads`; None: leave them)."""
+    global _blas_limited
+    if threads is None or _blas_limited:
+        return
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads, user_api="blas")
+    _blas_limited = True
+
+
 NOT_STARTED = "not_started"
 # Redis unreachable (down or restarting): a round step that needs the store waits for it (`_through_outage`).
 STORE_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError)
@@ -138,6 +152,7 @@ class RoundRunner:
 
     def __post_init__(self) -> None:
         s = self.deps.settings
+        limit_blas_threads(s.blas_threads)
         rules = RoundRules(
             quorum=self.plan.quorum,
             deadline_unix_s=self.plan.deadline_unix_s,
@@ -542,7 +557,8 @@ class RoundRunner:
         strategy = self.deps.strategy
         t0 = time.perf_counter()
         agg = await asyncio.to_thread(strategy.aggregate, updates, base_np)
-        metrics.AGGREGATION_SECONDS.labels(strategy.name).observe(time.perf_counter() - t0)
+        agg_s = time.perf_counter() - t0
+        metrics.AGGREGATION_SECONDS.labels(strategy.name).observe(agg_s)
         # A diagnostic of the aggregate, not needed to evaluate it: computed while replicas evaluate, off
         # the path from the close to the publication (awaited before publishing, for the version's meta).
         self._product_error_task = asyncio.create_task(self._measure_product_error(agg, updates, base_np))
@@ -554,7 +570,12 @@ class RoundRunner:
             base_model=self._base.base_model,
             extra={"collm.round_id": str(self.round_id), "collm.strategy": strategy.name},
         )
-        return encode_adapter(weights)
+        blob = encode_adapter(weights)
+        log.info(
+            "round %s: %s of %d updates in %.2f s (%.2f s with encoding)",
+            self.round_id, strategy.name, len(updates), agg_s, time.perf_counter() - t0,
+        )  # fmt: skip
+        return blob
 
     async def _measure_product_error(
         self, agg: dict[str, np.ndarray], updates: list[WeightedUpdate], base_np: dict[str, np.ndarray]
@@ -674,18 +695,28 @@ class RoundRunner:
         )
         only_candidate = both.model_copy(update={"score_current": False})
 
+        t0 = time.perf_counter()
+        took: dict[str, float] = {}
+
         async def ask(rid: str) -> EvalReport | None:
-            if rid in self._current:
-                rep = await self._ask(rid, only_candidate)
-                if rep is None:
-                    return None
-                paired = self._with_current(rid, rep)
-                if paired is not None:
-                    return paired
-                log.info("round %s: %s's held-out set changed; scoring both versions", self.round_id, rid)
-            return await self._ask(rid, both)
+            try:
+                if rid in self._current:
+                    rep = await self._ask(rid, only_candidate)
+                    if rep is None:
+                        return None
+                    paired = self._with_current(rid, rep)
+                    if paired is not None:
+                        return paired
+                    log.info("round %s: %s's held-out set changed; scoring both versions", self.round_id, rid)
+                return await self._ask(rid, both)
+            finally:
+                took[rid] = time.perf_counter() - t0
 
         reports = [r for r in await asyncio.gather(*(ask(r) for r in who)) if r is not None]
+        log.info(
+            "round %s: candidate scored in %.2f s (%s)", self.round_id, time.perf_counter() - t0,
+            ", ".join(f"{r} {t:.2f} s" for r, t in sorted(took.items())),
+        )  # fmt: skip
         await self._through_outage(
             "saving the evaluations", lambda: self.deps.records.save_evals(self.round_id, reports)
         )

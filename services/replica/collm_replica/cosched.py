@@ -183,14 +183,17 @@ def arrival_guard_s(
     step_s: float,
     ttft_slo_s: float,
     prompt_tokens: int,
+    arrivals: int = 1,
 ) -> float:
-    """The longest background stretch per iteration gap that a request arriving now could absorb and still
-    meet `ttft_slo_s`: it waits out this iteration's step (`step_s`), then the iterations before its first
-    token (the queue's prefill and, when the batch is full, until a running request frees a slot), with a
-    stretch in each gap between them. When the batch is full and its requests are far from done, that is
-    nothing: training would keep the batch full and the queue would miss its TTFT."""
+    """The longest background stretch per iteration gap that the next `arrivals` requests (the burst the
+    arrival rate makes likely within a TTFT SLO) could absorb and still meet `ttft_slo_s`, judged by the
+    last of them: it waits out this iteration's step (`step_s`), then the iterations before its first
+    token (the queue's prefill, the others' included, and, when they filled the batch, until a running
+    request frees a slot), with a stretch in each gap between them. When the batch is (nearly) full and
+    its requests are far from done, that is nothing: training would keep the batch full and the queue
+    would miss its TTFT."""
     probe = ReqTiming(0.0, ttft_slo_s, 0.0, prompt_left=max(1, prompt_tokens), tokens_left=1)
-    _, _, wait_plan = _ahead(running, [*waiting, probe], model)
+    _, _, wait_plan = _ahead(running, [*waiting, *([probe] * max(1, arrivals))], model)
     iters, ahead = wait_plan[-1]
     left = ttft_slo_s - step_s - iters * model.decode_step_s - ahead * model.prefill_s_per_token
     return max(0.0, left / max(1, iters))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import re
 import threading
@@ -613,8 +614,10 @@ class Engine:
         labels = [label for label, _ in candidates]
         keys = list(digests) if digests is not None else [None] * len(candidates)
         caps = [m for m in (max_tokens, self.cfg.eval_max_tokens) if m is not None]
+        t_asked = self.clock()
 
         def apply() -> None:
+            t_start = self.clock()
             try:
                 _, held = self.examples_for(adapter) if adapter else ([], list(self.dataset.eval))
                 rendered = [r for e in held if (r := self._render(e)) is not None]
@@ -648,6 +651,13 @@ class Engine:
                         self._eval_cache[run.cache_key] = run
                 while len(self._eval_cache) > self.cfg.eval_cache_entries:
                     self._eval_cache.pop(next(iter(self._eval_cache)))
+                now = self.clock()
+                log.info(
+                    "evaluated %s: %d of %d versions scored (%d tokens each, priority %d) in %.0f ms "
+                    "(%.0f ms waiting for the engine)",
+                    adapter or "all domains", len(todo), len(runs), sum(len(r.ids) for r in items),
+                    priority, (now - t_asked) * 1e3, (t_start - t_asked) * 1e3,
+                )  # fmt: skip
                 return dict(zip(labels, runs, strict=True))
 
             if not todo:
@@ -881,6 +891,15 @@ class Engine:
         slos = [s.ttft_slo * 1e3 for s in (*self.running, *self.waiting)]
         return min([*slos, *(x for _, x in self._recent_slos), self.cfg.default_ttft_slo_ms])
 
+    def _likely_arrivals(self, within_s: float) -> int:
+        """Arrivals to expect within `within_s` at the rate of the last SLO window, rounded up (a burst of
+        that many must find room), at least 1 and at most 4."""
+        recent = self._recent_slos  # one entry per arrival of the window (pruned by `_min_ttft_slo_ms`)
+        if len(recent) < 2:
+            return 1
+        span_s = max(recent[-1][0] - recent[0][0], within_s)
+        return max(1, min(4, math.ceil(len(recent) / span_s * within_s)))
+
     def _active_jobs(self) -> list[TrainingJob]:
         return [j for j in self.jobs.values() if j.active]
 
@@ -903,7 +922,13 @@ class Engine:
                 guard_ms,
                 1e3
                 * arrival_guard_s(
-                    running, waiting, model, step_ms / 1e3, min_ttft_ms / 1e3, round(self._prompt_tokens_ewma)
+                    running,
+                    waiting,
+                    model,
+                    step_ms / 1e3,
+                    min_ttft_ms / 1e3,
+                    round(self._prompt_tokens_ewma),
+                    self._likely_arrivals(min_ttft_ms / 1e3),
                 ),
             )
         inp = CoSchedInput(
@@ -931,7 +956,13 @@ class Engine:
             eval_ms = background_budget_ms(inp, margin, self.cfg.train_slack_frac)
         job = None
         if train_ms > 0 and jobs and inp.has_job:
-            job = next((j for j in jobs if j.in_progress), None)  # finish what was started first
+            # A round job past its deadline first (it only wraps up and sends its update), then one with
+            # a micro-step or evaluation batch half done, else the next in turn: jobs yield to each other
+            # at those boundaries (`_train_work`), so each gets its share of the training time.
+            wrap_up = self.cfg.round_deadline_margin_s
+            job = next((j for j in jobs if j.due(wrap_up)), None) or next(
+                (j for j in jobs if j.in_progress), None
+            )
             if job is None:
                 self._job_rr += 1
                 job = jobs[self._job_rr % len(jobs)]
@@ -1151,6 +1182,7 @@ class Engine:
                 self.cfg.round_deadline_margin_s,
                 self._news,
                 out=res,
+                yield_at_boundary=len(self._active_jobs()) > 1,
             )
         except Exception as exc:  # noqa: BLE001 - a failed job must not take the replica down
             log.exception("training job %s failed", job.spec.adapter)

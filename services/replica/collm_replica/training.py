@@ -375,6 +375,10 @@ class TrainingJob:
         self._eval = EvalRun(self.eval_items, self.live, self.cfg.eval_chunk_tokens)
         self._eval_purpose = purpose
 
+    def due(self, deadline_margin_s: float) -> bool:
+        """A round job whose deadline (less the margin) has passed: it must wrap up and send its update."""
+        return self.active and self._past_deadline(deadline_margin_s)
+
     def _budget_left(self) -> int:
         return self.spec.token_budget - self.tokens_done
 
@@ -481,11 +485,13 @@ class TrainingJob:
         deadline_margin_s: float = 0.0,
         interrupt: Callable[[], bool] | None = None,
         out: PieceWork | None = None,
+        yield_at_boundary: bool = False,
     ) -> PieceWork:
         """Run pieces while the next one is predicted to end by `until_s` (on `clock`) and `interrupt()`
         (new requests or commands waiting) is false; with `force_one`, at least one piece whatever the
-        prediction (an idle replica must always progress). `out` is updated piece by piece (others may
-        read it meanwhile)."""
+        prediction (an idle replica must always progress). With `yield_at_boundary` (other jobs are
+        waiting), stop once a micro-step or evaluation batch is complete, so jobs take turns. `out` is
+        updated piece by piece (others may read it meanwhile)."""
         out = out if out is not None else PieceWork()
         while True:
             nxt = self._next(deadline_margin_s)
@@ -499,6 +505,8 @@ class TrainingJob:
             ):
                 break
             self._run_next(kind, units, costs, out)
+            if yield_at_boundary and not self.in_progress:
+                break
         return out
 
     def step(self, max_tokens: int, deadline_margin_s: float = 0.0) -> int:

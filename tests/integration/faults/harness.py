@@ -9,7 +9,8 @@ Redis (same port, same data directory).
 
 Settings are shortened so that a fault shows within a second or two (telemetry every 0.25 s, a replica
 stale after 1 s, coordinator weights and shares with a 2 s TTL) and the coordinator plans no round of
-its own (rounds here are opened by the scenarios). Every process logs to `<tmp>/stack.log`.
+its own (rounds here are opened by the scenarios). Every process writes its own log,
+`<tmp>/logs/<name>.log` (the launcher's own lines: `<tmp>/stack.log`).
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class FaultStack:
             run_dir=self.tmp / "run",
             ready_timeout_s=self.ready_timeout_s,
             metrics_port_base=0,
+            log_dir=self.tmp / "logs",
         )
         self._log = (self.tmp / "stack.log").open("w", encoding="utf-8")
         self.stack = Stack(cfg, log_sink=self._log)
@@ -193,8 +195,11 @@ class FaultStack:
             self._log = None
 
     def log_tail(self, chars: int = 8000) -> str:
-        path = self.tmp / "stack.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+        """The end of every log (the launcher's, then each process's), `chars` in all."""
+        paths = [self.tmp / "stack.log", *sorted((self.tmp / "logs").glob("*.log"))]
+        paths = [p for p in paths if p.exists()]
+        each = max(500, chars // max(1, len(paths)))
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-each:]}" for p in paths)
 
     # --- access ---------------------------------------------------------------------------------------
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -286,14 +287,21 @@ def test_pause_and_resume_training(tiny: LoadedModel) -> None:
         assert snap.ft_tokens_total > t1 and snap.jobs[0].state == "running"
 
 
-def test_round_job_produces_update_and_local_refresh(tiny: LoadedModel) -> None:
-    events = []
+def round_update_catcher() -> tuple[list, threading.Event, Callable[[object], None]]:
+    """Job events as they come, and an event set at the first round update."""
+    events: list = []
     got = threading.Event()
 
-    def on_job(ev):  # noqa: ANN001
+    def on_job(ev) -> None:  # noqa: ANN001
         events.append(ev)
         if ev.kind == "round_update":
             got.set()
+
+    return events, got, on_job
+
+
+def test_round_job_produces_update_and_local_refresh(tiny: LoadedModel) -> None:
+    events, got, on_job = round_update_catcher()
 
     cfg = EngineConfig(job=JobConfig(micro_tokens=64, batch_tokens=64, publish_every_steps=1))
     with Engine(tiny, cfg, SloAwareCoScheduler(), dataset=dataset(), on_job_event=on_job) as eng:
@@ -324,13 +332,7 @@ def test_evaluate_candidates(tiny: LoadedModel) -> None:
 
 def test_round_job_stops_before_its_deadline(tiny: LoadedModel) -> None:
     """A round job whose deadline is near sends what it has (no final evaluation) instead of its budget."""
-    events = []
-    got = threading.Event()
-
-    def on_job(ev):  # noqa: ANN001
-        events.append(ev)
-        if ev.kind == "round_update":
-            got.set()
+    events, got, on_job = round_update_catcher()
 
     cfg = EngineConfig(round_deadline_margin_s=0.5, job=JobConfig(micro_tokens=32, batch_tokens=64))
     with Engine(tiny, cfg, SloAwareCoScheduler(), dataset=dataset(), on_job_event=on_job) as eng:
@@ -465,3 +467,29 @@ def test_long_examples_train_in_pieces_within_the_guard_and_at_full_speed_when_i
     fast._iteration()
     fast._iteration()
     assert fast.last_work is not None and fast.last_work.pieces > 20 and fast.last_work.train_tokens > 0
+
+
+def test_jobs_take_turns_and_a_due_round_job_sends_in_time(tiny: LoadedModel) -> None:
+    """Two jobs on one replica (a federated round and a local adapter): both train, neither starves the
+    other, and the round job sends its update at its deadline although the other job keeps training."""
+    events, got, on_job = round_update_catcher()
+
+    cfg = EngineConfig(round_deadline_margin_s=0.3, job=JobConfig(micro_tokens=32, batch_tokens=64))
+    with Engine(tiny, cfg, SloAwareCoScheduler(), dataset=dataset(), on_job_event=on_job) as eng:
+        ex = eng.executor
+        local = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, "tiny", seed=1)
+        eng.start_job(JobSpec("loc", "loc@v1", 1, local, token_budget=10**9)).result(10)
+        shared = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, "tiny", seed=2)
+        deadline = time.time() + 2.0
+        spec = JobSpec(
+            "shared", "shared@v1", 1, shared, token_budget=10**9, round_id=5, deadline_unix_s=deadline
+        )
+        eng.start_job(spec).result(10)
+        assert got.wait(10)
+        sent_at = time.time()
+        jobs = {j.adapter: j for j in eng.snapshot().jobs}
+    upd = next(e for e in events if e.kind == "round_update")
+    assert sent_at < deadline  # wrapped up within the margin, not after the other job's turn
+    assert upd.num_tokens > 0 and jobs["loc"].tokens_done > 0
+    # Turns at micro-step boundaries: neither job got the replica to itself.
+    assert min(upd.num_tokens, jobs["loc"].tokens_done) > 0.2 * max(upd.num_tokens, jobs["loc"].tokens_done)

@@ -338,3 +338,11 @@ def test_arrival_guard_is_nothing_when_the_batch_is_full_and_far_from_done() -> 
     nearly_done = [decoding(10.0, 3, left=left) for left in (2, 20, 20, 20)]
     # 2 iterations until a slot frees, 1 to prefill: 1.0 - 0.1 - 3 * 0.1 - 0.03 spread over 3 gaps
     assert arrival_guard_s(nearly_done, [], model(), 0.1, 1.0, 30) == pytest.approx(0.57 / 3)
+
+
+def test_arrival_guard_keeps_room_for_a_likely_burst() -> None:
+    three = [decoding(10.0, 3, left=20) for _ in range(3)]  # one free slot of 4
+    one = arrival_guard_s(three, [], model(), 0.1, 1.0, 30, arrivals=1)
+    assert one == pytest.approx(1.0 - 0.2 - 0.03)
+    # Two arrivals likely within the SLO: the second finds the batch full, 20 steps from a free slot.
+    assert arrival_guard_s(three, [], model(), 0.1, 1.0, 30, arrivals=2) == 0.0
