@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
+from collm_bench import calibrate
+from collm_bench.calibrate import prompts_from_text
 from collm_common.data import Example
 from collm_common.lora import AdapterWeights, LoraSpec
 from collm_replica.engine import Engine, EngineRequest
-from collm_replica.executor import Executor
-from collm_replica.lora_bank import LiveLora
 from collm_replica.models import LoadedModel, load_model
 from collm_replica.settings import ReplicaSettings
 
@@ -94,20 +94,13 @@ def text_corpus() -> str:
 
 def token_prompts(loaded: LoadedModel, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """`n` prompts of exactly `length` tokens cut from real text at different offsets."""
-    ids = loaded.tokenizer.encode(text_corpus(), add_special_tokens=False)
-    rnd = random.Random(seed)
-    return [ids[(o := rnd.randrange(0, len(ids) - length)) : o + length] for _ in range(n)]
+    return prompts_from_text(loaded.tokenizer, text_corpus(), n, length, seed)
 
 
 def random_adapter(
     loaded: LoadedModel, seed: int, scale: float = 0.02, spec: LoraSpec | None = None
 ) -> AdapterWeights:
-    ex = Executor(loaded)
-    live = LiveLora.init_new(spec or LoraSpec(), ex.n_layers, ex.shapes, loaded.name, seed=seed)
-    g = torch.Generator().manual_seed(seed + 99)
-    for _a, b in live.params.values():
-        b.data.copy_(torch.randn(b.shape, generator=g) * scale)
-    return live.to_weights()
+    return calibrate.random_adapter(loaded, seed, scale, spec)
 
 
 # --- timed runs --------------------------------------------------------------------------------------------

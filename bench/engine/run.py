@@ -10,6 +10,7 @@ baseline measured in the same run and writes bench/results/engine_<name>.json (p
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import subprocess
 import sys
@@ -39,7 +40,12 @@ from common import (  # noqa: E402
     wait_all,
 )
 
-from collm_common.calibration import Calibration, CostModel, QualityCurve  # noqa: E402
+from collm_bench.calibrate import (  # noqa: E402
+    CostSizes,
+    calibration,
+    measure_costs_together,
+    measure_quality,
+)
 from collm_common.data import LocalDataset  # noqa: E402
 from collm_common.lora import LoraSpec, decode_adapter, encode_adapter  # noqa: E402
 from collm_replica.batching import BatchConfig  # noqa: E402
@@ -50,9 +56,10 @@ from collm_replica.cosched import (  # noqa: E402
     SloAwareCoScheduler,
 )
 from collm_replica.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from collm_replica.executor import Executor, ForwardItem  # noqa: E402
 from collm_replica.lora_bank import MODULE_PATHS, LiveLora, parse_adapter  # noqa: E402
-from collm_replica.training import EvalRun, JobConfig, JobSpec, render_example  # noqa: E402
+from collm_replica.naming import served_name  # noqa: E402
+from collm_replica.settings import ReplicaSettings  # noqa: E402
+from collm_replica.training import JobConfig, JobSpec  # noqa: E402
 
 CFG16 = BatchConfig(max_batch=16, max_batch_tokens=256, prefill_chunk_tokens=128, kv_budget_tokens=32768)
 
@@ -614,82 +621,17 @@ def bench_memory(args: argparse.Namespace) -> None:
 
 # ======================================================================================== calibration
 def bench_calibrate(args: argparse.Namespace) -> None:
+    """The simulator's calibration (`collm_bench.calibrate`): step costs, then quality curves per domain."""
     loaded = load_smollm2()
-    ex = Executor(loaded)
     prompts = token_prompts(loaded, 32, 256, seed=5)
-
-    def best_ms(fns: dict[Any, Any], reps: int) -> dict[Any, float]:
-        """Fastest of `reps` timings of each function, taken round-robin: the machine is shared, so its
-        speed drifts, and interleaving lets a slow period hit every size alike (min: the least disturbed)."""
-        for fn in fns.values():
-            fn()  # warm-up
-        out: dict[Any, list[float]] = {k: [] for k in fns}
-        for _ in range(reps):
-            for k, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                out[k].append((time.perf_counter() - t0) * 1e3)
-        return {k: min(v) for k, v in out.items()}
-
-    reps = args.reps
-    # Prefill: one sequence of n tokens.
-    pre = best_ms(
-        {
-            n: lambda n=n: ex.forward([ForwardItem(prompts[0][:n], 0, ex.new_kv(n + 1))])
-            for n in (16, 64, 128, 256)
-        },
-        reps,
+    spec = os.environ.get("COLLM_BENCH_MODEL", "smollm2")
+    sizes = CostSizes(reps=args.reps, statistic=args.statistic)
+    cache_dir = ReplicaSettings().model_cache_dir
+    costs = measure_costs_together(loaded, spec, prompts, sizes, args.processes, cache_dir)
+    print(
+        f"prefill ms {costs.prefill_ms}; decode ms {costs.decode_ms}; "
+        f"lora ms by #adapters {costs.lora_ms_by_adapters}; train ms {costs.train_ms}"
     )
-    xs, ys = list(pre), list(pre.values())
-    slope = (ys[-1] - ys[1]) / (xs[-1] - xs[1])
-    fixed = max(0.0, ys[1] - slope * xs[1])
-    # Decode: batch b at context 128.
-    decode_fns = {}
-    for b in (1, 2, 4, 8, 12, 16, 24):
-        kvs = [ex.new_kv(160) for _ in range(b)]
-        for kv, p in zip(kvs, prompts, strict=False):
-            ex.forward([ForwardItem(p[:128], 0, kv)])
-        decode_fns[b] = lambda kvs=kvs: (
-            [setattr(kv, "length", 128) for kv in kvs]
-            and ex.forward([ForwardItem([5], 128, kv) for kv in kvs])
-        )
-    decode = best_ms(decode_fns, reps)
-    # LoRA overhead: batch 16 spread over k distinct adapters.
-    from collm_replica.lora_bank import LoraBank
-
-    bank = LoraBank(
-        8, ex.n_layers, ex.shapes, ("q_proj", "k_proj", "v_proj", "o_proj"), 16, ex.dtype, ex.device
-    )
-    for i in range(8):
-        bank.write(i, random_adapter(loaded, i))
-    ex.bank = bank
-    kvs = [ex.new_kv(160) for _ in range(16)]
-    for kv, p in zip(kvs, prompts, strict=False):
-        ex.forward([ForwardItem(p[:128], 0, kv)])
-    lora_fns = {}
-    for k in (0, 1, 2, 4, 8):
-        slots = [(i % k) if k else -1 for i in range(16)]
-        order = sorted(range(16), key=lambda i: slots[i])
-        lora_fns[k] = lambda order=order, slots=slots: ex.forward(
-            [ForwardItem([5], 128, kvs[i], slot=slots[i]) for i in order]
-        )
-    lora_ms = best_ms(lora_fns, reps)
-    ex.bank = None
-    per_adapter = max(0.0, (lora_ms[8] - lora_ms[0]) / lora_ms[0] / 8)
-    # Training: micro-steps of n tokens (one sequence).
-    live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, loaded.name)
-
-    def train(n: int) -> None:
-        ids = torch.tensor([prompts[1][:n]])
-        with torch.enable_grad():
-            loss, _ = ex.response_loss(ids, torch.ones_like(ids), ids, live)
-            loss.backward()
-
-    tr = best_ms({n: lambda n=n: train(n) for n in (32, 64, 128)}, max(2, reps // 2))
-    t_slope = (tr[128] - tr[32]) / 96
-    t_fixed = max(0.0, tr[32] - t_slope * 32)
-    print(f"prefill ms {pre}; decode ms {decode}; lora ms by #adapters {lora_ms}; train ms {tr}")
-    # Quality: eval loss against training tokens, per domain.
     curves = []
     for domain in args.domains:
         exs = domain_examples(domain, 400)
@@ -699,60 +641,23 @@ def bench_calibrate(args: argparse.Namespace) -> None:
         ds = LocalDataset([], [])
         for e in exs:
             ds.add(e, 0.1)
-        items_eval = [r for e in ds.eval[:16] if (r := render_example(loaded.tokenizer, e, 128))]
-        live_q = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, loaded.name, seed=1)
-        from collm_replica.training import TrainingJob
-
-        job = TrainingJob(
-            JobSpec(
-                domain, f"{domain}@v1", 1, live_q, token_budget=max(args.quality_tokens), learning_rate=1e-3
-            ),
-            ex,
-            loaded.tokenizer,
-            ds.train,
-            [],
-            JobConfig(micro_tokens=128, batch_tokens=256, max_seq_len=128),
+        curves.append(
+            measure_quality(
+                loaded,
+                domain,
+                ds.train,
+                ds.eval,
+                args.quality_tokens,
+                eval_examples=16,
+                learning_rate=1e-3,
+                on_point=lambda n, loss, d=domain: print(f"{d}: {n} training tokens -> eval loss {loss:.4f}"),
+            )
         )
-        pad = int(loaded.tokenizer.pad_token_id or 0)
-        base_loss = EvalRun(items_eval, None, 256).run_all(ex, pad).mean()
-        points = [(0, EvalRun(items_eval, live_q, 256).run_all(ex, pad).mean())]
-        for target in sorted(args.quality_tokens):
-            with torch.enable_grad():
-                while job.tokens_done < target and job.active:
-                    job.step(128)
-            points.append((job.tokens_done, EvalRun(items_eval, live_q, 256).run_all(ex, pad).mean()))
-            print(f"{domain}: {job.tokens_done} training tokens -> eval loss {points[-1][1]:.4f}")
-        curves.append(QualityCurve(domain=domain, base_loss=base_loss, points=points))  # type: ignore[arg-type]
-    cal = Calibration(
-        model="SmolLM2-135M-Instruct",
-        device="cpu",
-        torch_threads=torch.get_num_threads(),
-        measured_unix_s=time.time(),
-        command=command_line(),
-        cost=CostModel(
-            prefill_fixed_ms=fixed,
-            prefill_ms_per_token=slope,
-            decode_step_ms=decode,
-            lora_overhead_frac_per_adapter=per_adapter,
-            train_fixed_ms=t_fixed,
-            train_ms_per_token=t_slope,
-            max_batch=16,
-        ),
-        quality=curves,
-    )
-    out = ROOT / "bench" / "calibration" / "smollm2.json"
+    cal = calibration(loaded.name, costs.cost, curves, command_line())
+    out = ROOT / "bench" / "calibration" / f"{spec if spec == 'smollm2' else served_name(spec)}.json"
     cal.save(out)
     print(f"wrote {out.relative_to(ROOT)}")
-    save_result(
-        "calibration",
-        {
-            "prefill_ms": pre,
-            "decode_ms": decode,
-            "lora_ms_by_adapters": lora_ms,
-            "train_ms": tr,
-            "calibration": cal.model_dump(mode="json"),
-        },
-    )
+    save_result("calibration", {**costs.as_dict(), "calibration": cal.model_dump(mode="json")})
 
 
 def main() -> None:
@@ -783,7 +688,19 @@ def main() -> None:
     k = sub.add_parser("calibrate")
     k.add_argument("--domains", nargs="*", default=["medical", "math"])
     k.add_argument("--quality-tokens", nargs="*", type=int, default=[1024, 2048, 4096])
-    k.add_argument("--reps", type=int, default=7, help="timings of each size (the fastest is kept)")
+    k.add_argument("--reps", type=int, default=7, help="timings of each size")
+    k.add_argument(
+        "--statistic",
+        choices=("min", "median"),
+        default="min",
+        help="the figure kept of each size's timings: the fastest (least disturbed) or the median (typical)",
+    )
+    k.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="engines timed at once, one process each (the replicas a live stack runs on this machine)",
+    )
     sub.add_parser("all")
     args = ap.parse_args()
     if args.cmd == "all":

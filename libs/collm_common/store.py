@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -333,6 +334,11 @@ class AdapterStore:
         if not await self.r.set(key, blob, nx=True, ex=ttl_s):
             raise Conflict(f"an update for round {round_id} from {replica_id} already exists")
         return key, sha256_hex(blob)
+
+    async def delete_updates(self, keys: Sequence[str]) -> int:
+        """Drop update blobs a finished round no longer needs (their TTL is only the fallback)."""
+        mine = [k for k in keys if k.startswith(f"{self.prefix}:update:")]
+        return int(await self.r.delete(*mine)) if mine else 0
 
     async def get_update(self, key: str, sha256: str) -> bytes:
         if not key.startswith(f"{self.prefix}:update:"):

@@ -75,6 +75,8 @@ class ParticipantDouble:
     started: list[StartTraining] = field(default_factory=list)
     evaluated: list[EvaluateCandidate] = field(default_factory=list)
     sent: list[LocalUpdate] = field(default_factory=list)
+    # Every blob it stored, by key (a finished round's blobs are deleted from the store).
+    blobs: dict[str, bytes] = field(default_factory=dict)
     _svc: MicroService | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -199,6 +201,7 @@ class ParticipantDouble:
         base = decode_adapter(await self.store.get_blob(adapter, base_version))
         blob = encode_adapter(self.train(base))
         key, sha = await self.store.put_update(round_id, self.replica_id, blob)
+        self.blobs[key] = blob
         claimed = claimed_base if claimed_base is not None else base_version
         if self.behaviour.mode == "wrong_base" and claimed_base is None:
             claimed = base_version + 5

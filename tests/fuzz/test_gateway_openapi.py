@@ -15,6 +15,10 @@ What must hold for every case:
   are failures.
 * every non-2xx body is the OpenAI error envelope `{"error": {"message", "type", "param", "code"}}`,
   and so is every error event inside a 200 SSE stream.
+* every answer conforms to the OpenAPI document (schemathesis's own checks): its status is one the
+  operation declares, its content type one declared for that status, its body valid against the
+  declared schema (the error envelope for every error status), and the headers declared required
+  (`Retry-After` on 429 and 503, `WWW-Authenticate` on 401) are there.
 
 The number of cases run is printed; at least 1000 must run.
 """
@@ -37,6 +41,12 @@ import uvicorn
 from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from collm_aggregator.service import Aggregator
 from collm_aggregator.settings import AggregatorSettings
@@ -62,6 +72,9 @@ AUTH_CHOICES = [ADMIN, ADMIN, TENANT, "sk-wrong", None]
 # store (None: keep what the schema strategy drew).
 KNOWN_MODELS = [None, BASE_MODEL, "shared-med", "acme-fin", "acme-fin@v1", "shared-med@v9"]
 KNOWN_ADAPTERS = [None, "shared-med", "acme-fin"]
+# Absolute paths that get a load past validation to the aggregator's import: a directory that is no PEFT
+# adapter, a file, nothing (422, 422, 404).
+KNOWN_PATHS = [None, "/", "/etc/passwd", "/nonexistent/peft-adapter"]
 # Fields the gateway refuses by design (n > 1, echo, logprobs, ...): dropped from half of the valid
 # completions cases so those get through to a replica and exercise the JSON and SSE answers.
 # Values JSON can carry that Python and msgpack choke on, planted at one leaf of a third of the bodies.
@@ -82,6 +95,13 @@ BUDGET: dict[str, int] = {
 DEFAULT_BUDGET = 10
 MIN_CASES = 1000
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
+# Conformance of each answer to the document (what the gateway declares it answers).
+CONFORMANCE = [
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    response_headers_conformance,
+]
 
 
 class GatewayUnderTest(threading.Thread):
@@ -280,6 +300,7 @@ def fuzz_operation(
         key=st.sampled_from(AUTH_CHOICES),
         model=st.sampled_from(KNOWN_MODELS),
         adapter=st.sampled_from(KNOWN_ADAPTERS),
+        lora_path=st.sampled_from(KNOWN_PATHS),
         servable=st.booleans(),
         nasty=st.one_of(st.none(), st.none(), st.sampled_from(NASTY)),
         leaf=st.integers(min_value=0, max_value=1000),
@@ -296,6 +317,7 @@ def fuzz_operation(
         key: str | None,
         model: str | None,
         adapter: str | None,
+        lora_path: str | None,
         servable: bool,
         nasty: Any,
         leaf: int,
@@ -310,6 +332,8 @@ def fuzz_operation(
                 case.body["model"] = model
             if adapter is not None and "lora_name" in case.body:
                 case.body["lora_name"] = adapter
+            if lora_path is not None and "lora_path" in case.body:
+                case.body["lora_path"] = lora_path
         if case.path_parameters:
             if model is not None and "model" in case.path_parameters:
                 case.path_parameters["model"] = model
@@ -322,6 +346,7 @@ def fuzz_operation(
         cases[label] += 1
         statuses[f"{label} {resp.status_code}"] += 1
         check_response(resp, f"{label} [{mode.value}] {case.as_curl_command()}")
+        case.validate_response(resp, checks=CONFORMANCE, headers=headers)
 
     return run
 

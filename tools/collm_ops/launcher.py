@@ -7,6 +7,17 @@ environment variables (the same variables docker-compose sets); prefixes and str
 until every replica answers `$SRV.PING` and the gateway's `/readyz` says ready; and on Ctrl-C (or
 `stop()`) terminates everything it started, in reverse order.
 
+Environment of each child (`Stack.child_envs`): the launcher's own environment, `COLLM_*` included (so
+`COLLM_API_KEYS=... make up` configures the gateway, `COLLM_STRATEGY=fedavg` the aggregator), except the
+variables that name one process (`PER_PROCESS`: its metrics port, replica id, data directory, bind
+address, OpenTelemetry service name), which would give every child the same one. Over that, and winning
+where they differ: what the launcher sets for the whole stack (`COLLM_NATS_URL`, `COLLM_REDIS_URL`,
+`COLLM_REDIS_PREFIX`, `COLLM_LOG_JSON`, from its options, whose defaults come from the same variables
+where `collm` reads them), `StackConfig.env`, `StackConfig.service_env[service]`, and last each child's
+own (`COLLM_REPLICA_ID`, `COLLM_MODEL`, `COLLM_TORCH_THREADS`, `COLLM_DATA_DIR`, `COLLM_METRICS_PORT`,
+`COLLM_COORDINATOR_POLICY`, the gateway's `COLLM_HOST`, `COLLM_PORT`, `COLLM_BASE_MODEL`). An inherited
+`COLLM_*` variable that the launcher overrides is named in its log at start (never its value).
+
 Observability: with `metrics_port_base` set, every service but the gateway gets its own Prometheus port
 (`COLLM_METRICS_PORT`; the gateway serves `/metrics` on its HTTP port), listed by `metrics_urls()`; with
 `otlp_endpoint` set, every service exports its spans over OTLP/HTTP there (`OTEL_EXPORTER_OTLP_ENDPOINT`,
@@ -38,6 +49,17 @@ from collm_ops.servers import ServerProcess, free_port, port_open, start_nats, s
 from collm_replica.naming import served_name
 
 SERVICE_ORDER = ("aggregator", "coordinator", "replica", "gateway")
+# Variables that name one process: never inherited (the launcher sets them per child, or leaves them unset).
+PER_PROCESS = frozenset(
+    {
+        "COLLM_METRICS_PORT",
+        "COLLM_REPLICA_ID",
+        "COLLM_DATA_DIR",
+        "COLLM_HOST",
+        "COLLM_PORT",
+        "OTEL_SERVICE_NAME",  # each service names itself; one inherited name would merge them all in Jaeger
+    }
+)
 COLORS = {"aggregator": 35, "coordinator": 36, "replica": 32, "gateway": 33, "launcher": 37}
 
 
@@ -116,6 +138,8 @@ class Stack:
         # Child name -> its Prometheus port (services started with COLLM_METRICS_PORT).
         self.metrics_ports: dict[str, int] = {}
         self._next_metrics_port = config.metrics_port_base
+        # Inherited COLLM_* variables that some child gets with another value (named once at start).
+        self.overridden_env: set[str] = set()
 
     # --- logging -------------------------------------------------------------------------------------
     def log(self, name: str, line: str) -> None:
@@ -179,10 +203,10 @@ class Stack:
         return urls
 
     def _env(self, service: str, extra: dict[str, str]) -> dict[str, str]:
+        """The environment of one child (precedence: module docstring)."""
         cfg = self.config
-        # Inherited: everything but COLLM_* (the launcher sets those) and OTEL_SERVICE_NAME (each
-        # service names itself; one inherited name would merge them all in Jaeger).
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COLLM_") and k != "OTEL_SERVICE_NAME"}
+        inherited = {k: v for k, v in os.environ.items() if k not in PER_PROCESS}
+        env = dict(inherited)
         env.update(
             {
                 "COLLM_NATS_URL": cfg.nats_url,
@@ -206,6 +230,9 @@ class Stack:
         env.update(cfg.env)
         env.update(cfg.service_env.get(service, {}))
         env.update(extra)
+        self.overridden_env.update(
+            k for k in os.environ if k.startswith("COLLM_") and env.get(k) != os.environ[k]
+        )
         return env
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> Child:
@@ -231,24 +258,18 @@ class Stack:
         self.children.append(child)
         return child
 
-    def start(self) -> Stack:
+    def child_envs(self) -> list[tuple[str, str, dict[str, str]]]:
+        """(name, module, environment) of every service child, in start order. Assigns metrics ports:
+        call it once per start."""
         cfg = self.config
-        t0 = time.monotonic()
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        self._ensure_servers()
+        out: list[tuple[str, str, dict[str, str]]] = []
         if cfg.with_aggregator:
-            self._spawn(
-                "aggregator", "collm_aggregator", self._env("aggregator", self._metrics_port("aggregator"))
+            out.append(
+                ("aggregator", "collm_aggregator", self._env("aggregator", self._metrics_port("aggregator")))
             )
         if cfg.with_coordinator:
-            self._spawn(
-                "coordinator",
-                "collm_coordinator",
-                self._env(
-                    "coordinator",
-                    {"COLLM_COORDINATOR_POLICY": cfg.coordinator_policy, **self._metrics_port("coordinator")},
-                ),
-            )
+            extra = {"COLLM_COORDINATOR_POLICY": cfg.coordinator_policy, **self._metrics_port("coordinator")}
+            out.append(("coordinator", "collm_coordinator", self._env("coordinator", extra)))
         for spec in cfg.replicas:
             name = f"replica-{spec.replica_id}"
             extra = {
@@ -259,19 +280,27 @@ class Stack:
                 **self._metrics_port(name),
                 **spec.env,
             }
-            self._spawn(name, "collm_replica", self._env("replica", extra))
-        self._spawn(
-            "gateway",
-            "collm_gateway",
-            self._env(
-                "gateway",
-                {
-                    "COLLM_HOST": cfg.gateway_host,
-                    "COLLM_PORT": str(cfg.gateway_port),
-                    "COLLM_BASE_MODEL": served_name(cfg.model),
-                },
-            ),
-        )
+            out.append((name, "collm_replica", self._env("replica", extra)))
+        gateway = {
+            "COLLM_HOST": cfg.gateway_host,
+            "COLLM_PORT": str(cfg.gateway_port),
+            "COLLM_BASE_MODEL": served_name(cfg.model),
+        }
+        out.append(("gateway", "collm_gateway", self._env("gateway", gateway)))
+        return out
+
+    def start(self) -> Stack:
+        cfg = self.config
+        t0 = time.monotonic()
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self._ensure_servers()
+        for name, module, env in self.child_envs():
+            self._spawn(name, module, env)
+        if self.overridden_env:
+            self.log(
+                "launcher",
+                f"set by the launcher, not as inherited: {', '.join(sorted(self.overridden_env))}",
+            )
         try:
             self.wait_ready(deadline_s=t0 + cfg.ready_timeout_s)
         except BaseException:

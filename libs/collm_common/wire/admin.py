@@ -1,8 +1,10 @@
 """Aggregator admin endpoints (`subjects.aggregator(verb)`): status, round records, rollback, import.
 
 Every request gets either its reply type or an error reply (`ErrorReply`, code in the headers):
-400 bad request, 404 unknown adapter/version/round, 409 conflict (a concurrent publication), 422 an
-adapter that cannot be imported (with the reason), 500 otherwise.
+400 bad request, 403 an import path outside the import roots or not readable, 404 unknown
+adapter/version/round or an import path that names nothing, 409 conflict (a concurrent publication; an
+import whose LoRA spec or base model differs from the adapter's), 422 an adapter that cannot be imported
+(with the reason), 500 otherwise.
 
 | verb       | request            | reply              |
 |------------|--------------------|--------------------|

@@ -80,6 +80,7 @@ from collm_common.wire.rounds import (
     RoundPlan,
 )
 
+from .lead import PublishLead
 from .records import RoundRecords
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class RoundDeps:
     strategy: Strategy
     eval_replicas: Callable[[str, Sequence[str]], Awaitable[list[str]]]
     on_final: Callable[[int], None] = lambda _rid: None
+    lead: PublishLead = field(default_factory=PublishLead)
 
 
 @dataclass
@@ -259,6 +261,10 @@ class RoundRunner:
     async def _finish(self) -> None:
         await self._announce()
         m = self.machine
+        closed, ended = m.timeline.get(Phase.AGGREGATING.value), m.timeline.get(m.phase.value)
+        if m.phase in (Phase.PUBLISHED, Phase.HELD_BACK) and closed is not None and ended is not None:
+            self.deps.lead.observe(m.adapter, ended - closed)
+        await self._drop_blobs()
         metrics.ROUNDS.labels(m.adapter, m.phase.value).inc()
         for phase, nxt in zip(list(m.timeline), list(m.timeline)[1:], strict=False):
             metrics.PHASE_SECONDS.labels(phase).observe(max(0.0, m.timeline[nxt] - m.timeline[phase]))
@@ -267,6 +273,20 @@ class RoundRunner:
             extra={"round_id": self.round_id, "adapter": m.adapter, "state": m.phase.value},
         )  # fmt: skip
         self.deps.on_final(self.round_id)
+
+    async def _drop_blobs(self) -> None:
+        """Delete the update and candidate blobs of the finished round (a published version has its own
+        blob): at one blob per participant and round they would otherwise fill Redis until their TTL.
+        Late updates stay: one may be carried into the adapter's next round. Best effort."""
+        records = self.deps.records
+        try:
+            keys = [r.update.blob_key for r in await records.updates(self.round_id) if not r.late]
+            cand = await records.candidate(self.round_id)
+            keys += [cand[0]] if cand else []
+            keys.append(self.deps.store.update_key(self.round_id, CANDIDATE_ID))
+            await self.deps.store.delete_updates(keys)
+        except Exception as exc:  # noqa: BLE001 - they expire with their TTL anyway
+            log.warning("round %s: its update blobs were not deleted: %s", self.round_id, exc)
 
     async def _run(self, tracer: trace.Tracer) -> None:
         m = self.machine
@@ -362,6 +382,10 @@ class RoundRunner:
 
     async def _start_participants(self) -> None:
         s = self.deps.settings
+        deadline = self.plan.deadline_unix_s
+        lead_s = self.deps.lead.lead_s(self.plan.adapter, deadline - self.machine.opened_unix_s)
+        if lead_s > 0:
+            log.info("round %s: participants send %.1f s before the deadline", self.round_id, lead_s)
 
         async def start(p: Any) -> None:
             cmd = StartTraining(
@@ -370,7 +394,7 @@ class RoundRunner:
                 learning_rate=p.learning_rate,
                 base_version=self.plan.base_version,
                 round_id=self.round_id,
-                deadline_unix_s=self.plan.deadline_unix_s,
+                deadline_unix_s=deadline - lead_s,  # the rest of the round: aggregate, evaluate, publish
             )
             subject = subjects.replica(p.replica_id, "control")
             try:

@@ -28,19 +28,29 @@ from typing import Any
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from safetensors import SafetensorError
 
 from collm_aggregator import metrics
+from collm_aggregator.imports import import_status, reference_shapes
+from collm_aggregator.lead import PublishLead
 from collm_aggregator.planner import PlanConfig, PlanDraft, ReplicaView, Skip, default_plans, eligible
 from collm_aggregator.runner import RoundDeps, RoundRunner
 from collm_aggregator.settings import AggregatorSettings
 from collm_aggregator.strategies import make_strategy
 from collm_aggregator.validation import NOT_PARTICIPANT, SENDER_MISMATCH, UNKNOWN_ROUND, Rejection
 from collm_common import subjects
-from collm_common.adapter_io import AdapterImportError, check_shapes, import_peft_dir, same_base_model
+from collm_common.adapter_io import (
+    AdapterImportError,
+    check_base_dims,
+    check_shapes,
+    import_peft_dir,
+    same_base_model,
+    shown,
+)
 from collm_common.bus import Bus, BusError, MicroService, ServiceFailure
 from collm_common.clock import Clock
 from collm_common.lora import decode_adapter, encode_adapter
-from collm_common.store import AdapterStore, Conflict, NotFound, StoreError, VersionRecord
+from collm_common.store import AdapterStore, Conflict, NotFound, StoreError, VersionRecord, version_id
 from collm_common.streams import ensure_streams
 from collm_common.wire import WireError, decode
 from collm_common.wire.adapters import AdapterPublished
@@ -103,6 +113,11 @@ class Aggregator:
         self.instance_id = instance_id or uuid.uuid4().hex[:8]
         self.records = RoundRecords(store.r, settings.redis_prefix, settings.rounds_kept)
         self.strategy = make_strategy(settings.strategy, settings.clip_norm)
+        self.lead = PublishLead(
+            initial_s=settings.publish_lead_initial_s,
+            fixed_s=settings.publish_lead_s,
+            max_frac=settings.publish_lead_max_frac,
+        )
         self.started_unix_s = clock.now()
         self.runners: dict[int, RoundRunner] = {}
         self.replicas: dict[str, ReplicaView] = {}
@@ -177,6 +192,7 @@ class Aggregator:
             strategy=self.strategy,
             eval_replicas=self.eval_replicas,
             on_final=self._round_done,
+            lead=self.lead,
         )
 
     async def _resume(self) -> None:
@@ -634,14 +650,22 @@ class Aggregator:
         return version_info(rec)
 
     async def import_adapter(self, req: ImportAdapter, _headers: Mapping[str, str]) -> AdapterVersionInfo:
+        """A PEFT directory as the next version of `req.adapter` (statuses: `collm_aggregator.imports`)."""
         try:
             subjects.check_token(req.adapter, "adapter name")
         except ValueError as exc:
             raise ServiceFailure(400, str(exc)) from None
         path = Path(req.path).expanduser()
         roots = [Path(r).expanduser().resolve() for r in self.settings.import_roots]
-        if roots and not any(path.resolve().is_relative_to(r) for r in roots):
-            raise ServiceFailure(403, f"{path} is outside the import roots {[str(r) for r in roots]}")
+        if roots:
+            try:
+                resolved = path.resolve()
+            except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+                raise ServiceFailure(404, f"{shown(path)} does not exist ({exc})") from None
+            if not any(resolved.is_relative_to(r) for r in roots):
+                raise ServiceFailure(
+                    403, f"{shown(path)} is outside the import roots {[str(r) for r in roots]}"
+                )
         current = await self.store.current(req.adapter)
         expected_shapes = None
         current_spec = None
@@ -649,13 +673,15 @@ class Aggregator:
         if current is not None:
             try:
                 cur = decode_adapter(await self.store.get_blob(req.adapter, current))
-            except StoreError as exc:
+            except (StoreError, ValueError, KeyError, SafetensorError) as exc:
                 raise ServiceFailure(409, f"current version of {req.adapter} is unreadable: {exc}") from None
             expected_shapes = {k: tuple(v.shape) for k, v in cur.tensors.items()}
             current_spec = cur.spec
             if base_model and cur.base_model and not same_base_model(base_model, cur.base_model):
                 raise ServiceFailure(
-                    422, f"{req.adapter} is trained on {cur.base_model!r}, not {base_model!r}"
+                    409,
+                    f"{req.adapter} is trained on {cur.base_model!r}, not {base_model!r}; "
+                    "import it under a new adapter name",
                 )
             base_model = base_model or cur.base_model or None
         s = self.settings
@@ -668,22 +694,31 @@ class Aggregator:
                 max_rank=s.max_import_rank,
             )
         except AdapterImportError as exc:
-            raise ServiceFailure(422, f"cannot import {path}: {exc}") from None
+            raise ServiceFailure(import_status(exc), f"cannot import {shown(path)}: {exc}") from None
         if current_spec is not None and weights.spec != current_spec:
             raise ServiceFailure(
-                422,
+                409,
                 f"LoRA spec {weights.spec.to_json()} differs from {req.adapter}'s {current_spec.to_json()}; "
                 "import it under a new adapter name",
             )
-        if expected_shapes is not None:
-            try:
-                check_shapes({k: tuple(v.shape) for k, v in weights.tensors.items()}, expected_shapes)
-            except AdapterImportError as exc:
-                raise ServiceFailure(
-                    422, f"cannot import {path} as a version of {req.adapter}: {exc}"
-                ) from None
         if not weights.base_model:
             raise ServiceFailure(422, "the adapter names no base model; pass base_model")
+        # The shapes a version must have: the current version's (same names and shapes), else the base
+        # model's layer shapes as another adapter on it shows them (any rank).
+        shapes = {k: tuple(v.shape) for k, v in weights.tensors.items()}
+        if expected_shapes is not None and current is not None:
+            reference = (version_id(req.adapter, current), expected_shapes)
+            check = check_shapes
+        else:
+            reference = await reference_shapes(self.store, weights.base_model, req.adapter)
+            check = check_base_dims
+        if reference is not None:
+            try:
+                check(shapes, reference[1])
+            except AdapterImportError as exc:
+                raise ServiceFailure(
+                    422, f"cannot import {shown(path)}: {exc} (compared with {reference[0]})"
+                ) from None
         blob = encode_adapter(weights)
         try:
             rec = await self.store.publish(

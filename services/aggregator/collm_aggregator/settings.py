@@ -89,6 +89,21 @@ class AggregatorSettings(CommonSettings):
     publish_without_eval: bool = Field(
         False, description="Publish when no replica could evaluate (default: hold back, the safe choice)."
     )
+    # When participants send.
+    publish_lead_s: float | None = Field(
+        None,
+        ge=0,
+        description="Participants get a deadline this much earlier than the round's, so that aggregation, "
+        "the candidate's evaluation and the publication fit before the round's deadline (the collection "
+        "still waits until the round's deadline). None: measured, 1.25 x the longest close-to-publication "
+        "time of the adapter's last 5 rounds (publish_lead_initial_s before any); 0: none.",
+    )
+    publish_lead_initial_s: float = Field(
+        5.0, ge=0, description="The measured lead before any round has published."
+    )
+    publish_lead_max_frac: float = Field(
+        0.25, ge=0, le=1, description="The lead is at most this fraction of the round (opening to deadline)."
+    )
     # Control of participants.
     control_timeout_s: float = Field(
         5.0, gt=0, description="Timeout of one StartTraining request to a replica."

@@ -6,7 +6,7 @@ The aggregator stays the one writer of adapter versions: `load` asks it to impor
 adapter metadata (the owner tenant) and the listing:
 
 * **load** (`POST /v1/load_lora_adapter`, vLLM's request shape): an unknown name becomes a new adapter
-  at v1; a loaded name gets a new version (same LoRA spec and shapes, else 422); a name unloaded
+  at v1; a loaded name gets a new version (same LoRA spec, else 409; same shapes, else 422); a name unloaded
   before is loaded again, its numbering continuing (never reused). The owner is set *before* the
   import, so a tenant's adapter is never visible as shared, not even for a moment; when the import is
   refused, the owner and the listing are put back as they were (after a timeout they are kept: the

@@ -6,7 +6,8 @@ micro service, and undoes all of it on shutdown. Every `/v1/` request is authent
 API keys, tenants, rate limits), then its body size is checked (limits.py); the admin routes
 (api/admin.py) need an admin key. Every error leaves as the OpenAI envelope: validation errors become
 400 (not FastAPI's 422), Starlette's own errors (404 route, 405, 413 body) keep their status, anything
-unexpected is a 500 without internals.
+unexpected is a 500 without internals. The OpenAPI document (`/openapi.json`) declares exactly that, per
+route (api/responses.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from collm_common.wire.adapters import AdapterPublished
 from collm_gateway import __version__, micro
 from collm_gateway.adapter_admin import AdapterAdmin
 from collm_gateway.api import admin, chat, completions, health, models
+from collm_gateway.api.responses import document as openapi_document
+from collm_gateway.api.responses import errors
 from collm_gateway.auth import Authenticator, AuthMiddleware
 from collm_gateway.catalog import ModelCatalog
 from collm_gateway.cluster import ClusterView
@@ -166,7 +169,9 @@ def build_app(
         version=__version__,
         description="OpenAI-compatible API of CoLLM",
         lifespan=lifespan,
+        responses=errors(500),  # any route, on an unexpected error (install_error_handlers)
     )
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     app.state.gateway = state
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     # Added last, so it runs first: an unauthenticated request is refused before its body is read.

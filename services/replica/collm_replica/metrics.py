@@ -52,6 +52,18 @@ TPOT = Histogram(
 SWAPS = Counter(
     "collm_replica_adapter_swaps_total", "Adapter versions installed (shadow swaps)", [*LABELS, "source"]
 )
+ROUND_UPDATES = Counter(
+    "collm_replica_round_updates_total",
+    "Round updates of this replica by outcome: sent, or not sent because the adapter store stayed "
+    "unreachable until the round's deadline (not_sent_store_unreachable), the store refused the blob "
+    "(not_sent_store_error) or JetStream refused the reference (not_sent_bus)",
+    [*LABELS, "outcome"],
+)
+UPDATE_UPLOAD_RETRIES = Counter(
+    "collm_replica_update_upload_retries_total",
+    "Uploads of a round update to the adapter store retried because the store was unreachable",
+    LABELS,
+)
 
 
 VERSIONS_PER_MODEL = 8

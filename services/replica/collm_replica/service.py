@@ -22,7 +22,10 @@ Background: telemetry every `telemetry_interval_s` on `subjects.telemetry(id)`; 
 `subjects.adapter_published_all()` plus a re-read of the store's pointers at start and every
 `adapter_sync_interval_s` (events can be lost); a durable JetStream consumer of `subjects.samples(id)` that
 persists samples in `samples_dir` (`<data_dir>/samples/`) before acking; round jobs that end in
-`store.put_update` and a `LocalUpdate` on JetStream (`Nats-Msg-Id` dedupe).
+`store.put_update` and a `LocalUpdate` on JetStream (`Nats-Msg-Id` dedupe). While Redis is unreachable
+(a restart) the upload is retried with backoff until `UPDATE_SEND_MARGIN_S` before the round's deadline
+(`UPDATE_RETRY_BOUND_S` for a round without one); an update that could not be stored or announced by
+then is logged and counted as not sent (`collm_replica_round_updates_total{outcome}`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import redis.exceptions
 import torch
 from nats.micro.request import Request
 from opentelemetry import trace
@@ -84,6 +88,14 @@ request_log = logging.getLogger("collm_replica.requests")  # one line per finish
 
 SAMPLES_FILE = "collm-samples.jsonl"
 SAMPLES_SUBDIR = "samples"
+# Redis unreachable (down or restarting): an update's upload waits for it (`_store_update`).
+STORE_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError)
+# An update must be on JetStream this long before its round's deadline for the aggregator to read and
+# validate it in time: retrying the upload stops here.
+UPDATE_SEND_MARGIN_S = 0.5
+# Retrying the upload of a round without a deadline (an operator's StartTraining) stops after this long.
+UPDATE_RETRY_BOUND_S = 120.0
+ROUND_DEADLINES_KEPT = 64
 
 
 class Refusal(Exception):
@@ -175,6 +187,7 @@ class Replica:
         self._last: dict[str, float] | None = None
         self._round_role = "idle"
         self._round_id: int | None = None
+        self._round_deadlines: dict[int, float | None] = {}  # round id -> deadline (Unix s) of its job
         self._stopping = False
 
     # ================================================================================== lifecycle
@@ -571,6 +584,9 @@ class Replica:
         self._known.add(name)
         if cmd.round_id is not None:
             self._round_role, self._round_id = "participant", cmd.round_id
+            self._round_deadlines[cmd.round_id] = cmd.deadline_unix_s
+            while len(self._round_deadlines) > ROUND_DEADLINES_KEPT:  # jobs that failed never send
+                del self._round_deadlines[next(iter(self._round_deadlines))]
         return ControlReply(
             ok=True,
             message=f"training {name} from {status.base_version_id} for {cmd.token_budget} tokens",
@@ -597,11 +613,12 @@ class Replica:
         assert ev.round_id is not None and ev.weights is not None and ev.base_version is not None
         ev.weights.extra.update({"collm.replica_id": self.rid, "collm.round_id": str(ev.round_id)})
         blob = encode_adapter(ev.weights)
-        try:
-            key, sha = await self.store.put_update(ev.round_id, self.rid, blob)
-        except Conflict:
-            key, sha = self.store.update_key(ev.round_id, self.rid), sha256_hex(blob)
-            log.warning("update for round %d already stored; re-announcing it", ev.round_id)
+        deadline = self._round_deadlines.pop(ev.round_id, None)
+        stored = await self._store_update(ev.round_id, blob, deadline)
+        if stored is None:
+            self._round_role = "done"
+            return
+        key, sha = stored
         upd = LocalUpdate(
             round_id=ev.round_id,
             adapter=ev.adapter,
@@ -617,17 +634,70 @@ class Replica:
             created_unix_s=time.time(),
         )
         headers = tracing.inject({"Nats-Msg-Id": f"update-{ev.round_id}-{self.rid}"})
+        sent = False
         for attempt in range(5):
             try:
                 await self.bus.js.publish(
                     subjects.update(ev.round_id, self.rid), encode(upd), headers=headers
                 )
+                sent = True
                 break
             except Exception as exc:  # noqa: BLE001 - JetStream not ready: retry, dedupe makes it safe
                 log.warning("publishing the update of round %d failed (%s); retrying", ev.round_id, exc)
                 await asyncio.sleep(0.5 * (attempt + 1))
         self._round_role = "done"
+        if not sent:
+            metrics.ROUND_UPDATES.labels(self.rid, "not_sent_bus").inc()
+            log.error(
+                "round %d: update %s stored but not sent: JetStream refused it 5 times", ev.round_id, key
+            )
+            return
+        metrics.ROUND_UPDATES.labels(self.rid, "sent").inc()
         log.info("round %d: update %s sent (%d tokens)", ev.round_id, key, ev.num_tokens)
+
+    async def _store_update(
+        self, round_id: int, blob: bytes, deadline_unix_s: float | None
+    ) -> tuple[str, str] | None:
+        """Store an update's blob: (key, sha256), or None (logged and counted) when it could not be.
+
+        While Redis is unreachable (a restart) the upload is retried with backoff (0.1 s doubling to 1 s)
+        until `UPDATE_SEND_MARGIN_S` before the round's deadline, after which the aggregator could not
+        take the update anyway, or for `UPDATE_RETRY_BOUND_S` when the round has no deadline. The blob is
+        written once (SET NX): an attempt whose reply was lost leaves it stored, and the retry then finds
+        it and announces it."""
+        give_up_s = (
+            deadline_unix_s - UPDATE_SEND_MARGIN_S
+            if deadline_unix_s is not None
+            else time.time() + UPDATE_RETRY_BOUND_S
+        )
+        delay_s = 0.1
+        while True:
+            try:
+                return await self.store.put_update(round_id, self.rid, blob)
+            except Conflict:
+                log.warning("update for round %d already stored; announcing it", round_id)
+                return self.store.update_key(round_id, self.rid), sha256_hex(blob)
+            except STORE_UNREACHABLE as exc:
+                if time.time() + delay_s > give_up_s:
+                    metrics.ROUND_UPDATES.labels(self.rid, "not_sent_store_unreachable").inc()
+                    until = (
+                        f"until {UPDATE_SEND_MARGIN_S:g} s before the round's deadline"
+                        if deadline_unix_s is not None
+                        else f"for {UPDATE_RETRY_BOUND_S:g} s"
+                    )
+                    log.error(
+                        "round %d: update not sent: the adapter store stayed unreachable (%s) %s",
+                        round_id, exc, until,
+                    )  # fmt: skip
+                    return None
+                metrics.UPDATE_UPLOAD_RETRIES.labels(self.rid).inc()
+                log.warning("round %d: adapter store unreachable (%s); retrying the upload", round_id, exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, 1.0)
+            except Exception:
+                metrics.ROUND_UPDATES.labels(self.rid, "not_sent_store_error").inc()
+                log.exception("round %d: update not sent: the adapter store refused it", round_id)
+                return None
 
     # ================================================================================== evaluate
     async def _read_candidate(self, key: str, sha: str) -> bytes:

@@ -33,6 +33,10 @@ from collm_replica.executor import Executor, LayerPass
 from collm_replica.lora_bank import LiveLora
 
 EVAL_HEAD_ROWS = 128
+# An evaluation batch stops growing when padding would exceed this fraction of its tokens: on a CPU a
+# batch of one example is as efficient per token as a larger one, and padded tokens cost as much as real
+# ones (8 held-out examples batched to the longest one were 1.8-2.2x their real tokens).
+EVAL_PAD_FRAC = 0.125
 TRAIN_HEAD_ROWS = 128
 
 
@@ -180,7 +184,7 @@ def _run_timed(kind: str, units: int, fn: Callable[[], Any], costs: PieceCosts |
 class EvalRun:
     """A held-out evaluation in pieces: per domain, the mean response-token loss of `live` (None: the
     base model) over `items`. Batches of whole examples (up to `chunk_tokens` padded tokens, longest
-    first so that padding stays small) run as no-grad `LayerPass`es."""
+    first, with at most `EVAL_PAD_FRAC` padding) run as no-grad `LayerPass`es."""
 
     items: list[Rendered]
     live: LiveLora | None
@@ -206,13 +210,15 @@ class EvalRun:
     def _start(self, executor: Executor, pad_id: int, max_tokens: int | None = None) -> None:
         budget = min(self.chunk_tokens, max_tokens or self.chunk_tokens)
         batch: list[Rendered] = []
-        longest = 0
+        longest = real = 0
         while self.pos < len(self._order):
             r = self._order[self.pos]
-            if batch and max(longest, len(r.ids)) * (len(batch) + 1) > budget:
+            padded = max(longest, len(r.ids)) * (len(batch) + 1)
+            if batch and (padded > budget or padded - real - len(r.ids) > EVAL_PAD_FRAC * padded):
                 break
             batch.append(r)
             longest = max(longest, len(r.ids))
+            real += len(r.ids)
             self.pos += 1
         ids, mask, labels = collate(batch, pad_id)
         self._batch = batch
@@ -348,6 +354,11 @@ class TrainingJob:
         self.slot_wait_since: float | None = None  # a local refresh is waiting for a LoRA-bank slot
         self._eval: EvalRun | None = None
         self._eval_purpose = ""
+        # A round job trains at once: the aggregator scores its starting version while it trains, and
+        # its own baseline (for local refreshes and its update's report) is scored on a copy of the
+        # starting weights only when first needed, before its first periodic or its final evaluation.
+        self._start_copy: LiveLora | None = None
+        self._then = ""  # the evaluation that follows a deferred baseline
         self._pass: LayerPass | None = None  # the micro-step in progress
         self._pass_batch: list[Rendered] = []
         self._pass_ms = 0.0
@@ -358,6 +369,8 @@ class TrainingJob:
         if not self.train_items:
             self.state = "failed"
             self.message = "no local training examples for this adapter"
+        elif self.eval_items and spec.round_id is not None:
+            self._start_copy = self.live.frozen_copy()
         elif self.eval_items:
             self._start_eval("before")  # the baseline a later shadow refresh must beat
 
@@ -372,7 +385,10 @@ class TrainingJob:
         return self._pass is not None or (self._eval is not None and self._eval._pass is not None)
 
     def _start_eval(self, purpose: str) -> None:
-        self._eval = EvalRun(self.eval_items, self.live, self.cfg.eval_chunk_tokens)
+        live = self.live
+        if self._start_copy is not None:  # the deferred baseline first
+            self._then, purpose, live = purpose, "before", self._start_copy
+        self._eval = EvalRun(self.eval_items, live, self.cfg.eval_chunk_tokens)
         self._eval_purpose = purpose
 
     def due(self, deadline_margin_s: float) -> bool:
@@ -545,6 +561,10 @@ class TrainingJob:
         if purpose == "before":
             self.eval_loss_before = loss
             self.best_eval = loss
+            self._start_copy = None
+            if self._then:
+                then, self._then = self._then, ""
+                self._start_eval(then)
         elif purpose == "after":
             self.eval_loss = self.eval_loss_after = loss
             self._complete()

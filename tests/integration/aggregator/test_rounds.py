@@ -23,7 +23,7 @@ from collm_common.bus import Bus, BusError
 from collm_common.clock import WallClock
 from collm_common.lora import encode_adapter
 from collm_common.store import AdapterStore
-from collm_common.wire import decode
+from collm_common.wire import decode, encode
 from collm_common.wire.adapters import AdapterPublished
 from collm_common.wire.admin import (
     AdapterVersionInfo,
@@ -461,17 +461,55 @@ async def test_import_and_export_through_the_endpoint(cluster: Cluster, tmp_path
             ImportAdapter(adapter="fresh", path=str(tmp_path / "rank2")),
             AdapterVersionInfo,
         )
-    assert err.value.code == 422 and "spec" in err.value.message
+    assert err.value.code == 409 and "spec" in err.value.message
     with pytest.raises(BusError) as err:
         await cluster.client.request(
             subjects.aggregator("import"),
             ImportAdapter(adapter="x", path=str(tmp_path / "nothing")),
             AdapterVersionInfo,
         )
-    assert err.value.code == 422
+    assert err.value.code == 404 and "does not exist" in err.value.message
     await wait_for(
         lambda: [(p.version, p.source) for p in cluster.published] == [(1, "import"), (2, "import")], 5
     )
+
+
+async def test_bad_import_paths_get_error_replies(cluster: Cluster, tmp_path: Path) -> None:
+    """Paths that reach the aggregator only over NATS (the gateway refuses them first) or only under
+    import roots: each is an error reply with a client status and the reason, never a failure (500)."""
+    from collm_common.bus import ERROR_CODE_HEADER, ERROR_HEADER
+
+    root = tmp_path / "adapters"
+    root.mkdir()
+    export_peft_dir(tiny_adapter(seed=5), root / "ok")
+    (root / "loop").symlink_to(root / "loop")
+    await cluster.start_aggregator(import_roots=[str(root)])
+
+    async def refused(path: str) -> BusError:
+        raw = await cluster.client.nc.request(
+            subjects.aggregator("import"), encode(ImportAdapter(adapter="x", path=path)), timeout=5
+        )
+        assert raw.headers and raw.headers[ERROR_HEADER], raw.headers  # an error reply, with the reason
+        with pytest.raises(BusError) as err:
+            await cluster.client.request(
+                subjects.aggregator("import"), ImportAdapter(adapter="x", path=path), AdapterVersionInfo
+            )
+        assert raw.headers[ERROR_CODE_HEADER] == str(err.value.code)
+        return err.value
+
+    err = await refused(str(root / "loop"))  # resolving it for the roots check meets the loop
+    assert err.code == 404 and "does not exist" in err.message
+    err = await refused(str(root / ("x" * 300)))  # a name longer than the file system allows
+    assert err.code == 404 and "File name too long" in err.message
+    err = await refused(str(root / "ok" / "adapter_config.json"))
+    assert err.code == 422 and "is a file, not a PEFT adapter directory" in err.message
+    err = await refused(str(tmp_path))
+    assert err.code == 403 and "outside the import roots" in err.message
+    assert await cluster.store.list_adapters() == []
+    info = await cluster.client.request(
+        subjects.aggregator("import"), ImportAdapter(adapter="x", path=str(root / "ok")), AdapterVersionInfo
+    )
+    assert info.version_id == "x@v1"
 
 
 def test_outcome_schema_roundtrip() -> None:
@@ -688,3 +726,27 @@ async def test_built_in_plan_asks_a_replica_to_create_a_missing_adapter(cluster:
     assert (cmd.adapter, cmd.round_id, cmd.base_version) == ("fresh", None, None)
     st = await cluster.client.request(subjects.aggregator("status"), StatusRequest(), AggregatorStatus)
     assert st.active == [] and st.last_round_id == 0  # no round was opened for a missing adapter
+
+
+async def test_participants_send_early_enough_for_the_version_to_serve_by_the_deadline(
+    cluster: Cluster,
+) -> None:
+    """Participants get the round's deadline less the publish lead: the initial lead (capped by a
+    fraction of the round) before any publication, then the measured close-to-publication time."""
+    await cluster.seed_v1()
+    await cluster.start_aggregator(publish_lead_initial_s=5.0, publish_lead_max_frac=0.25)
+    a, b = await cluster.add("r0"), await cluster.add("r1")
+    first = await cluster.open(["r0", "r1"], quorum=2, deadline_s=10.0)
+    out = await cluster.wait_final(first.round_id)
+    assert out.state == "published", out.reason
+    deadline = first.deadline_unix_s
+    assert a.started[0].deadline_unix_s == pytest.approx(deadline - 2.5)  # 5 s, capped at 25% of 10 s
+    # The round's update and candidate blobs are gone once it ended; the new version keeps its own.
+    store = cluster.store
+    assert await store.r.keys(f"{store.prefix}:update:{first.round_id}:*") == []
+    assert await store.get_blob(ADAPTER, 2)
+    took_s = out.timeline["published"] - out.timeline["aggregating"]
+    second = await cluster.open(["r0", "r1"], quorum=2, deadline_s=60.0)
+    assert (await cluster.wait_final(second.round_id)).state == "published"
+    lead_s = second.deadline_unix_s - b.started[1].deadline_unix_s
+    assert lead_s == pytest.approx(1.25 * took_s, abs=1e-3)

@@ -58,7 +58,8 @@ def test_headline_runs_each_policy_on_a_fresh_stack(tmp_path: Path) -> None:
     block = tr["rates"]["light"]
     assert list(tr["rates"]) == ["light"] and block["n_requests"] == 5 and block["given"]
     assert block["plan"]["requests"] == 5
-    for policy in ("collm", "separate"):
+    phases = ["stack_start", "connect", "v1", "resident", "gateway_models", "arrivals", "drain"]
+    for i, policy in enumerate(("collm", "separate")):
         live = block["runs"][policy]["live"]
         # The stack ran the policy asked for, with its co-scheduler, and replayed the whole plan.
         assert live["coordinator_policy"] == policy and live["coscheduler"] == "slo"
@@ -69,6 +70,17 @@ def test_headline_runs_each_policy_on_a_fresh_stack(tmp_path: Path) -> None:
         run = json.loads((Path(live["run_dir"]) / "result.json").read_text())
         assert set(run["base_losses"]) == {"math", "medical"}
         assert all(v > 0 for v in run["base_losses"].values())
+        # The base loss is measured by the first run only (after its replay) and reused by the others.
+        assert run["base_losses_measured"] == (i == 0)
+        assert run["base_losses"] == results["base_losses"]["losses"]
+        # Every step of the run is timed, in order; the arrivals end at the plan's last arrival.
+        want = (
+            [*phases, "base_loss", "read_out", "stack_stop"]
+            if i == 0
+            else [*phases, "read_out", "stack_stop"]
+        )
+        assert list(live["phases_s"]) == want and all(v >= 0 for v in live["phases_s"].values())
+        assert live["phases_s"]["arrivals"] == pytest.approx(block["plan"]["last_arrival_s"], abs=0.5)
         assert (Path(live["run_dir"]) / "requests.jsonl").is_file()
         assert (Path(live["run_dir"]) / "stack.log").stat().st_size > 0
     assert block["compare"]["goodput_ratio"]["separate"] is not None

@@ -304,7 +304,7 @@ def _structures() -> st.SearchStrategy[Any]:
     leaves = (
         st.none()
         | st.booleans()
-        | st.integers()
+        | st.integers(min_value=-(2**63), max_value=2**64 - 1)  # what msgpack can encode
         | st.floats()
         | st.text(max_size=20)
         | st.binary(max_size=20)

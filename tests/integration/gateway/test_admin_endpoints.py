@@ -129,9 +129,9 @@ async def test_load_versions_rollback_unload_through_http(gw, store, replica_bus
     assert resp.status_code == 200, resp.text
     v2 = resp.json()
     assert (v2["version"], v2["parent"], v2["owner"]) == (2, 1, "acme") and v2["sha256"] != v1["sha256"]
-    # a different LoRA spec cannot be a version of it
+    # a different LoRA spec cannot be a version of it: it conflicts with what the name holds
     resp = await post(gw, "/v1/load_lora_adapter", {"lora_name": "med", "lora_path": str(peft_dirs["rank8"])})
-    assert assert_envelope(resp, 422, "invalid_adapter")["param"] == "lora_path"
+    assert assert_envelope(resp, 409, "conflict")["param"] == "lora_path"
 
     # versions: digests, created times, quality records (written by the aggregator's evaluation gate)
     await store.record_quality("med", 1, {"medical": 2.5})
@@ -198,8 +198,8 @@ async def test_failed_loads_leave_nothing_behind(gw, store, peft_dirs, tmp_path)
         "/v1/load_lora_adapter",
         {"lora_name": "ghost", "lora_path": str(tmp_path / "none"), "tenant": "acme"},
     )
-    err = assert_envelope(resp, 422, "invalid_adapter")
-    assert "not a directory" in err["message"]
+    err = assert_envelope(resp, 404, "not_found")
+    assert "does not exist" in err["message"] and err["param"] == "lora_path"
     assert "ghost" not in await store.list_adapters() and await store.meta("ghost") == {"tenant": ""}
     resp = await post(gw, "/v1/load_lora_adapter", {"lora_name": "bad name", "lora_path": "/x"})
     assert assert_envelope(resp, 400)["param"] == "lora_name"
@@ -221,8 +221,104 @@ async def test_failed_loads_leave_nothing_behind(gw, store, peft_dirs, tmp_path)
         "/v1/load_lora_adapter",
         {"lora_name": "common", "lora_path": str(peft_dirs["rank8"]), "tenant": "globex"},
     )
-    assert_envelope(resp, 422)
+    assert_envelope(resp, 409, "conflict")
     assert "common" in await model_ids(gw, ACME)
+
+
+def bad_peft_dirs(root: Path, good: Path) -> dict[str, Path]:
+    """Directories that are not a LoRA adapter the tiny base model can serve, each broken in one way."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    cfg = json.loads((good / "adapter_config.json").read_text())
+    blob = (good / "adapter_model.safetensors").read_bytes()
+
+    def variant(
+        name: str, weights: dict[str, torch.Tensor] | None = None, config: dict | None = None
+    ) -> Path:
+        d = root / name
+        shutil.copytree(good, d)
+        if weights is not None:
+            save_file(weights, str(d / "adapter_model.safetensors"))
+        if config is not None:
+            (d / "adapter_config.json").write_text(json.dumps(config))
+        return d
+
+    out = {
+        "renamed": variant(
+            "renamed", {k.replace("base_model.model.model.", "encoder."): v for k, v in tensors.items()}
+        ),
+        # every layer 8 features wider than the tiny model's: consistent, but not this base model's layers
+        "wider": variant(
+            "wider",
+            {
+                k: torch.ones(v.shape[0], v.shape[1] + 8)
+                if "lora_A" in k
+                else torch.ones(v.shape[0] + 8, v.shape[1])
+                for k, v in tensors.items()
+            },
+        ),
+        "not-lora": variant("not-lora", config={**cfg, "peft_type": "PREFIX_TUNING"}),
+        "full-weights": variant("full-weights", {"model.layers.0.self_attn.q_proj.weight": torch.ones(4, 4)}),
+    }
+    out["corrupt"] = variant("corrupt")
+    (out["corrupt"] / "adapter_model.safetensors").write_bytes(blob[: len(blob) // 2])
+    out["garbage"] = variant("garbage")
+    (out["garbage"] / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    out["no-weights"] = variant("no-weights")
+    (out["no-weights"] / "adapter_model.safetensors").unlink()
+    (root / "loop").symlink_to(root / "loop")
+    out["loop"] = root / "loop"
+    return out
+
+
+async def test_bad_adapter_directories_get_client_errors(gw, store, peft_dirs, tmp_path) -> None:
+    """Each way a PEFT directory can be unusable gets its status and the reason in the OpenAI error
+    envelope (never the aggregator's 500 as a 502), and leaves no adapter behind."""
+    bad = bad_peft_dirs(tmp_path, peft_dirs["a"])
+    # An adapter on the base model, whose layers show what its shapes are.
+    resp = await post(gw, "/v1/load_lora_adapter", {"lora_name": "known", "lora_path": str(peft_dirs["a"])})
+    assert resp.status_code == 200, resp.text
+
+    async def load(name: str, path: Path | str, **extra: str) -> Any:
+        return await post(gw, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), **extra})
+
+    cases: list[tuple[Path | str, int, str, str]] = [
+        (tmp_path / "missing", 404, "not_found", "does not exist (No such file or directory)"),
+        (bad["loop"], 404, "not_found", "does not exist"),
+        (peft_dirs["a"] / "adapter_config.json" / "x", 404, "not_found", "does not exist (Not a directory)"),
+        (
+            peft_dirs["a"] / "adapter_config.json",
+            422,
+            "invalid_adapter",
+            "is a file, not a PEFT adapter directory",
+        ),
+        (bad["corrupt"], 422, "invalid_adapter", "not a readable safetensors file"),
+        (bad["garbage"], 422, "invalid_adapter", "not a readable safetensors file"),
+        (bad["no-weights"], 422, "invalid_adapter", "no adapter_model.safetensors"),
+        (bad["renamed"], 422, "invalid_adapter", "is not a LoRA A/B weight of a decoder layer"),
+        (bad["full-weights"], 422, "invalid_adapter", "is not a LoRA A/B weight of a decoder layer"),
+        (bad["not-lora"], 422, "invalid_adapter", "only LoRA adapters can be imported"),
+        (bad["wider"], 422, "invalid_adapter", "the base model's are"),
+    ]
+    for path, status, code, reason in cases:
+        err = assert_envelope(await load("fresh", path, tenant="acme"), status, code)
+        assert reason in err["message"] and err["param"] == "lora_path", (path, err)
+        assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error"), err
+    # the same broken content as a version of the known adapter: refused the same way
+    err = assert_envelope(await load("known", bad["wider"]), 422, "invalid_adapter")
+    assert "known@v1" in err["message"]
+    # what conflicts with the name: another LoRA spec, another base model
+    err = assert_envelope(await load("known", peft_dirs["rank8"]), 409, "conflict")
+    assert "spec" in err["message"]
+    err = assert_envelope(await load("known", peft_dirs["a"], base_model="another-model"), 409, "conflict")
+    assert "another-model" in err["message"]
+    assert await store.list_adapters() == ["known"] and await store.current("known") == 1
+    assert await store.meta("fresh") == {"tenant": ""}
 
 
 async def test_load_without_an_aggregator_is_503(make_gateway, peft_dirs) -> None:

@@ -31,7 +31,7 @@ from collm_common.bus import Bus
 from collm_common.clock import WallClock
 from collm_common.lora import decode_adapter, encode_adapter
 from collm_common.settings import CommonSettings
-from collm_common.store import AdapterStore
+from collm_common.store import AdapterStore, sha256_hex
 from collm_common.wire import encode
 from collm_common.wire.admin import GetRound, RoundDetail
 from collm_common.wire.rounds import LocalUpdate, ParticipantPlan, RoundOutcome, RoundPlan
@@ -154,6 +154,7 @@ class SecuredRound:
             base = decode_adapter(await sender.store.get_blob(ADAPTER, 1))
             blob = encode_adapter(sender.train(base))
             key, sha = await sender.store.put_update(round_id, sender.replica_id, blob)
+            sender.blobs[key] = blob
         else:
             key, sha = blob_of.blob_key, blob_of.sha256
         forged = LocalUpdate(
@@ -185,15 +186,14 @@ async def secured(secure_nats: SecureNats, secure_redis: SecureRedis) -> AsyncIt
 
 
 async def aggregate_of(
-    store: AdapterStore, updates: list[LocalUpdate], s: AggregatorSettings
+    store: AdapterStore, blobs: dict[str, bytes], updates: list[LocalUpdate], s: AggregatorSettings
 ) -> dict[str, Any]:
+    """The aggregate of `updates`, from the blobs their senders stored (`blobs`, by key: the store
+    deletes a round's update blobs once it ended)."""
     base = to_numpy(decode_adapter(await store.get_blob(ADAPTER, 1)))
+    assert all(sha256_hex(blobs[u.blob_key]) == u.sha256 for u in updates)
     weighted = [
-        WeightedUpdate(
-            u.replica_id,
-            to_numpy(decode_adapter(await store.get_update(u.blob_key, u.sha256))),
-            u.num_samples,
-        )
+        WeightedUpdate(u.replica_id, to_numpy(decode_adapter(blobs[u.blob_key])), u.num_samples)
         for u in updates
     ]
     return make_strategy(s.strategy, s.clip_norm).aggregate(weighted, base)
@@ -249,9 +249,10 @@ async def test_forged_and_foreign_updates_are_rejected_and_never_published(
     published = to_numpy(decode_adapter(await store.get_blob(ADAPTER, 2)))
     honest = [r0.sent[0], r1.sent[0]]
     s = secured.settings_agg
-    assert same(published, await aggregate_of(store, honest, s))
+    blobs = {**r0.blobs, **r1.blobs, **r2.blobs, **g1.blobs}
+    assert same(published, await aggregate_of(store, blobs, honest, s))
     for intruder in (forged, stranger):
-        assert not same(published, await aggregate_of(store, [*honest, intruder], s))
+        assert not same(published, await aggregate_of(store, blobs, [*honest, intruder], s))
 
     # After the round ended: a foreign update and a forged one are refused and added to its record.
     g0 = await secured.add("g0")

@@ -15,7 +15,7 @@ from collm_bench.goodput import summarize
 from collm_bench.headline import setup
 from collm_bench.headline.cli import build_parser, config_from_args, main, parse_rates
 from collm_bench.headline.config import HeadlineConfig
-from collm_bench.headline.live import Observer, parse_counter, stack_config
+from collm_bench.headline.live import Observer, Phases, parse_counter, stack_config
 from collm_bench.headline.predict import drain_cut, simulate_run, workload_spec
 from collm_bench.headline.rates import BestBaseline, grid_counts, search_rate
 from collm_bench.headline.table import compact, compare, markdown
@@ -277,6 +277,25 @@ async def test_observer_counts_rounds_in_the_window() -> None:
     for rid, state in events:
         await obs.on_round(out(rid, state), None)
     assert obs.round_counts(0.0, 60.0) == {"opened": 3, "published": 1, "held_back": 1, "aborted": 0}
+
+
+def test_phases_time_each_step_from_the_previous_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([10.0, 22.5, 23.0])
+    monkeypatch.setattr("collm_bench.headline.live.time.monotonic", lambda: next(clock))
+    ph = Phases(t=0.0)
+    ph.mark("stack_start")
+    ph.mark("v1")
+    ph.mark("read_out")
+    assert ph.seconds == {"stack_start": 10.0, "v1": 12.5, "read_out": 0.5}
+    assert ph.line() == "stack start 10.0, v1 12.5, read out 0.5 (s)"
+
+
+def test_default_run_fits_a_quarter_of_an_hour() -> None:
+    # Eight runs (two rates, four policies) of ~13 s stack start, arrivals, a full drain and ~4 s of
+    # teardown: bench/README.md (Headline) gives the measured phases behind these figures.
+    cfg = HeadlineConfig()
+    runs = len(cfg.rate_labels) * len(cfg.policies)
+    assert runs * (13 + cfg.duration_s + cfg.drain_s + 4) <= 15 * 60
 
 
 def test_parse_counter() -> None:

@@ -493,3 +493,36 @@ def test_jobs_take_turns_and_a_due_round_job_sends_in_time(tiny: LoadedModel) ->
     assert upd.num_tokens > 0 and jobs["loc"].tokens_done > 0
     # Turns at micro-step boundaries: neither job got the replica to itself.
     assert min(upd.num_tokens, jobs["loc"].tokens_done) > 0.2 * max(upd.num_tokens, jobs["loc"].tokens_done)
+
+
+def test_a_round_job_trains_first_and_scores_its_starting_point_when_needed(tiny: LoadedModel) -> None:
+    """A local job scores its starting point before it trains; a round job trains at once (the
+    aggregator pre-scores its starting version) and scores a copy of its starting weights before its
+    final evaluation, so its update still reports both losses."""
+    from collm_replica.executor import Executor
+    from collm_replica.training import TrainingJob
+
+    ex = Executor(tiny)
+    ds = dataset()
+    cfg = JobConfig(micro_tokens=32, batch_tokens=32, eval_max_examples=4)
+
+    def job(round_id: int | None) -> TrainingJob:
+        live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, "tiny", seed=3)
+        spec = JobSpec("med", "med@v1", 1, live, token_budget=64, learning_rate=1e-2, round_id=round_id)
+        return TrainingJob(spec, ex, tiny.tokenizer, ds.train, ds.eval, cfg)
+
+    local, shared = job(None), job(4)
+    assert local._next(0.0)[0].startswith("eval_")
+    assert not shared._next(0.0)[0].startswith("eval_")
+    start = {k: (a.detach().clone(), b.detach().clone()) for k, (a, b) in shared.live.params.items()}
+    while shared.active:
+        shared.step(64)
+    assert shared.steps_done > 0 and shared.finished_update
+    # The baseline is the loss of the starting weights: the same as the local job's, which scored the
+    # very same weights (same seed) before training.
+    while local.eval_loss_before is None:
+        local.step(64)
+    assert shared.eval_loss_before == pytest.approx(local.eval_loss_before, rel=1e-6)
+    assert shared.eval_loss_after is not None and shared.eval_loss_after != shared.eval_loss_before
+    moved = max(float((shared.live.params[k][1].detach() - b).abs().max()) for k, (_a, b) in start.items())
+    assert moved > 0

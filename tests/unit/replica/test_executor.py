@@ -257,3 +257,25 @@ def test_fast_eval_scores_close_to_the_model_dtype_and_leaves_training_alone(tin
     with torch.enable_grad():
         a.run_all()
     assert abs(a.loss_sum - exact.loss_sum) < 1e-3
+
+
+def test_evaluation_batches_bound_their_padding_and_score_as_one_by_one(tiny: LoadedModel) -> None:
+    from collm_replica.training import EVAL_PAD_FRAC, EvalRun, Rendered
+
+    def item(i: int, n: int) -> Rendered:
+        ids = [(7 * i + j) % 200 + 3 for j in range(n)]
+        return Rendered(f"e{i}", "d", ids, [-100] * (n // 2) + ids[n // 2 :])
+
+    items = [item(0, 100), item(1, 96), item(2, 50), item(3, 48)]
+    ex = Executor(tiny)
+    run = EvalRun(items, None, 4096)
+    padded = []
+    while not run.done:
+        padded.append(run.step(ex, 0))
+    # [100, 96] pads 4 of 200 tokens; adding 50 would pad 54 of 300 (> EVAL_PAD_FRAC): a batch of its own.
+    assert EVAL_PAD_FRAC < 54 / 300 and padded == [200, 100]
+    alone = EvalRun(items, None, 1)  # a chunk of one token: every example alone
+    while not alone.done:
+        alone.step(ex, 0)
+    assert run.per_domain()["d"] == pytest.approx(alone.per_domain()["d"], rel=1e-5)
+    assert run.tokens == alone.tokens == {"d": 50 + 48 + 25 + 24}

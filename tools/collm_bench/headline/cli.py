@@ -254,6 +254,9 @@ class Headline:
             self.datasets = setup.prepare_data(cfg, self.root / "data")
             self.builder = setup.prompt_builder(cfg, setup.token_counter(cfg.model))
         self.samples = _samples_per_replica(self.datasets, cfg)
+        # The base model's held-out loss per domain: measured by the first live run, passed to the others.
+        self.base_losses: dict[str, float] | None = None
+        self.say(f"setup (traces, data, tokenizer): {time.monotonic() - self.t_start:.1f} s")
 
     def say(self, line: str) -> None:
         self.out.write(f"[headline] {line}\n")
@@ -291,7 +294,10 @@ class Headline:
                 cache[policy, n] = simulate_run(cfg, self.cal, source, rate, slo, policy, self.samples)
             return cache[policy, n]
 
+        t_search = time.monotonic()
         choices = self.search(source, sim)
+        if choices:
+            self.say(f"rate search: {time.monotonic() - t_search:.1f} s ({len(cache)} simulations)")
         for lab in cfg.rate_labels:
             rate = cfg.rates.get(lab, choices.get(lab, {}).get("rate_rps"))
             if rate is None:
@@ -368,17 +374,21 @@ class Headline:
         t0 = time.monotonic()
         try:
             data = setup.replica_data(cfg, self.datasets, run_dir)
-            res = run_live(cfg, policy, plan, data, run_dir, self.err)
+            res = run_live(cfg, policy, plan, data, run_dir, self.err, self.base_losses)
         except (LiveRunError, OSError) as exc:
             self.failed += 1
             entry["live_error"] = str(exc)
             self.say(f"  {policy} FAILED: {exc}")
             return entry
+        if res["base_losses_measured"]:
+            self.base_losses = dict(res["base_losses"])
+            self.results["base_losses"] = {"losses": self.base_losses, "measured_in": str(run_dir)}
         keep = (
             "ft_tokens",
             "rounds",
             "stack_ready_s",
             "wall_s",
+            "phases_s",
             "coordinator_policy",
             "coscheduler",
             "run_dir",

@@ -1,9 +1,10 @@
 """Every size and knob of the headline benchmark, in one frozen dataclass (pure).
 
 The defaults fit a 2-core CPU machine in about a quarter of an hour for all runs (2 SmolLM2 replicas,
-one trace slice, two rates, four policies, 90 s of arrivals each); every field is a command-line flag,
-so a bigger machine scales up (`--replicas 8 --duration 600 --traces conv,code`). `tiny_preset` gives
-the sizes of a quick check of the whole pipeline with the tiny test model.
+one trace slice, two rates, four policies: eight runs of 106-118 s, that is a stack start of 12-17 s,
+60 s of arrivals, up to 30 s of drain and 3-8 s of teardown; bench/README.md, Headline); every field is
+a command-line flag, so a bigger machine scales up (`--replicas 8 --duration 600 --traces conv,code`).
+`tiny_preset` gives the sizes of a quick check of the whole pipeline with the tiny test model.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class HeadlineConfig:
     synthetic_output_tokens: int = 64
     # --- the replayed slice ----------------------------------------------------------------------------
     trace_start_s: float = 0.0
-    duration_s: float = 90.0
+    duration_s: float = 60.0  # arrivals per run (the slice: N = rate x duration_s trace requests)
     drain_s: float = 30.0  # after the last arrival, running requests get this long, then count as timeouts
     seed: int = 0
     input_scale: float = 0.25

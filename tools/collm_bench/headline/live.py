@@ -9,15 +9,23 @@ Per run, in order:
    separate `slo`, fixed_ratio `fixed`, leftover `leftover`, as `collm_sim.plugins` maps them), the
    gateway; it checks that the coordinator reports the policy asked for;
 2. every domain's adapter gets its v1 (a zero-B LoRA created by a replica holding the domain, exactly
-   the base model's behaviour) and is made resident on every replica; the base model's held-out loss
-   per domain is measured by the replicas holding that domain (the bounded eval set the aggregator's
-   gate also scores), so quality gains are known even for a policy that never publishes;
+   the base model's behaviour) and is made resident on every replica;
 3. the load generator replays the plan (open loop, streamed, per-request SLOs sent) while the
    coordinator plans federated rounds; telemetry and round outcomes are recorded on the side, and the
    replicas' fine-tuning token counters (Prometheus) are read before and after the replay;
-4. the summary (`collm_bench.goodput.summarize`) joins every served request with the held-out loss of
+4. the base model's held-out loss per domain, measured by the replicas holding that domain (the
+   bounded eval set the aggregator's gate also scores), so quality gains are known even for a policy
+   that never publishes: it depends only on the model, the domains' held-out data and the eval bounds
+   (v1 adds exactly zero), so a benchmark measures it in its first run and passes it to the others
+   (`base`); it is measured after the replay so that every run's steps before the replay are the same
+   (so in every run the aggregator's gate scores v1 itself when the first round collects: a
+   measurement before the replay would have left that score in the replica's evaluation cache);
+5. the summary (`collm_bench.goodput.summarize`) joins every served request with the held-out loss of
    the version that served it (published versions: the aggregator's records in the store);
-5. the stack stops (in reverse order); its logs stay in the run directory.
+6. the stack stops (in reverse order); its logs stay in the run directory.
+
+Each step's wall time is kept (`phases_s`, in order: stack start, connect, v1, resident, gateway
+models, arrivals, drain, base loss (first run only), read-out, stack stop) and logged.
 """
 
 from __future__ import annotations
@@ -65,6 +73,23 @@ REDIS_PREFIX = "headline"
 
 class LiveRunError(RuntimeError):
     pass
+
+
+@dataclass
+class Phases:
+    """Wall seconds of each step of a run, in the order they ran."""
+
+    t: float = field(default_factory=time.monotonic)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        """The step `name` ended now (it began at the previous mark)."""
+        now = time.monotonic()
+        self.seconds[name] = now - self.t
+        self.t = now
+
+    def line(self) -> str:
+        return ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in self.seconds.items()) + " (s)"
 
 
 def stack_config(
@@ -140,6 +165,10 @@ class Observer:
                 "running": t.running,
                 "queue": t.queue_len,
                 "train_busy_frac": t.train_busy_frac,
+                # What the replica's engine measured online (beside the calibration's figures).
+                "infer_busy_frac": t.infer_busy_frac,
+                "decode_step_ms": t.decode_step_ms,
+                "prefill_ms_per_token": t.prefill_ms_per_token,
                 "jobs": [
                     [j.adapter, j.state, j.round_id, j.tokens_done, j.token_budget, j.message]
                     for j in t.training_jobs
@@ -297,6 +326,8 @@ async def _drive(
     stack: Stack,
     out_dir: Path,
     progress: IO[str],
+    base: dict[str, float] | None,
+    phases: Phases,
 ) -> dict[str, Any]:
     scfg = stack.config
     bus = await Bus.connect(
@@ -310,11 +341,14 @@ async def _drive(
         seen = await coordinator_policy(bus)
         if seen != policy:
             raise LiveRunError(f"the coordinator runs policy {seen!r}, not {policy!r}")
+        phases.mark("connect")
         t_prep = obs.now()
         await create_adapters(bus, store, cfg)
+        phases.mark("v1")
         await make_resident(bus, cfg)
-        base = await base_losses(bus, cfg)
+        phases.mark("resident")
         await wait_models(stack.gateway_url, sorted(cfg.domains))
+        phases.mark("gateway_models")
         prep_s = obs.now() - t_prep
         ft_before = await read_ft_tokens(stack)
         opts = ClientOptions(
@@ -333,7 +367,17 @@ async def _drive(
             duration_s=cfg.duration_s,
         )
         replay_end = obs.now()
+        # The replay's arrivals end at the plan's last scheduled time; what follows is the drain.
+        replay_s = time.monotonic() - phases.t
+        arrivals_s = min(replay_s, plan[-1].scheduled_s if plan else 0.0)
+        phases.seconds["arrivals"] = arrivals_s
+        phases.seconds["drain"] = replay_s - arrivals_s
+        phases.t += replay_s
         ft_after = await read_ft_tokens(stack)
+        base_measured = base is None
+        if base is None:
+            base = await base_losses(bus, cfg)
+            phases.mark("base_loss")
         status: CoordinatorStatus | None = None
         with contextlib.suppress(BusError):
             status = await bus.request(
@@ -341,6 +385,7 @@ async def _drive(
             )
         table = await quality_table(store, cfg, base)
         current = {d: await store.current(d) for d in sorted(cfg.domains)}
+        phases.mark("read_out")
     finally:
         await store.close()
         await bus.close()
@@ -357,6 +402,7 @@ async def _drive(
         "rounds": obs.round_counts(replay_start, replay_end),
         "round_log": sorted(obs.rounds.values(), key=lambda r: r["round_id"]),
         "base_losses": base,
+        "base_losses_measured": base_measured,
         "quality_table": {"base": table.base, "versions": table.versions},
         "current_versions": current,
         "final_current_gain": current_gain(table, current),
@@ -388,11 +434,14 @@ def run_live(
     replica_data: dict[str, Path],
     run_dir: Path,
     progress: IO[str],
+    base: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Run `plan` against a fresh stack under `policy`; return the run's results (see `_drive`)."""
+    """Run `plan` against a fresh stack under `policy`; return the run's results (see `_drive`). `base`:
+    the base model's held-out loss per domain, measured by an earlier run (None: this run measures it)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     scfg = stack_config(cfg, policy, replica_data, run_dir)
     t0 = time.monotonic()
+    phases = Phases(t=t0)
     with (run_dir / "stack.log").open("w", encoding="utf-8") as log:
         stack = Stack(scfg, log_sink=log)
         try:
@@ -400,10 +449,16 @@ def run_live(
         except Exception as exc:
             raise LiveRunError(f"the stack did not start ({exc}); logs: {run_dir / 'stack.log'}") from exc
         ready_s = time.monotonic() - t0
+        phases.mark("stack_start")
         try:
-            out = asyncio.run(_drive(cfg, policy, plan, stack, run_dir, progress))
+            out = asyncio.run(_drive(cfg, policy, plan, stack, run_dir, progress, base, phases))
         finally:
+            phases.t = time.monotonic()
             stack.stop()
+            phases.mark("stack_stop")
+            progress.write(f"[headline] {policy} phases: {phases.line()}\n")
+            progress.flush()
+    out["phases_s"] = dict(phases.seconds)
     out["stack_ready_s"] = ready_s
     out["wall_s"] = time.monotonic() - t0
     out["run_dir"] = str(run_dir)

@@ -29,7 +29,9 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
 Fast loop, every `fast_interval_s` (fast_loop.py): each participant's share is its planned share,
 cut to 0 at once when its own SLOs are at risk (a queue, windowed attainment under the target),
 scaled down at once for all when the cluster's demand exceeds what the plan leaves (`burst`, judged on
-a 3 s mean or a large one-second spike), and raised back gradually (`share_recover_per_tick`);
+a 3 s mean or a large one-second spike), and raised back gradually (`share_recover_per_tick`); a
+replica that trains outside the plan (a round the aggregator's built-in planner or an operator opened,
+or a local job) gets the same rule toward an even split of the slack the plan leaves;
 routing weights favour replicas with slack and with the requested adapter resident; stale replicas get
 no weight. The weights reach the gateway only with `publish_weights`: with the gateway's current rule
 (a weighted random draw) its least-loaded fallback serves better (bench/README.md, Simulator).

@@ -14,7 +14,10 @@
 
 All of them plan a round for every trainable adapter every slow tick, with every eligible live replica,
 budget = share x round length x training speed (a probe budget while the speed is unknown); none uses
-the virtual queue. Stale replicas are dropped from plans and (where weights are published) routed
+the virtual queue. `fixed_ratio` and `leftover` give their fixed share to a replica training outside
+their plan too (a round the aggregator's built-in planner or an operator opened, or a local job), as a
+co-located system trains whatever job it runs; `separate` keeps its split, so its serving replicas never
+train. Stale replicas are dropped from plans and (where weights are published) routed
 around, as in every policy.
 """
 
@@ -65,6 +68,8 @@ def fixed_shares(view: ClusterView, share: float, code: ReasonCode, why: str) ->
     for rid in sorted(view.live):
         if view.plan_shares.get(rid, 0.0) > 0:
             out.append(ShareDecision(rid, round(share, 3), code, why))
+        elif rid in view.unplanned:
+            out.append(ShareDecision(rid, round(share, 3), code, f"{why}; training {view.unplanned[rid]}"))
         else:
             out.append(ShareDecision(rid, 0.0, "idle", "not training in an open round"))
     return tuple(out)

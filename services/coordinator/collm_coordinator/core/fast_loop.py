@@ -16,6 +16,14 @@ at most that, and less at once when SLOs are at risk:
   (`recovering`, then `slack`): decrease at once, increase gradually, so a burst that comes back does
   not meet replicas that already resumed full training.
 
+A replica that trains outside the plan (a running job of a round the coordinator did not plan: the
+aggregator's built-in planner or an operator opened it; or a local job) gets the same rule with a target
+instead of a plan: an even split of the slack the plan leaves at the forecast demand,
+(sum_i (1 - p_i) - D_forecast / util_cap) / n_unplanned, floored to `share_step` and at most `max_share`
+(0 when there is none). Its share is cut at once by SLO risk and bursts like a participant's and rises
+back as gradually. The coordinator's own plan comes first: the slow loop sizes it without these jobs,
+and their targets shrink as soon as it commits more.
+
 Routing. The gateway's own rule without weights is least-loaded (join the shortest queue, with a penalty
 for a non-resident adapter), and its rule with weights is a weighted random draw. Every replica runs the
 SLO-aware co-scheduler under collm, so training yields to whatever load arrives and the instantaneous
@@ -32,6 +40,7 @@ adapter load and keeps fewer distinct adapters per batch). Stale replicas get no
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from collm_coordinator.core.state import ClusterView
@@ -42,11 +51,30 @@ def _q(x: float) -> float:
     return round(max(0.0, min(1.0, x)), 3)
 
 
+def unplanned_targets(view: ClusterView) -> tuple[dict[str, float], str]:
+    """The share each replica training outside the plan aims at (module docstring), and why."""
+    cfg = view.config
+    if not view.unplanned:
+        return {}, ""
+    free = sum(1.0 - view.plan_shares.get(r, 0.0) for r in view.live)
+    slack = free - view.forecast_demand / cfg.util_cap
+    each = max(0.0, min(cfg.max_share, slack / len(view.unplanned)))
+    each = math.floor(each / cfg.share_step + 1e-9) * cfg.share_step
+    why = (
+        f"slack {max(0.0, slack):.2f} left by the plan at forecast demand {view.forecast_demand:.2f} "
+        f"over {len(view.unplanned)} replica(s) training outside it"
+    )
+    return dict.fromkeys(view.unplanned, each), why
+
+
 def collm_shares(view: ClusterView) -> tuple[list[ShareDecision], str]:
     cfg = view.config
     live = sorted(view.live)
+    extra, extra_why = unplanned_targets(view)
+    # What each replica aims at: its planned share, else its target as a replica training outside the plan.
+    target = {r: view.plan_shares.get(r, 0.0) or extra.get(r, 0.0) for r in live}
     # Replicas at risk train nothing this tick, so their whole capacity counts toward the burst check.
-    plan = {r: (0.0 if r in view.at_risk else view.plan_shares.get(r, 0.0)) for r in live}
+    plan = {r: (0.0 if r in view.at_risk else target[r]) for r in live}
     planned_total = sum(plan.values())
     free = sum(1.0 - p for p in plan.values())
     capacity = cfg.burst_util * free
@@ -59,21 +87,27 @@ def collm_shares(view: ClusterView) -> tuple[list[ShareDecision], str]:
         why = f"burst: demand {demand:.2f} > capacity {capacity:.2f} at planned shares; shares x{factor:.2f}"
     out: list[ShareDecision] = []
     for rid in live:
-        p = view.plan_shares.get(rid, 0.0)
+        p = target[rid]
         prev = view.prev_shares.get(rid, 0.0)
         risk = view.at_risk.get(rid)
-        if p <= 0:
+        outside = view.unplanned.get(rid) if view.plan_shares.get(rid, 0.0) <= 0 else None
+        aim = f"target {p:.2f} for {outside}" if outside else f"planned {p:.2f}"
+        if outside and risk:
+            out.append(ShareDecision(rid, 0.0, "slo_risk", f"{risk} (training {outside})"))
+        elif outside and p <= 0:
+            out.append(ShareDecision(rid, 0.0, "slack", f"no share for {outside}: {extra_why}"))
+        elif p <= 0:
             out.append(ShareDecision(rid, 0.0, "idle", "not training in an open round"))
         elif risk:
             out.append(ShareDecision(rid, 0.0, "slo_risk", risk))
         elif factor < 1.0:
             share = min(p * factor, prev)  # a burst never raises a share
-            out.append(ShareDecision(rid, _q(share), "burst", f"planned {p:.2f}, cut: {why}"))
+            out.append(ShareDecision(rid, _q(share), "burst", f"{aim}, cut: {why}"))
         elif prev + cfg.share_recover_per_tick < p:
             share = prev + cfg.share_recover_per_tick
-            out.append(ShareDecision(rid, _q(share), "recovering", f"rising toward planned {p:.2f}"))
+            out.append(ShareDecision(rid, _q(share), "recovering", f"rising toward {aim}"))
         else:
-            out.append(ShareDecision(rid, _q(p), "slack", f"planned {p:.2f}; {why}"))
+            out.append(ShareDecision(rid, _q(p), "slack", f"{aim}; {extra_why if outside else why}"))
     return out, why
 
 

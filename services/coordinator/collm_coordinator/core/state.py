@@ -30,6 +30,10 @@ from collm_coordinator.core.types import (
 )
 
 DONE_JOB_STATES = ("done", "stopped", "failed")
+# A job in this state trains now (a paused job waits for the replica's operator, not for a share).
+ACTIVE_JOB_STATES = ("running",)
+# Ids of finished rounds remembered, so a job still reported running for one gets no share.
+CLOSED_ROUNDS_KEPT = 4096
 
 
 @dataclass
@@ -78,6 +82,9 @@ class ClusterView:
     virtual_queue: float
     rounds: Mapping[str, ActiveRound]
     plan_shares: Mapping[str, float]
+    # Live replicas that train outside the coordinator's plan (no planned share, a running job of a
+    # round it did not plan or a local job): replica -> what it trains.
+    unplanned: Mapping[str, str]
     prev_shares: Mapping[str, float]
     versions: Mapping[str, int]
     quality: Mapping[str, AdapterQuality]
@@ -128,6 +135,8 @@ class ClusterState:
         # Samples a replica held when it last finished a round of an adapter (freshness).
         self.samples_at_last_round: dict[tuple[str, str], int] = {}
         self.shares: dict[str, float] = {}
+        # Ids of rounds seen to finish, oldest first (bounded by CLOSED_ROUNDS_KEPT).
+        self.closed_rounds: dict[int, None] = {}
         self.work_per_request_s = 0.0
         self.notes: list[str] = []
 
@@ -165,6 +174,11 @@ class ClusterState:
         self.train_rate[obs.replica_id] = rate if old is None else 0.8 * old + 0.2 * rate
 
     def ingest_round_event(self, ev: RoundEvent) -> None:
+        if ev.round_id is not None and ev.state in FINAL_ROUND_STATES:
+            # Any round, planned here or not: a job of it that telemetry still reports is not trained.
+            self.closed_rounds[ev.round_id] = None
+            while len(self.closed_rounds) > CLOSED_ROUNDS_KEPT:
+                del self.closed_rounds[next(iter(self.closed_rounds))]
         rnd = self.rounds.get(ev.adapter)
         if rnd is None:
             return
@@ -309,6 +323,30 @@ class ClusterState:
                     out[p.replica_id] = min(1.0, out[p.replica_id] + p.share)
         return out
 
+    def unplanned_training(
+        self, live: Mapping[str, ReplicaObservation], plan: Mapping[str, float]
+    ) -> dict[str, str]:
+        """Replicas without a planned share that run a training job: a round the coordinator did not
+        plan (the aggregator's built-in planner, an operator's `open_round`) or a local job. Jobs of
+        rounds seen to finish are left out (a straggler may report one until its own deadline)."""
+        out: dict[str, str] = {}
+        for rid in sorted(live):
+            if plan.get(rid, 0.0) > 0:
+                continue
+            jobs = [
+                (
+                    f"round {j.round_id} of {j.adapter}"
+                    if j.round_id is not None
+                    else f"a local job of {j.adapter}"
+                )
+                for j in live[rid].training
+                if j.state in ACTIVE_JOB_STATES
+                and (j.round_id is None or j.round_id not in self.closed_rounds)
+            ]
+            if jobs:
+                out[rid] = ", ".join(jobs)
+        return out
+
     def data_tokens(self, rid: str, adapter: str) -> float:
         """Useful local data tokens of a replica for an adapter (fresh samples count fully)."""
         cfg = self.config
@@ -366,6 +404,7 @@ class ClusterState:
             a: (self.adapter_inflight_ewma.get(a, 0.0) + 1.0) / (total + n) * n for a in domains
         }
         data = {(r, a): self.data_tokens(r, a) for r in live_ids for a in domains}
+        plan = self.plan_shares(live_ids)
         return ClusterView(
             now_s=now_s,
             config=cfg,
@@ -383,7 +422,8 @@ class ClusterState:
             at_risk=risks,
             virtual_queue=self.virtual_queue,
             rounds=dict(self.rounds),
-            plan_shares=self.plan_shares(live_ids),
+            plan_shares=plan,
+            unplanned=self.unplanned_training(live, plan),
             prev_shares=dict(self.shares),
             versions=dict(self.versions) | self._versions_from_telemetry(live),
             quality={a: self.quality_of(a) for a in domains},

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from collm_gateway.api.deps import StateDep
+from collm_gateway.api.responses import errors
 from collm_gateway.errors import no_replica
 
 router = APIRouter()
@@ -19,7 +20,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=errors(503))
 async def readyz(state: StateDep) -> dict[str, Any]:
     """200 only when NATS is connected and at least one replica reported fresh telemetry."""
     if not state.bus.connected:
@@ -30,6 +31,15 @@ async def readyz(state: StateDep) -> dict[str, Any]:
     return {"status": "ready", "replicas": fresh}
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus text exposition format.",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
+)
 async def metrics() -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

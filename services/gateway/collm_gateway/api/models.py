@@ -12,6 +12,7 @@ from fastapi import APIRouter, Path
 
 from collm_common.store import StoreError
 from collm_gateway.api.deps import PrincipalDep, StateDep
+from collm_gateway.api.responses import AUTHENTICATED, errors
 from collm_gateway.auth import can_use_adapter
 from collm_gateway.errors import unavailable
 
@@ -20,7 +21,7 @@ router = APIRouter()
 ModelId = Annotated[str, Path(min_length=1, max_length=256, description="A model id, as in requests.")]
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=errors(*AUTHENTICATED, 503))
 async def list_models(state: StateDep, principal: PrincipalDep) -> dict[str, Any]:
     s = state.settings
     try:
@@ -36,7 +37,7 @@ async def list_models(state: StateDep, principal: PrincipalDep) -> dict[str, Any
     return {"object": "list", "data": data}
 
 
-@router.get("/v1/models/{model}")
+@router.get("/v1/models/{model}", responses=errors(*AUTHENTICATED, 400, 404, 503))
 async def retrieve_model(model: ModelId, state: StateDep, principal: PrincipalDep) -> dict[str, Any]:
     ref = await state.catalog.resolve(model, principal, state.settings.retry_after_s)
     if ref.adapter is None:
