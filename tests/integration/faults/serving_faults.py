@@ -55,9 +55,18 @@ async def replica_kill(
     kill_at: list[float] = []
     live: dict[int, str | None] = {}
 
+    served_ok: dict[str, int] = {}
+
+    def count(o: Outcome) -> None:
+        if o.kind == "ok" and o.replica is not None:
+            served_ok[o.replica] = served_ok.get(o.replica, 0) + 1
+
     async def killer() -> None:
         await asyncio.sleep(kill_at_s)
-        # Kill while the victim is streaming (so that the mid-stream path is exercised every time).
+        # Kill once the victim has served a request (the load runs on both replicas: a slow replica may
+        # need longer than `kill_at_s` for its first), while it is streaming (so that the mid-stream
+        # path is exercised every time).
+        await wait_for(lambda: served_ok.get(victim, 0) > 0, 20, f"a request served by {victim}", 0.01)
         await wait_for(lambda: victim in live.values(), 20, f"a stream in progress on {victim}", 0.01)
         kill_at.append(time.monotonic())
         report.details["victim_exit_code"] = await asyncio.to_thread(fs.s.kill, f"replica-{victim}")
@@ -71,6 +80,7 @@ async def replica_kill(
             max_tokens=max_tokens,
             timeout_s=CLIENT_TIMEOUT_S,
             live=live,
+            on_outcome=count,
         )
     )
     await killer()
