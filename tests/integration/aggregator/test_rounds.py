@@ -486,13 +486,17 @@ async def test_bad_import_paths_get_error_replies(cluster: Cluster, tmp_path: Pa
     await cluster.start_aggregator(import_roots=[str(root)])
 
     async def refused(path: str) -> BusError:
+        # Generous timeouts: the first import loads the adapter libraries, seconds on a busy machine.
         raw = await cluster.client.nc.request(
-            subjects.aggregator("import"), encode(ImportAdapter(adapter="x", path=path)), timeout=5
+            subjects.aggregator("import"), encode(ImportAdapter(adapter="x", path=path)), timeout=30
         )
         assert raw.headers and raw.headers[ERROR_HEADER], raw.headers  # an error reply, with the reason
         with pytest.raises(BusError) as err:
             await cluster.client.request(
-                subjects.aggregator("import"), ImportAdapter(adapter="x", path=path), AdapterVersionInfo
+                subjects.aggregator("import"),
+                ImportAdapter(adapter="x", path=path),
+                AdapterVersionInfo,
+                timeout_s=30,
             )
         assert raw.headers[ERROR_CODE_HEADER] == str(err.value.code)
         return err.value
