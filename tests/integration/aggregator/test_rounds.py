@@ -485,6 +485,18 @@ async def test_bad_import_paths_get_error_replies(cluster: Cluster, tmp_path: Pa
     (root / "loop").symlink_to(root / "loop")
     await cluster.start_aggregator(import_roots=[str(root)])
 
+    async def answers() -> bool:
+        try:
+            await cluster.client.request(subjects.aggregator("status"), StatusRequest(), AggregatorStatus)
+            return True
+        except BusError:  # "no responders" until the server has the new endpoints' subscriptions
+            return False
+
+    for _ in range(100):
+        if await answers():
+            break
+        await asyncio.sleep(0.1)
+
     async def refused(path: str) -> BusError:
         # Generous timeouts: the first import loads the adapter libraries, seconds on a busy machine.
         raw = await cluster.client.nc.request(
