@@ -7,13 +7,21 @@ previous call; the core runs each loop that is due and says when it wants to be 
 `slow_interval_s` (the first one `warmup_s` after the first tick, once telemetry has arrived). When
 both are due the slow loop runs first and the fast loop second, so a new plan's shares are already
 capped by the current load in the same tick: the fast loop always has the last word.
+
+An adapter the slow loop could not plan because it was not ready (no version known yet, or no live
+replica holding data for it) is planned at the first fast tick where it is ready, alone (the other
+adapters keep the slow cadence): an adapter created just after a slow tick does not wait a whole
+`slow_interval_s` for its first round.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from collm_coordinator.core.config import CoreConfig
 from collm_coordinator.core.policies import Policy, make_policy
-from collm_coordinator.core.state import ClusterState
+from collm_coordinator.core.slow_loop import adapters_to_plan
+from collm_coordinator.core.state import ClusterState, ClusterView
 from collm_coordinator.core.types import Decisions, Diagnostics, FastDecision, SlowDecision, TickInputs
 
 
@@ -28,6 +36,8 @@ class CoordinatorCore:
         self.last: Decisions | None = None
         self.last_fast: FastDecision | None = None
         self.last_slow: SlowDecision | None = None
+        # Adapters the last slow run skipped as not ready (see the module docstring).
+        self._waiting: frozenset[str] = frozenset()
 
     @property
     def policy(self) -> str:
@@ -65,8 +75,16 @@ class CoordinatorCore:
         view = st.view(now_s, record_history=fast_due)
 
         slow: SlowDecision | None = None
-        if slow_due:
-            slow = self._policy.slow(view)
+        catch_up = () if slow_due or not fast_due else _now_ready(view, self._waiting)
+        if slow_due or catch_up:
+            if slow_due:
+                slow = self._policy.slow(view)
+                self._next_slow_s = _next_due(self._next_slow_s, cfg.slow_interval_s, now_s)
+                self._waiting = _not_ready(view)
+            else:
+                only = {a: view.adapter_domains[a] for a in catch_up}
+                slow = self._policy.slow(replace(view, adapter_domains=only))
+                self._waiting = self._waiting - set(catch_up)
             for plan in slow.plans:
                 st.add_plan(
                     plan,
@@ -75,12 +93,11 @@ class CoordinatorCore:
                         for p in plan.participants
                     },
                 )
-            self._next_slow_s = _next_due(self._next_slow_s, cfg.slow_interval_s, now_s)
             self.last_slow = slow
             view = st.view(now_s, record_history=False)  # the fast loop sees the new plan's shares
 
         fast: FastDecision | None = None
-        if fast_due or slow_due:
+        if fast_due or slow is not None:
             fast = self._policy.fast(view)
             st.shares = {s.replica_id: s.share for s in fast.shares}
             for rid in view.stale:
@@ -111,6 +128,20 @@ class CoordinatorCore:
         )
         self.last = decisions
         return decisions
+
+
+def _not_ready(view: ClusterView) -> frozenset[str]:
+    """Adapters without a round in flight that cannot be planned yet (no version, no data holder)."""
+    ready, _ = adapters_to_plan(view)
+    planned = {a for a, _, _ in ready}
+    return frozenset(a for a in view.adapter_domains if a not in planned and a not in view.rounds)
+
+
+def _now_ready(view: ClusterView, waiting: frozenset[str]) -> tuple[str, ...]:
+    if not waiting:
+        return ()
+    ready, _ = adapters_to_plan(view)
+    return tuple(sorted(a for a, _, _ in ready if a in waiting))
 
 
 def _next_due(prev_due: float, interval_s: float, now_s: float) -> float:

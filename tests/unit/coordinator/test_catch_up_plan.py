@@ -1,0 +1,63 @@
+"""An adapter that was not ready at a slow tick gets its round as soon as it is, not a slow interval later."""
+
+from __future__ import annotations
+
+import pytest
+
+from collm_coordinator.core import AdapterVersionView, CoordinatorCore, Decisions, ReplicaObservation
+from tests.unit.coordinator.cluster import config, obs, tick
+
+pytestmark = pytest.mark.unit
+
+
+def run(policy: str, until_s: int, bank_v1_at_s: int | None, split: bool) -> dict[int, Decisions]:
+    """Tick once a second; med has v1 from the start, bank gets it at `bank_v1_at_s`. `split`: r0 holds
+    med data and r1 bank data (else both hold both). No adapter is resident (no version from telemetry)."""
+    core = CoordinatorCore(config(warmup_s=3.0, slow_interval_s=30.0), policy)
+
+    def observations(t: float) -> list[ReplicaObservation]:
+        if split:
+            return [
+                obs("r0", t, busy=0.1, domain="med", adapters=()),
+                obs("r1", t, busy=0.1, domain="bank", adapters=()),
+            ]
+        return [obs(r, t, busy=0.1, domains=("med", "bank"), adapters=()) for r in ("r0", "r1")]
+
+    out = {}
+    for t in range(until_s + 1):
+        versions = ()
+        if t == 0:
+            versions += (AdapterVersionView("med", 1),)
+        if t == bank_v1_at_s:
+            versions += (AdapterVersionView("bank", 1),)
+        d = tick(core, float(t), *observations(float(t)), adapter_versions=versions)
+        if d.slow is not None:
+            out[t] = d
+    return out
+
+
+@pytest.mark.parametrize("policy", ["collm", "separate", "fixed_ratio", "leftover"])
+def test_adapter_created_after_the_slow_tick_is_considered_at_the_next_fast_tick(policy: str) -> None:
+    slow = run(policy, 40, bank_v1_at_s=5, split=False)
+    assert sorted(slow) == [3, 5, 33]  # the catch-up at 5 leaves the slow cadence (3, 33) alone
+    first = slow[3].slow
+    assert first is not None
+    assert [p.adapter for p in first.plans] == ["med"]
+    assert "no version" in {s.adapter: s.reason for s in first.skipped}["bank"]
+    catch_up = slow[5].slow
+    assert catch_up is not None
+    # Only bank is planned off-cycle (med's round is in flight and is not planned again).
+    considered = {p.adapter for p in catch_up.plans} | {s.adapter for s in catch_up.skipped}
+    assert considered == {"bank"}, catch_up
+
+
+def test_collm_opens_the_late_adapters_round_where_there_is_capacity() -> None:
+    slow = run("collm", 10, bank_v1_at_s=5, split=True)
+    planned = {p.adapter: t for t, d in slow.items() if d.slow for p in d.slow.plans}
+    assert planned == {"med": 3, "bank": 5}
+    bank = next(p for p in slow[5].slow.plans if p.adapter == "bank")  # type: ignore[union-attr]
+    assert [p.replica_id for p in bank.participants] == ["r1"]
+
+
+def test_an_adapter_that_stays_unready_is_not_planned_off_cycle() -> None:
+    assert sorted(run("collm", 40, bank_v1_at_s=None, split=True)) == [3, 33]
