@@ -25,7 +25,7 @@ version down to every replica) against the raw size of the participants' trainin
 
     flock /tmp/collm-heavy.lock .venv/bin/python bench/federated/run_rounds.py [--rounds 5] [--model smollm2]
 
-Writes bench/results/federated/rounds_<model>_<strategy>.json and prints a table.
+Writes bench/results/federated/rounds_<model>_<strategy>[_server_lr_<x>].json and prints a table.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ class Bench:
                 **common,
                 "COLLM_DEFAULT_PLAN": "false",
                 "COLLM_STRATEGY": self.args.strategy,
+                "COLLM_SERVER_LR": self.args.server_lr,
                 "COLLM_EVAL_MAX_EXAMPLES": str(self.args.eval_examples),
                 "COLLM_EVAL_MAX_TOKENS": str(self.args.eval_max_tokens),
                 "COLLM_EVAL_PRESCORE_CURRENT": "false" if self.args.no_prescore else "true",
@@ -329,6 +330,7 @@ class Bench:
             report: dict = {
                 "model": self.args.model,
                 "strategy": self.args.strategy,
+                "server_lr": self.args.server_lr,
                 "domains": self.replicas,
                 "raw_train_bytes": raw,
                 "token_budget": self.args.token_budget,
@@ -400,6 +402,13 @@ async def _value(v):  # type: ignore[no-untyped-def]
     return v
 
 
+def float_or_none(x: str) -> float | None:
+    try:
+        return float(x)
+    except ValueError:
+        return None
+
+
 def mean(d: dict[str, float]) -> float | None:
     return sum(d.values()) / len(d) if d else None
 
@@ -455,11 +464,17 @@ def main() -> int:
     p.add_argument("--baseline-offset-s", type=float, default=10.0, help="local-only rounds open this later")
     p.add_argument("--eval-dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     p.add_argument("--strategy", default="product_svd", choices=("product_svd", "fedavg"))
+    p.add_argument(
+        "--server-lr",
+        default="1.0",
+        help="the aggregator's COLLM_SERVER_LR: a number (1 = plain averaging) or 'participants'",
+    )
     p.add_argument("--run-dir", default=None)
     args = p.parse_args()
     report = asyncio.run(Bench(args).run())
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"rounds_{args.model}_{args.strategy}.json"
+    lr = "" if float_or_none(args.server_lr) == 1.0 else f"_server_lr_{args.server_lr}"
+    out = RESULTS / f"rounds_{args.model}_{args.strategy}{lr}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -605,7 +605,7 @@ class RoundRunner:
         self, agg: dict[str, np.ndarray], updates: list[WeightedUpdate], base_np: dict[str, np.ndarray]
     ) -> None:
         try:
-            err = await asyncio.to_thread(product_error, agg, updates, base_np)
+            err = await asyncio.to_thread(product_error, agg, updates, base_np, self.deps.strategy.server_lr)
         except Exception as exc:  # noqa: BLE001 - a diagnostic only
             log.warning("round %s: product error not measured: %s", self.round_id, exc)
             return

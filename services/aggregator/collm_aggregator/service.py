@@ -112,7 +112,7 @@ class Aggregator:
         self.clock = clock
         self.instance_id = instance_id or uuid.uuid4().hex[:8]
         self.records = RoundRecords(store.r, settings.redis_prefix, settings.rounds_kept)
-        self.strategy = make_strategy(settings.strategy, settings.clip_norm)
+        self.strategy = make_strategy(settings.strategy, settings.clip_norm, settings.server_lr)
         self.lead = PublishLead(
             initial_s=settings.publish_lead_initial_s,
             fixed_s=settings.publish_lead_s,

@@ -19,6 +19,12 @@ class AggregatorSettings(CommonSettings):
     clip_norm: float | None = Field(
         None, gt=0, description="If set, each update's change from the base is clipped to this L2 norm first."
     )
+    server_lr: float | Literal["participants"] = Field(
+        1.0,
+        description="Server learning rate eta: the candidate is base + eta x (aggregate - base); 1 is plain "
+        "averaging. 'participants': eta = the number of accepted updates, so the participants' changes add "
+        "up rather than average (each domain keeps its own participant's full step; bench/federated).",
+    )
     blas_threads: int | None = Field(
         1,
         ge=1,
@@ -163,4 +169,6 @@ class AggregatorSettings(CommonSettings):
     def _check(self) -> AggregatorSettings:
         if self.default_plan_idle_s < self.default_plan_period_s:
             raise ValueError("default_plan_idle_s must be >= default_plan_period_s")
+        if self.server_lr != "participants" and not (0 < self.server_lr < float("inf")):
+            raise ValueError("server_lr must be a finite number > 0, or 'participants'")
         return self

@@ -14,6 +14,12 @@ effect of a module is `scaling * B @ A`, so the exact average of the updates is 
   per module, never O(in * out * min(in, out)).
 * `NormClipping`: a wrapper (as Flower's clipping strategies wrap an inner strategy) that scales each
   update's difference from the base version down to a maximum L2 norm before the inner strategy runs.
+* Server learning rate `eta` (FedOpt's global step, Reddi et al., ICLR 2021): the candidate is
+  `base + eta * (average - base)`; 1 is plain averaging. `"participants"` sets eta to the number of
+  updates, so the candidate adds up the participants' (sample-weighted) changes instead of averaging
+  them: with one participant per domain each domain keeps the full step its own participant took, where
+  the average gives it 1/K of it. For `product_svd` the base's product enters the stacked factors with
+  weight `1 - eta` (exact whenever the result has rank <= r, as before).
 
 Nothing here does I/O, imports torch or knows about rounds; `bench/federated/strategies_bench.py` and the
 unit tests run these functions directly.
@@ -24,11 +30,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
 Tensors = Mapping[str, np.ndarray]
+ServerLR = float | Literal["participants"]
 
 A_SUFFIX = ".lora_A.weight"
 B_SUFFIX = ".lora_B.weight"
@@ -51,6 +58,9 @@ class Strategy(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def server_lr(self) -> ServerLR: ...
 
     def aggregate(self, updates: Sequence[WeightedUpdate], base: Tensors | None) -> dict[str, np.ndarray]: ...
 
@@ -97,17 +107,46 @@ def _same_keys(updates: Sequence[WeightedUpdate]) -> list[str]:
 
 
 # --- FedAvg ---------------------------------------------------------------------------------------------
-def fedavg(updates: Sequence[WeightedUpdate]) -> dict[str, np.ndarray]:
-    """Weighted mean of every tensor independently (A and B averaged separately)."""
-    p = normalized_weights(updates)
+def server_eta(server_lr: ServerLR, updates: Sequence[WeightedUpdate]) -> float:
+    """The server learning rate of a round: a number, or the count of updates for `"participants"`."""
+    eta = float(len(updates)) if server_lr == "participants" else float(server_lr)
+    if not math.isfinite(eta) or eta <= 0:
+        raise ValueError(f"server learning rate must be finite and > 0 (got {server_lr!r})")
+    return eta
+
+
+def _base_term(eta: float, base: Tensors | None) -> Tensors | None:
+    """The base version's tensors when the server step needs them (eta != 1)."""
+    if eta == 1.0:
+        return None
+    if base is None:
+        raise ValueError("a server learning rate other than 1 needs the base version's tensors")
+    return base
+
+
+def fedavg(
+    updates: Sequence[WeightedUpdate], base: Tensors | None = None, server_lr: ServerLR = 1.0
+) -> dict[str, np.ndarray]:
+    """Weighted mean of every tensor independently (A and B averaged separately), then the server step."""
+    eta = server_eta(server_lr, updates)
+    p = normalized_weights(updates) * eta
+    b0 = _base_term(eta, base)
     out: dict[str, np.ndarray] = {}
     for k in _same_keys(updates):
         dtype = updates[0].tensors[k].dtype
         acc = np.zeros(updates[0].tensors[k].shape, dtype=np.float64)
         for pk, u in zip(p, updates, strict=True):
             acc += pk * u.tensors[k].astype(np.float64)
+        if b0 is not None:
+            acc += (1.0 - eta) * _base_tensor(b0, k, acc.shape)
         out[k] = acc.astype(dtype)
     return out
+
+
+def _base_tensor(base: Tensors, key: str, shape: tuple[int, ...]) -> np.ndarray:
+    if key not in base or base[key].shape != shape:
+        raise ValueError(f"base version has no tensor {key} of shape {shape}")
+    return base[key].astype(np.float64)
 
 
 # --- product averaging with SVD re-factorisation ------------------------------------------------------
@@ -171,9 +210,17 @@ def refactorise(
     return b_new, a_new, s
 
 
-def product_svd(updates: Sequence[WeightedUpdate], rank: int | None = None) -> dict[str, np.ndarray]:
-    """Average the products B_k A_k and re-factorise each module to `rank` (default: the input rank)."""
+def product_svd(
+    updates: Sequence[WeightedUpdate],
+    rank: int | None = None,
+    base: Tensors | None = None,
+    server_lr: ServerLR = 1.0,
+) -> dict[str, np.ndarray]:
+    """Average the products B_k A_k, take the server step from the base's product, and re-factorise each
+    module to `rank` (default: the input rank)."""
+    eta = server_eta(server_lr, updates)
     p = normalized_weights(updates)
+    b0 = _base_term(eta, base)
     _same_keys(updates)
     modules = lora_modules(updates[0].tensors)
     out: dict[str, np.ndarray] = {}
@@ -181,8 +228,13 @@ def product_svd(updates: Sequence[WeightedUpdate], rank: int | None = None) -> d
         a_list = [u.tensors[ka].astype(np.float64) for u in updates]
         b_list = [u.tensors[kb].astype(np.float64) for u in updates]
         r = rank or a_list[0].shape[0]
-        b_stack = np.hstack([pk * b for pk, b in zip(p, b_list, strict=True)])
-        a_stack = np.vstack(a_list)
+        b_parts = [eta * pk * b for pk, b in zip(p, b_list, strict=True)]
+        a_parts = list(a_list)
+        if b0 is not None:
+            b_parts.append((1.0 - eta) * _base_tensor(b0, kb, b_list[0].shape))
+            a_parts.append(_base_tensor(b0, ka, a_list[0].shape))
+        b_stack = np.hstack(b_parts)
+        a_stack = np.vstack(a_parts)
         # Typical A row norm of the participants, weighted like the updates.
         row_scale = float(sum(pk * np.linalg.norm(a, axis=1).mean() for pk, a in zip(p, a_list, strict=True)))
         if not math.isfinite(row_scale) or row_scale <= 0:
@@ -196,21 +248,30 @@ def product_svd(updates: Sequence[WeightedUpdate], rank: int | None = None) -> d
 
 # --- how far an aggregate is from the exact average ------------------------------------------------------
 def product_error(
-    aggregate: Tensors, updates: Sequence[WeightedUpdate], base: Tensors | None = None
+    aggregate: Tensors,
+    updates: Sequence[WeightedUpdate],
+    base: Tensors | None = None,
+    server_lr: ServerLR = 1.0,
 ) -> dict[str, float]:
-    """Frobenius distance between the aggregate's products and the exact average of the updates' products.
+    """Frobenius distance between the aggregate's products and the exact target: the average of the
+    updates' products (with a server learning rate eta != 1: base + eta x (average - base)).
 
-    Returns `abs` (sum over modules, as one norm), `rel_avg` (relative to the exact average's norm) and,
-    when `base` is given, `rel_delta` (relative to the norm of the average *change* from the base, which
+    Returns `abs` (sum over modules, as one norm), `rel_avg` (relative to the exact target's norm) and,
+    when `base` is given, `rel_delta` (relative to the norm of the target's *change* from the base, which
     is what a round is meant to apply). Computed from Gram matrices of the stacked factors, so it never
     forms an [out, in] matrix.
     """
-    p = normalized_weights(updates)
+    eta = server_eta(server_lr, updates)
+    p = normalized_weights(updates) * eta
+    b0 = _base_term(eta, base)
     modules = lora_modules(aggregate)
     err_sq = avg_sq = delta_sq = 0.0
     for ka, kb in modules.values():
         bs = [pk * u.tensors[kb].astype(np.float64) for pk, u in zip(p, updates, strict=True)]
         as_ = [u.tensors[ka].astype(np.float64) for u in updates]
+        if b0 is not None:
+            bs.append((1.0 - eta) * b0[kb].astype(np.float64))
+            as_.append(b0[ka].astype(np.float64))
         avg_b, avg_a = np.hstack(bs), np.vstack(as_)
         agg_b, agg_a = aggregate[kb].astype(np.float64), aggregate[ka].astype(np.float64)
         err_sq += _frob_sq_of_product(np.hstack([avg_b, -agg_b]), np.vstack([avg_a, agg_a]))
@@ -254,22 +315,30 @@ def clip_update(update: WeightedUpdate, base: Tensors, max_norm: float) -> Weigh
 
 
 # --- strategies as thin classes ----------------------------------------------------------------------------
+def _named(name: str, server_lr: ServerLR) -> str:
+    return name if server_lr == 1.0 else f"{name}(server_lr={server_lr})"
+
+
 class FedAvg:
     """Sample-weighted average of A and B separately (McMahan et al. 2017; Flower, OpenFedLLM)."""
 
-    name = "fedavg"
+    def __init__(self, server_lr: ServerLR = 1.0) -> None:
+        self.server_lr = server_lr
+        self.name = _named("fedavg", server_lr)
 
     def aggregate(self, updates: Sequence[WeightedUpdate], base: Tensors | None) -> dict[str, np.ndarray]:
-        return fedavg(updates)
+        return fedavg(updates, base, self.server_lr)
 
 
 class ProductSVD:
     """Average of B·A re-factorised to the same rank by truncated SVD (FlexLoRA, arXiv:2402.11505)."""
 
-    name = "product_svd"
+    def __init__(self, server_lr: ServerLR = 1.0) -> None:
+        self.server_lr = server_lr
+        self.name = _named("product_svd", server_lr)
 
     def aggregate(self, updates: Sequence[WeightedUpdate], base: Tensors | None) -> dict[str, np.ndarray]:
-        return product_svd(updates)
+        return product_svd(updates, base=base, server_lr=self.server_lr)
 
 
 class NormClipping:
@@ -285,6 +354,10 @@ class NormClipping:
     def name(self) -> str:
         return f"clip({self.inner.name},{self.max_norm:g})"
 
+    @property
+    def server_lr(self) -> ServerLR:
+        return self.inner.server_lr
+
     def aggregate(self, updates: Sequence[WeightedUpdate], base: Tensors | None) -> dict[str, np.ndarray]:
         if base is None:
             raise ValueError("norm clipping needs the base version's tensors")
@@ -294,9 +367,9 @@ class NormClipping:
 STRATEGIES: dict[str, type[FedAvg] | type[ProductSVD]] = {"fedavg": FedAvg, "product_svd": ProductSVD}
 
 
-def make_strategy(name: str, clip_norm: float | None = None) -> Strategy:
-    """The named strategy, wrapped in `NormClipping` when `clip_norm` is set."""
+def make_strategy(name: str, clip_norm: float | None = None, server_lr: ServerLR = 1.0) -> Strategy:
+    """The named strategy with its server learning rate, wrapped in `NormClipping` when `clip_norm` is set."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r} (choose from {sorted(STRATEGIES)})")
-    strategy: Strategy = STRATEGIES[name]()
+    strategy: Strategy = STRATEGIES[name](server_lr)
     return NormClipping(strategy, clip_norm) if clip_norm else strategy

@@ -172,3 +172,71 @@ def test_product_error_relative_to_the_change() -> None:
     ]
     e = product_error(fedavg(ups), ups, base)
     assert e["rel_delta"] >= e["rel_avg"]  # the change is smaller than the adapter itself
+
+
+# --- server learning rate -------------------------------------------------------------------------------
+def _shared_a_round(seed: int, n: int = 3) -> tuple[dict[str, np.ndarray], list[WeightedUpdate]]:
+    """A base and `n` updates that changed only B (as in a round where A barely moves): every product
+    lies in the row space of the common A, so product averaging is exact at rank r."""
+    rng = np.random.default_rng(seed)
+    base = adapter(rng, r=4, scale_b=0.1)
+    ups = []
+    for i in range(n):
+        t = {k: v.copy() for k, v in base.items()}
+        for prefix in MODS:
+            kb = f"{prefix}.lora_B.weight"
+            t[kb] = t[kb] + 0.05 * rng.standard_normal(t[kb].shape).astype(np.float32)
+        ups.append(WeightedUpdate(f"r{i}", t, float(i + 1)))
+    return base, ups
+
+
+@pytest.mark.parametrize("server_lr", [0.5, 2.0, "participants"])
+def test_server_lr_takes_the_step_from_the_base_fedavg(server_lr: float | str) -> None:
+    base, ups = _shared_a_round(7)
+    eta = len(ups) if server_lr == "participants" else server_lr
+    got = fedavg(ups, base, server_lr)  # type: ignore[arg-type]
+    avg = fedavg(ups)
+    for k in base:
+        ref = base[k].astype(np.float64) + eta * (avg[k].astype(np.float64) - base[k])
+        np.testing.assert_allclose(got[k], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("server_lr", [0.5, 2.0, "participants"])
+def test_server_lr_takes_the_step_from_the_base_product_svd(server_lr: float | str) -> None:
+    base, ups = _shared_a_round(8)
+    eta = len(ups) if server_lr == "participants" else server_lr
+    got = product_svd(ups, base=base, server_lr=server_lr)  # type: ignore[arg-type]
+    avg = average_products(ups)
+    for prefix, (ka, kb) in lora_modules(got).items():
+        b0a0 = base[kb].astype(np.float64) @ base[ka].astype(np.float64)
+        ref = b0a0 + eta * (avg[prefix] - b0a0)
+        np.testing.assert_allclose(got[kb].astype(np.float64) @ got[ka], ref, rtol=1e-4, atol=1e-4)
+    assert product_error(got, ups, base, server_lr)["rel_delta"] < 1e-4  # type: ignore[arg-type]
+    # Measured against the plain average instead, the same candidate is far off (unless eta is 1).
+    assert product_error(got, ups, base)["rel_delta"] > 0.1
+
+
+def test_participants_sums_one_update_per_domain() -> None:
+    # Equal weights, one participant each: the candidate's change is the sum of the participants' changes.
+    base, ups = _shared_a_round(9)
+    ups = [WeightedUpdate(u.replica_id, u.tensors, 1.0) for u in ups]
+    got = fedavg(ups, base, "participants")
+    for k in base:
+        ref = base[k].astype(np.float64) + sum(u.tensors[k].astype(np.float64) - base[k] for u in ups)
+        np.testing.assert_allclose(got[k], ref, rtol=1e-5, atol=1e-5)
+    # One participant: "participants" is plain averaging (the participant's own adapter).
+    one = fedavg(ups[:1], base, "participants")
+    for k in base:
+        np.testing.assert_allclose(one[k], ups[0].tensors[k], rtol=1e-6, atol=1e-6)
+
+
+def test_server_lr_is_validated_and_named() -> None:
+    base, ups = _shared_a_round(10)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="server learning rate"):
+            fedavg(ups, base, bad)
+    with pytest.raises(ValueError, match="base version"):
+        product_svd(ups, server_lr=2.0)  # the step needs the base
+    assert make_strategy("product_svd").name == "product_svd"
+    s = make_strategy("product_svd", clip_norm=2.0, server_lr="participants")
+    assert s.server_lr == "participants" and "server_lr=participants" in s.name
