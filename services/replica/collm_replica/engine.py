@@ -829,6 +829,12 @@ class Engine:
         if train_ms > 0 and job is not None:
             force = idle and not self._evals  # pending evaluations come first, even when idle
             worked = self._train_work(job, now + (step_ms + train_ms) / 1e3, force_one=force) or worked
+        # A round job past its deadline (less the margin) wraps up and sends its update whatever this
+        # iteration granted training (a zero share, no slack, training paused): the wrap-up is bounded (at
+        # most the backward of the micro-step in progress and one optimizer step), and an update held
+        # back would cost the whole round its participant.
+        for due in [j for j in self._active_jobs() if j.due(self.cfg.round_deadline_margin_s)]:
+            worked = self._train_work(due, now, force_one=False) or worked
         bg_ms = (time.perf_counter() - t_bg) * 1e3
         if bg_ms > self.longest_background_ms:
             self.longest_background_ms = bg_ms

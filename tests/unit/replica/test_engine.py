@@ -526,3 +526,28 @@ def test_a_round_job_trains_first_and_scores_its_starting_point_when_needed(tiny
     assert shared.eval_loss_after is not None and shared.eval_loss_after != shared.eval_loss_before
     moved = max(float((shared.live.params[k][1].detach() - b).abs().max()) for k, (_a, b) in start.items())
     assert moved > 0
+
+
+@pytest.mark.parametrize("why", ["zero share", "paused"])
+def test_round_job_sends_its_update_at_the_deadline_without_training_time(
+    tiny: LoadedModel, why: str
+) -> None:
+    """The co-scheduler grants no training (share 0, or training paused): the round job still wraps up at
+    its deadline (less the margin) and sends what it has, so the round does not lose its participant."""
+    events, got, on_job = round_update_catcher()
+    share = 0.0 if why == "zero share" else 1.0
+    cfg = EngineConfig(
+        round_deadline_margin_s=0.5, ft_share_default=share, job=JobConfig(micro_tokens=32, batch_tokens=64)
+    )
+    with Engine(tiny, cfg, SloAwareCoScheduler(), dataset=dataset(), on_job_event=on_job) as eng:
+        if why == "paused":
+            eng.pause_training()
+        live = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
+        deadline = time.time() + 1.5
+        spec = JobSpec("med", "med@v1", 1, live, token_budget=10**9, round_id=4, deadline_unix_s=deadline)
+        eng.start_job(spec).result(10)
+        assert got.wait(10), [e.kind for e in events]
+        sent_at = time.time()
+    upd = next(e for e in events if e.kind == "round_update")
+    assert upd.round_id == 4 and upd.num_tokens == 0 and upd.weights is not None
+    assert sent_at < deadline  # sent before the deadline, not when some later work ran
