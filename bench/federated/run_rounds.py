@@ -260,9 +260,8 @@ class Bench:
         detail = await self.bus.request(
             subjects.aggregator("round"), GetRound(round_id=round_id), RoundDetail, timeout_s=30
         )
-        up = 0
-        for u in detail.updates:
-            up += int(await self.store.r.strlen(u.update.blob_key))
+        # As the aggregator recorded each update when it arrived (the blobs are deleted when the round ends).
+        up = sum(u.size_bytes for u in detail.updates)
         down = 0
         if detail.outcome.new_version:
             rec = await self.store.get_version(detail.outcome.adapter, detail.outcome.new_version)
