@@ -266,15 +266,22 @@ class Bus:
             self._js = self.nc.jetstream()
         return self._js
 
-    async def close(self) -> None:
-        """Stop services, then drain (flushes pending publishes)."""
+    async def close(self, drain_timeout_s: float | None = None) -> None:
+        """Stop services, then drain (flushes pending publishes). With `drain_timeout_s`, a drain that
+        takes longer (a subscription whose handler was cancelled mid-message, e.g. by Ctrl-C) gives way
+        to closing the connection at once."""
         for svc in reversed(self._services):
             with contextlib.suppress(Exception):
                 await svc.stop()
         self._services.clear()
-        if not self.nc.is_closed:
-            with contextlib.suppress(Exception):
+        if self.nc.is_closed:
+            return
+        try:
+            async with asyncio.timeout(drain_timeout_s):
                 await self.nc.drain()
+        except Exception:  # noqa: BLE001 - closing anyway
+            with contextlib.suppress(Exception):
+                await self.nc.close()
 
     async def __aenter__(self) -> Bus:
         return self

@@ -140,7 +140,7 @@ async def _status_loop(args: argparse.Namespace) -> int:
                 return 0
             await asyncio.sleep(args.interval)
     finally:
-        await bus.close()
+        await bus.close(drain_timeout_s=2.0)  # Ctrl-C must quit promptly, whatever was in flight
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -135,3 +135,24 @@ async def test_subscribe_drops_malformed_and_keeps_going(nats_server) -> None:
 async def test_connect_gives_up_with_a_clear_error() -> None:
     with pytest.raises(ConnectionError, match="cannot reach NATS"):
         await Bus.connect(CommonSettings(nats_url="nats://127.0.0.1:1", nats_connect_timeout_s=0.5), "t")
+
+
+async def test_close_with_a_drain_bound_does_not_wait_for_a_stuck_handler(nats_server) -> None:
+    """A subscription whose handler never finishes (cancelled mid-message by Ctrl-C, in the CLI) would keep
+    a drain waiting for nats-py's 30 s drain timeout; a bounded close gives way to closing at once."""
+    bus = await Bus.connect(settings(nats_server.url), "t")
+    started = asyncio.Event()
+
+    async def stuck(_msg) -> None:  # noqa: ANN001
+        started.set()
+        await asyncio.Event().wait()
+
+    await bus.nc.subscribe("collm.test.stuck", cb=stuck)
+    await bus.nc.publish("collm.test.stuck", b"1")
+    await bus.nc.publish("collm.test.stuck", b"2")
+    await bus.nc.flush()
+    await asyncio.wait_for(started.wait(), 5)
+    t0 = asyncio.get_running_loop().time()
+    await bus.close(drain_timeout_s=0.5)
+    assert asyncio.get_running_loop().time() - t0 < 3.0
+    assert bus.nc.is_closed
