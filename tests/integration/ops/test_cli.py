@@ -63,7 +63,10 @@ def test_status_refreshes_until_interrupted(ops: OpsStack) -> None:
         [str(COLLM), "status", "--interval", "0.3", "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=ops.env(),
+        env={**ops.env(), "PYTHONFAULTHANDLER": "1"},
+        # As from a terminal: a test run started in the background (`make test &`) ignores SIGINT, and an
+        # ignored signal stays ignored across exec, so Ctrl-C would never reach the command.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None
@@ -72,8 +75,14 @@ def test_status_refreshes_until_interrupted(ops: OpsStack) -> None:
         assert all({r["replica_id"] for r in f["replicas"]} == {"r0", "r1"} for f in frames)
     finally:
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(10)
-    assert code == 0, proc.stderr.read().decode() if proc.stderr else ""
+        # Keep reading until it exits: frames it writes meanwhile must not fill the pipe and block it.
+        try:
+            _out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints where every thread is stuck
+            _out, err = proc.communicate(timeout=10)
+            pytest.fail(f"collm status still running 10 s after SIGINT; its threads:\n{err.decode()[-8000:]}")
+    assert proc.returncode == 0, err.decode()
 
 
 async def store_versions(ops: OpsStack) -> tuple[int | None, dict[int, str]]:
