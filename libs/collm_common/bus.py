@@ -413,8 +413,11 @@ class StreamReplies:
 
     async def next(self, timeout_s: float) -> Msg:
         """The next reply; raises NoResponders, BusError (error reply) or BusError 504 on timeout."""
+        # Not `asyncio.wait_for`: on Python 3.11 it returns the item and drops a cancellation that arrives
+        # as the item does, so a caller that cancels a stream consumer (a client gone) could keep reading.
         try:
-            raw = await asyncio.wait_for(self._queue.get(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                raw = await self._queue.get()
         except TimeoutError:
             raise BusError(504, f"{self.subject} did not answer within {timeout_s:.1f}s", "timeout") from None
         err = error_of(raw, self.subject)
