@@ -61,3 +61,22 @@ def test_collm_opens_the_late_adapters_round_where_there_is_capacity() -> None:
 
 def test_an_adapter_that_stays_unready_is_not_planned_off_cycle() -> None:
     assert sorted(run("collm", 40, bank_v1_at_s=None, split=True)) == [3, 33]
+
+
+def test_a_data_holder_appearing_waits_for_the_slow_tick() -> None:
+    """Replicas starting together report one by one: planning at the first report would leave the others
+    out, so an adapter that lacked a data holder (not a version) keeps the slow cadence."""
+    core = CoordinatorCore(config(warmup_s=3.0, slow_interval_s=30.0), "collm")
+    slow_ticks = []
+    for t in range(0, 12):
+        samples = 0 if t < 5 else 200  # r0 reports local data from t=5 on
+        versions = (AdapterVersionView("med", 1),) if t == 0 else ()
+        d = tick(
+            core,
+            float(t),
+            obs("r0", float(t), busy=0.1, samples=samples, adapters=()),
+            adapter_versions=versions,
+        )
+        if d.slow is not None:
+            slow_ticks.append(t)
+    assert slow_ticks == [3]

@@ -8,10 +8,11 @@ previous call; the core runs each loop that is due and says when it wants to be 
 both are due the slow loop runs first and the fast loop second, so a new plan's shares are already
 capped by the current load in the same tick: the fast loop always has the last word.
 
-An adapter the slow loop could not plan because it was not ready (no version known yet, or no live
-replica holding data for it) is planned at the first fast tick where it is ready, alone (the other
-adapters keep the slow cadence): an adapter created just after a slow tick does not wait a whole
-`slow_interval_s` for its first round.
+An adapter the slow loop could not plan because it had no version yet is planned at the first fast
+tick where it has one (and a live replica holds its data), alone (the other adapters keep the slow
+cadence): an adapter created just after a slow tick does not wait a whole `slow_interval_s` for its
+first round. (An adapter without a data holder waits for the slow tick: replicas starting together
+report one by one, and planning at the first report would leave the others out.)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class CoordinatorCore:
         self.last: Decisions | None = None
         self.last_fast: FastDecision | None = None
         self.last_slow: SlowDecision | None = None
-        # Adapters the last slow run skipped as not ready (see the module docstring).
+        # Adapters the last slow run skipped for lack of a version (see the module docstring).
         self._waiting: frozenset[str] = frozenset()
 
     @property
@@ -131,10 +132,8 @@ class CoordinatorCore:
 
 
 def _not_ready(view: ClusterView) -> frozenset[str]:
-    """Adapters without a round in flight that cannot be planned yet (no version, no data holder)."""
-    ready, _ = adapters_to_plan(view)
-    planned = {a for a, _, _ in ready}
-    return frozenset(a for a in view.adapter_domains if a not in planned and a not in view.rounds)
+    """Adapters without a round in flight that cannot be planned yet for lack of a version."""
+    return frozenset(a for a in view.adapter_domains if a not in view.rounds and not view.versions.get(a))
 
 
 def _now_ready(view: ClusterView, waiting: frozenset[str]) -> tuple[str, ...]:
