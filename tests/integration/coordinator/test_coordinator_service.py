@@ -119,6 +119,9 @@ class Harness:
         self.bus = await Bus.connect(settings(self.url, self.tmp_path, **self.kw), "coordinator")
         self.coord = Coordinator(settings(self.url, self.tmp_path, **self.kw), self.bus, WallClock())
         await self.coord.start()
+        # The server has the coordinator's endpoint subscriptions once its connection round-trips; a
+        # request from another connection before that may find no responders.
+        await self.bus.nc.flush()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
