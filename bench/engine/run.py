@@ -376,6 +376,10 @@ def pool(runs: list[dict[str, Any]], train_only_tps: float) -> dict[str, Any]:
             "ft_tokens_per_s": ft / dur,
             "ft_frac_of_train_only": ft / dur / train_only_tps,
             "longest_background_ms": max(r["longest_background_ms"] for r in runs),
+            "train_limits": {
+                k: sum(r.get("train_limits", {}).get(k, 0) for r in runs)
+                for k in sorted({k for r in runs for k in r.get("train_limits", {})})
+            },
         }
     )
     return out
@@ -473,6 +477,8 @@ def bench_coexec(args: argparse.Namespace) -> None:
                     "train_busy_frac": (s1.train_ms_total - tm0) / 1e3 / dur,
                     "longest_background_ms": eng.longest_background_ms,
                     "train_step_ms": s1.train_step_ms,
+                    # Serving iterations by what bounded their training (`collm_replica.cosched.Limit`).
+                    "train_limits": {k: v - s0.train_limits.get(k, 0) for k, v in s1.train_limits.items()},
                 }
             )
         print(
@@ -482,7 +488,7 @@ def bench_coexec(args: argparse.Namespace) -> None:
             f"({100 * stats['ft_frac_of_train_only']:.0f}% of train-only), "
             f"eval loss {stats['eval_loss_after']:.4f}; busy: inference {stats['infer_busy_frac']:.2f}, "
             f"training {stats['train_busy_frac']:.2f}; longest background stretch "
-            f"{stats['longest_background_ms']:.0f} ms",
+            f"{stats['longest_background_ms']:.0f} ms; training bounded by {stats['train_limits']}",
             flush=True,
         )
         return stats

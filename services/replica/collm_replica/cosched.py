@@ -28,7 +28,11 @@ fine-tuning (a federated evaluation on the publication's critical path).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
+
+# What bounded the training time of an iteration: no job to train; the fine-tuning share (0, or its time
+# credit spent); an idle replica (the guard only); the requests' slack; the guard for the next arrival.
+Limit = Literal["no_job", "share", "idle", "slack", "guard"]
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,7 @@ class SloAwareCoScheduler:
         self.slack_frac = slack_frac
         self.credit_ms = 0.0
         self._last_s: float | None = None
+        self.limit: Limit = "no_job"
 
     def _accrue(self, inp: CoSchedInput) -> None:
         if self._last_s is not None and inp.now_s > self._last_s:
@@ -254,17 +259,23 @@ class SloAwareCoScheduler:
         return slack_ms(inp, self.margin_ms)
 
     def budget_ms(self, inp: CoSchedInput) -> float:
-        """Training time (ms) that fits after this step (0: none); inf only when nothing bounds it."""
+        """Training time (ms) that fits after this step (0: none); inf only when nothing bounds it.
+        `limit` says what bounded it (`Limit`)."""
         self._accrue(inp)
         if not inp.has_job or inp.share <= 0:
+            self.limit = "no_job" if not inp.has_job else "share"
             return 0.0
         if inp.idle:  # nothing to serve: training takes the idle time, in stretches an arrival can wait out
+            self.limit = "idle"
             return inp.max_train_ms
         if self.credit_ms <= 0:
+            self.limit = "share"
             return 0.0
         # The credit gates training on and off (the share is a long-run time budget); it does not cut a
         # stretch short, so a small share still trains in stretches long enough to be efficient.
-        return max(0.0, min(self.slack_ms(inp) * self.slack_frac, inp.max_train_ms))
+        slack = self.slack_ms(inp) * self.slack_frac
+        self.limit = "slack" if slack < inp.max_train_ms else "guard"
+        return max(0.0, min(slack, inp.max_train_ms))
 
     def decide(self, inp: CoSchedInput) -> int:
         budget = self.budget_ms(inp)

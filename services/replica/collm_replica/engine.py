@@ -276,6 +276,7 @@ class EngineSnapshot:
     local_samples: int
     domains: list[str]
     iterations: int
+    train_limits: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:
@@ -366,6 +367,9 @@ class Engine:
         self.train_ms_total = 0.0  # wall time of training pieces
         self.eval_ms_total = 0.0  # wall time of evaluation pieces (requests and jobs' own evaluations)
         self.longest_background_ms = 0.0  # longest stretch of background work between two iterations
+        # Iterations that served with a training job active, by what bounded their training time
+        # (`cosched.Limit`; "policy" for co-schedulers that do not say).
+        self.train_limits: dict[str, int] = {}
         self._live_work: PieceWork | None = None  # the job's work of the stretch in progress
         self.last_work: PieceWork | None = None  # the last stretch of training (for tests and benchmarks)
 
@@ -720,6 +724,7 @@ class Engine:
             local_samples=len(self.dataset.train) + len(self.dataset.eval),
             domains=self.dataset.domains,
             iterations=self.iteration,
+            train_limits=dict(self.train_limits),
         )
 
     def decode_step_ms_by_batch(self) -> dict[int, float]:
@@ -831,8 +836,9 @@ class Engine:
             worked = self._train_work(job, now + (step_ms + train_ms) / 1e3, force_one=force) or worked
         # A round job past its deadline (less the margin) wraps up and sends its update whatever this
         # iteration granted training (a zero share, no slack, training paused): the wrap-up is bounded (at
-        # most the backward of the micro-step in progress and one optimizer step), and an update held
-        # back would cost the whole round its participant.
+        # most the backward of the micro-step in progress, or a first micro-step's rest within the guard,
+        # and one optimizer step: `TrainingJob._finish_training`), and an update held back would cost the
+        # whole round its participant.
         for due in [j for j in self._active_jobs() if j.due(self.cfg.round_deadline_margin_s)]:
             worked = self._train_work(due, now, force_one=False) or worked
         bg_ms = (time.perf_counter() - t_bg) * 1e3
@@ -956,6 +962,9 @@ class Engine:
         budget = getattr(self.cosched, "budget_ms", None)
         train_ms = budget(inp) if budget is not None else inp.train.ms(self.cosched.decide(inp))
         train_ms = min(train_ms, 60_000.0)
+        if inp.has_job and not inp.idle:  # what bounded training while serving (observability)
+            limit = getattr(self.cosched, "limit", "policy")
+            self.train_limits[limit] = self.train_limits.get(limit, 0) + 1
         eval_ms = 0.0
         if self._evals:
             margin = getattr(self.cosched, "margin_ms", 10.0)
@@ -1189,6 +1198,8 @@ class Engine:
                 self._news,
                 out=res,
                 yield_at_boundary=len(self._active_jobs()) > 1,
+                # a first micro-step completed at the deadline stalls serving at most this long
+                wrap_up_ms=self.cfg.train_guard_frac * self._min_ttft_slo_ms(),
             )
         except Exception as exc:  # noqa: BLE001 - a failed job must not take the replica down
             log.exception("training job %s failed", job.spec.adapter)

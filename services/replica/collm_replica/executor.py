@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from collm_replica.costs import PieceCosts
 from collm_replica.lora_bank import MODULE_PATHS, LiveLora, LoraBank, module_shapes
 from collm_replica.models import LoadedModel, check_architecture
 
@@ -458,6 +459,19 @@ class LayerPass:
         if self.next_piece == "head":
             return min(self.head_rows, self.n_labels - self._head_pos)
         return self.padded_tokens
+
+    def remaining_ms(self, costs: PieceCosts, kinds: tuple[str, str, str] = ("fwd", "head", "bwd")) -> float:
+        """Predicted ms of the pieces still ahead (`kinds`: the cost-model kinds of fwd, head, bwd)."""
+        fwd, head, bwd = kinds
+        n = self.padded_tokens
+        ms = (self.ex.n_layers - self._layer) * costs.predict(fwd, n)
+        rows = max(0, self.n_labels - self._head_pos)
+        ms += (rows // self.head_rows) * costs.predict(head, self.head_rows)
+        if rows % self.head_rows:
+            ms += costs.predict(head, rows % self.head_rows)
+        if self.train and self.n_labels > 0:
+            ms += (self._bwd + 1) * costs.predict(bwd, n)
+        return ms
 
     def run_piece(self) -> str | None:
         kind = self.next_piece

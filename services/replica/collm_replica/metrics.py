@@ -128,6 +128,7 @@ class TokenCounters(Protocol):
     generated_tokens_total: int
     prefill_tokens_total: int
     ft_tokens_total: int
+    train_limits: dict[str, int]
 
 
 class EngineTokenCollector(Collector):
@@ -156,6 +157,16 @@ class EngineTokenCollector(Collector):
             for replica_id, engine in engines:
                 family.add_metric([replica_id], float(getattr(engine(), attr)))
             yield family
+        limits = CounterMetricFamily(
+            "collm_replica_ft_limit_iterations",
+            "Iterations that served while a training job was active, by what bounded their training time "
+            "(no_job, share, slack, guard; policy: a co-scheduler that does not say)",
+            labels=[*LABELS, "limit"],
+        )
+        for replica_id, engine in engines:
+            for limit, n in sorted(dict(engine().train_limits).items()):
+                limits.add_metric([replica_id, limit], float(n))
+        yield limits
 
 
 ENGINE_TOKENS = EngineTokenCollector()

@@ -19,6 +19,7 @@ the engine copies `live.snapshot()` into a new slot, so served versions stay imm
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections.abc import Callable
@@ -362,6 +363,8 @@ class TrainingJob:
         self._pass: LayerPass | None = None  # the micro-step in progress
         self._pass_batch: list[Rendered] = []
         self._pass_ms = 0.0
+        self._wrap_up = PieceWork()  # work of `_finish_training` not yet reported by `work`
+        self._wrap_up_bound: tuple[PieceCosts | None, float] = (None, math.inf)
         self._opt_pending = False
         self.last_kind = ""  # what the last step did: "train" (a micro-step) or "eval" (an eval chunk)
         self.pending_refresh = False  # the engine should copy the live weights into a new shadow version
@@ -412,12 +415,24 @@ class TrainingJob:
         self._pass_ms = 0.0
 
     def _finish_training(self, past_deadline: bool = False) -> None:
-        if self._pass is not None and self._pass.next_piece == "bwd":
-            self._pass.run_all()  # its gradients are half accumulated: complete them (bounded work)
-            self._complete_micro_step(self._pass_ms)
+        """End training: complete the micro-step in progress when its backward began (its gradients are
+        half accumulated) or, within the wrap-up bound (`work`), when it is the job's first (dropped, the
+        job would send an update of no samples, which the aggregator rejects: the round would lose the
+        work of its whole window), else drop it; then a last optimizer step. The work done here is
+        reported to the next `work` call's `out`."""
+        t0 = time.perf_counter()
+        p = self._pass
+        costs, bound_ms = self._wrap_up_bound
+        first = self.micro_steps == 0 and (costs is None or p is None or p.remaining_ms(costs) <= bound_ms)
+        if p is not None and (p.next_piece == "bwd" or first):
+            p.run_all()
+            tokens, ms = self._complete_micro_step(self._pass_ms + (time.perf_counter() - t0) * 1e3)
+            self._wrap_up.train_tokens += tokens
+            self._wrap_up.micro_steps.append((tokens, ms))
         self._drop_pass()
         if self._accum_tokens:
             self._optimizer_step()
+        self._wrap_up.train_ms += (time.perf_counter() - t0) * 1e3
         self._opt_pending = False
         self._eval = None  # a periodic evaluation still running is superseded
         if self.eval_items and not past_deadline:
@@ -502,15 +517,20 @@ class TrainingJob:
         interrupt: Callable[[], bool] | None = None,
         out: PieceWork | None = None,
         yield_at_boundary: bool = False,
+        wrap_up_ms: float = math.inf,
     ) -> PieceWork:
         """Run pieces while the next one is predicted to end by `until_s` (on `clock`) and `interrupt()`
         (new requests or commands waiting) is false; with `force_one`, at least one piece whatever the
         prediction (an idle replica must always progress). With `yield_at_boundary` (other jobs are
         waiting), stop once a micro-step or evaluation batch is complete, so jobs take turns. `out` is
-        updated piece by piece (others may read it meanwhile)."""
+        updated piece by piece (others may read it meanwhile). A round job at its deadline completes
+        its first micro-step only when the rest is predicted within `wrap_up_ms` (the stall an arrival
+        can absorb)."""
         out = out if out is not None else PieceWork()
+        self._wrap_up_bound = (costs, wrap_up_ms)
         while True:
             nxt = self._next(deadline_margin_s)
+            self._report_wrap_up(out)
             if nxt is None:
                 break
             kind, units = nxt
@@ -524,6 +544,14 @@ class TrainingJob:
             if yield_at_boundary and not self.in_progress:
                 break
         return out
+
+    def _report_wrap_up(self, out: PieceWork) -> None:
+        w = self._wrap_up
+        if w.train_ms or w.micro_steps:
+            out.train_ms += w.train_ms
+            out.train_tokens += w.train_tokens
+            out.micro_steps.extend(w.micro_steps)
+            self._wrap_up = PieceWork()
 
     def step(self, max_tokens: int, deadline_margin_s: float = 0.0) -> int:
         """One whole micro-step (of at most `max_tokens` padded tokens, at least one example) or one

@@ -15,13 +15,14 @@ from collm_bench.goodput import summarize
 from collm_bench.headline import setup
 from collm_bench.headline.cli import build_parser, config_from_args, main, parse_rates
 from collm_bench.headline.config import HeadlineConfig
-from collm_bench.headline.live import Observer, Phases, parse_counter, stack_config
+from collm_bench.headline.live import Observer, Phases, parse_counter, parse_limits, stack_config
 from collm_bench.headline.predict import drain_cut, simulate_run, workload_spec
 from collm_bench.headline.rates import BestBaseline, grid_counts, search_rate
 from collm_bench.headline.table import compact, compare, markdown
 from collm_bench.records import RequestRecord
 from collm_bench.workload import Slo, draw_domains
 from collm_common.calibration import Calibration
+from collm_common.wire.control import CoordinatorDecisions, ReplicaDecision
 from collm_common.wire.rounds import RoundOutcome
 
 pytestmark = pytest.mark.unit
@@ -306,6 +307,35 @@ def test_parse_counter() -> None:
         'collm_replica_generated_tokens_total{replica="r0"} 9.0\n'
     )
     assert parse_counter(text, "collm_replica_ft_tokens") == {"r0": 512.0}
+
+
+def test_parse_limits_sums_each_limit() -> None:
+    text = (
+        "# HELP collm_replica_ft_limit_iterations_total Iterations by limit\n"
+        "# TYPE collm_replica_ft_limit_iterations_total counter\n"
+        'collm_replica_ft_limit_iterations_total{limit="share",replica="r0"} 7.0\n'
+        'collm_replica_ft_limit_iterations_total{limit="slack",replica="r0"} 3.0\n'
+        'collm_replica_ft_tokens_total{replica="r0"} 512.0\n'
+    )
+    assert parse_limits(text) == {"share": 7.0, "slack": 3.0}
+    assert parse_limits("") == {}
+
+
+async def test_observer_keeps_share_changes_only() -> None:
+    obs = Observer(t0=0.0)
+    times = iter([1.0, 2.0, 3.0])
+    obs.now = lambda: next(times)  # type: ignore[method-assign]
+
+    def fast(share: float, reason: str, loop: str = "fast") -> CoordinatorDecisions:
+        r = ReplicaDecision(replica_id="r0", ft_share=share, routing_weight=1.0, reason=reason)
+        return CoordinatorDecisions(ts_unix_s=0.0, policy="collm", loop=loop, replicas=[r])  # type: ignore[arg-type]
+
+    await obs.on_decision(fast(0.2, "slack"), None)
+    await obs.on_decision(fast(0.2, "slack"), None)  # unchanged: left out
+    await obs.on_decision(fast(0.2, "slack", loop="slow"), None)  # slow-loop messages are not shares
+    await obs.on_decision(fast(0.0, "slo_risk"), None)
+    rows = [(r["t_s"], r["ft_share"], r["reason"]) for r in obs.shares]
+    assert rows == [(1.0, 0.2, "slack"), (2.0, 0.0, "slo_risk")]
 
 
 def test_heavy_takes_the_count_nearer_the_target() -> None:

@@ -102,3 +102,26 @@ def test_replica_requests_are_by_model_and_version_with_bounded_series() -> None
         if s.labels.get("model") == model and s.labels.get("replica") == rid
     }
     assert names == {f"{model}@v2", f"{model}@v2+r1.1"}
+
+
+def test_replica_training_limits_are_read_from_the_engine_at_scrape() -> None:
+    from types import SimpleNamespace
+
+    from collm_replica import metrics
+
+    engine = SimpleNamespace(
+        generated_tokens_total=3, prefill_tokens_total=5, ft_tokens_total=7, train_limits={"share": 2}
+    )
+    metrics.ENGINE_TOKENS.attach("limits-test", lambda: engine)  # type: ignore[arg-type,return-value]
+    try:
+        engine.train_limits = {"share": 4, "slack": 1}  # read when scraped, not when attached
+        got = {
+            (s.labels["limit"], s.value)
+            for fam in REGISTRY.collect()
+            if fam.name == "collm_replica_ft_limit_iterations"
+            for s in fam.samples
+            if s.labels.get("replica") == "limits-test" and s.name.endswith("_total")
+        }
+    finally:
+        metrics.ENGINE_TOKENS.detach("limits-test")
+    assert got == {("share", 4.0), ("slack", 1.0)}

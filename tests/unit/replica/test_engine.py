@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -287,6 +288,18 @@ def test_pause_and_resume_training(tiny: LoadedModel) -> None:
         assert snap.ft_tokens_total > t1 and snap.jobs[0].state == "running"
 
 
+def test_serving_iterations_count_what_bounded_training(tiny: LoadedModel) -> None:
+    cfg = EngineConfig(ft_share_default=0.0, job=JobConfig(micro_tokens=32, batch_tokens=32))
+    with Engine(tiny, cfg, SloAwareCoScheduler(), dataset=dataset()) as eng:
+        live = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
+        eng.start_job(JobSpec("med", "med@v1", 1, live, token_budget=100_000)).result(10)
+        submit_all(eng, [greedy("r", P1, 12)])
+        snap = eng.snapshot()
+    # a zero share: every iteration that served while the job was active was bounded by the share
+    assert snap.train_limits.get("share", 0) >= 11 and set(snap.train_limits) == {"share"}
+    assert snap.ft_tokens_total == 0
+
+
 def round_update_catcher() -> tuple[list, threading.Event, Callable[[object], None]]:
     """Job events as they come, and an event set at the first round update."""
     events: list = []
@@ -530,6 +543,43 @@ def test_a_round_job_trains_first_and_scores_its_starting_point_when_needed(tiny
     assert shared.eval_loss_after is not None and shared.eval_loss_after != shared.eval_loss_before
     moved = max(float((shared.live.params[k][1].detach() - b).abs().max()) for k, (_a, b) in start.items())
     assert moved > 0
+
+
+@pytest.mark.parametrize(("done_before", "bound_ms"), [(0, math.inf), (1, math.inf), (0, 0.0)])
+def test_a_round_job_completes_its_first_micro_step_at_the_deadline(
+    tiny: LoadedModel, done_before: int, bound_ms: float
+) -> None:
+    """At its deadline a round job drops a micro-step still in its forward, unless it is the job's first
+    and its rest is predicted within the wrap-up bound: dropped, the update would hold no samples and
+    the aggregator would reject it. The wrap-up's tokens and time are reported by `work`, as the
+    pieces' are."""
+    from collm_replica.costs import PieceCosts
+    from collm_replica.executor import Executor
+    from collm_replica.training import TrainingJob
+
+    ex = Executor(tiny)
+    now = [0.0]
+    live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, "tiny", seed=3)
+    spec = JobSpec("med", "med@v1", 1, live, token_budget=10**6, round_id=4, deadline_unix_s=100.0)
+    cfg = JobConfig(micro_tokens=32, batch_tokens=64)
+    job = TrainingJob(spec, ex, tiny.tokenizer, dataset().train, [], cfg, wall=lambda: now[0])
+    costs = PieceCosts()
+    for _ in range(done_before):  # whole micro-steps before the deadline
+        job.work(float("inf"), time.perf_counter, costs, force_one=True, yield_at_boundary=True)
+    assert job.micro_steps == done_before
+    job.work(0.0, time.perf_counter, costs, force_one=True)  # one piece: the next forward began
+    assert job._pass is not None and job._pass.next_piece == "fwd" and job.micro_steps == done_before
+    assert job._pass.remaining_ms(costs) > 0
+    now[0] = 100.0  # the deadline
+    out = job.work(0.0, time.perf_counter, costs, wrap_up_ms=bound_ms)
+    assert not job.active and job.finished_update
+    if bound_ms == 0.0:
+        assert job.micro_steps == 0 and job.samples_seen == 0 and out.train_tokens == 0  # over the bound
+    elif done_before == 0:
+        assert job.micro_steps == 1 and job.samples_seen > 0 and job.steps_done == 1
+        assert out.train_tokens == job.tokens_done > 0 and out.train_ms > 0 and len(out.micro_steps) == 1
+    else:
+        assert job.micro_steps == 1 and out.train_tokens == 0  # the second micro-step was dropped
 
 
 @pytest.mark.parametrize("why", ["zero share", "paused"])

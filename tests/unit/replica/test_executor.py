@@ -214,11 +214,18 @@ def test_layer_pass_in_pieces_equals_the_whole_loss_and_gradients(tiny: LoadedMo
         (ref * 0.5).backward()
     pieces = LiveLora.from_weights(w, ex.n_layers, ex.shapes)
     p = LayerPass(ex, ids, mask, labels, pieces, train=True, loss_scale=0.5, head_rows=3)
-    kinds = []
+    from collm_replica.costs import PieceCosts
+
+    costs = PieceCosts({"fwd": (2.0, 0.0), "head": (1.0, 1.0), "bwd": (3.0, 0.0)})
+    kinds, left = [], []
     while not p.done:
+        left.append(p.remaining_ms(costs))
         kinds.append(p.run_piece())
     n = ex.n_layers
     assert kinds == ["fwd"] * n + ["head"] * 3 + ["bwd"] * n  # 9 labelled rows in chunks of 3
+    # the predicted rest: every piece ahead at its model's cost (a head chunk of 3 rows costs 1 + 3)
+    assert left[0] == 2.0 * n + 3 * 4.0 + 3.0 * n and left[n] == 3 * 4.0 + 3.0 * n and left[-1] == 3.0
+    assert p.remaining_ms(costs) == 0.0
     assert p.n_labels == 9 and p.tokens == 17
     assert abs(p.loss_sum - float(ref.detach())) < 1e-3
     for key, (a, b) in pieces.params.items():

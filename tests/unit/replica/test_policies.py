@@ -117,6 +117,21 @@ def test_slo_share_is_a_time_budget() -> None:
     assert p.decide(inp(now_s=101.0, share=0.1, deadlines_s=(101.5,))) == 64  # credit came back
 
 
+def test_slo_says_what_bounded_training() -> None:
+    p = primed()
+    p.budget_ms(inp(has_job=False))
+    assert p.limit == "no_job"
+    p.budget_ms(inp(share=0.0))
+    assert p.limit == "share"
+    p.budget_ms(inp(running=0, waiting=0, deadlines_s=(), max_train_ms=300.0))
+    assert p.limit == "idle"
+    # slack 500 - 20 - 5 = 475 ms: a guard of 100 ms binds, one of 1 s does not
+    assert p.budget_ms(inp(max_train_ms=100.0)) == 100.0 and p.limit == "guard"
+    assert p.budget_ms(inp(max_train_ms=1000.0)) == pytest.approx(475.0) and p.limit == "slack"
+    p.charge(10_000.0)  # the share's time credit is spent
+    assert p.budget_ms(inp(now_s=100.01)) == 0.0 and p.limit == "share"
+
+
 def test_fixed_ratio_trains_a_full_step_every_k_iterations_blindly() -> None:
     p = FixedRatioCoScheduler(every=4)
     got = [p.decide(inp(iteration=i, deadlines_s=(100.001,))) for i in range(8)]

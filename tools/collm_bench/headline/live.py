@@ -53,6 +53,7 @@ from collm_common.settings import CommonSettings
 from collm_common.store import AdapterStore, version_id
 from collm_common.wire.control import (
     ControlReply,
+    CoordinatorDecisions,
     CoordinatorStatus,
     CoordinatorStatusRequest,
     StartTraining,
@@ -151,6 +152,10 @@ class Observer:
     t0: float = field(default_factory=time.perf_counter)
     telemetry: list[dict[str, Any]] = field(default_factory=list)
     rounds: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # The coordinator's fast-loop share decisions, one row per replica whenever its share or the reason
+    # for it changed (the fast loop ticks every second; unchanged rows are left out).
+    shares: list[dict[str, Any]] = field(default_factory=list)
+    _last_share: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -175,6 +180,23 @@ class Observer:
                 ],
             }
         )
+
+    async def on_decision(self, d: CoordinatorDecisions, _msg: object) -> None:
+        if d.loop != "fast":
+            return
+        for r in d.replicas:
+            key = (r.ft_share, r.reason)
+            if self._last_share.get(r.replica_id) != key:
+                self._last_share[r.replica_id] = key
+                self.shares.append(
+                    {
+                        "t_s": self.now(),
+                        "replica": r.replica_id,
+                        "ft_share": r.ft_share,
+                        "reason_code": r.reason_code,
+                        "reason": r.reason,
+                    }
+                )
 
     async def on_round(self, o: RoundOutcome, _msg: object) -> None:
         row = self.rounds.setdefault(o.round_id, {"round_id": o.round_id, "adapter": o.adapter})
@@ -218,16 +240,29 @@ def parse_counter(text: str, name: str) -> dict[str, float]:
     return out
 
 
-async def read_ft_tokens(stack: Stack) -> dict[str, float]:
-    """Every replica's `collm_replica_ft_tokens_total` (tokens its co-executed fine-tuning processed)."""
+def parse_limits(text: str) -> dict[str, float]:
+    """{limit: iterations} of `collm_replica_ft_limit_iterations_total` in exposition text (pure)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "collm_replica_ft_limit_iterations_total":
+                out[s.labels["limit"]] = out.get(s.labels["limit"], 0.0) + float(s.value)
+    return out
+
+
+async def read_ft_counters(stack: Stack) -> dict[str, dict[str, float]]:
+    """Per replica: `ft_tokens` (its `collm_replica_ft_tokens_total`, tokens its co-executed fine-tuning
+    processed) and, per limit, the serving iterations whose training that limit bounded."""
+    out: dict[str, dict[str, float]] = {}
     urls = {n: u for n, u in stack.metrics_urls().items() if n.startswith("replica-")}
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
         for name, url in sorted(urls.items()):
             r = await http.get(url)
             r.raise_for_status()
-            values = parse_counter(r.text, "collm_replica_ft_tokens")
-            out[name.removeprefix("replica-")] = sum(values.values())
+            tokens = sum(parse_counter(r.text, "collm_replica_ft_tokens").values())
+            out[name.removeprefix("replica-")] = {"ft_tokens": tokens, **parse_limits(r.text)}
     return out
 
 
@@ -338,6 +373,7 @@ async def _drive(
     try:
         await bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, obs.on_telemetry)
         await bus.subscribe(subjects.round_events_all(), RoundOutcome, obs.on_round)
+        await bus.subscribe(subjects.coordinator_decisions(), CoordinatorDecisions, obs.on_decision)
         seen = await coordinator_policy(bus)
         if seen != policy:
             raise LiveRunError(f"the coordinator runs policy {seen!r}, not {policy!r}")
@@ -350,7 +386,7 @@ async def _drive(
         await wait_models(stack.gateway_url, sorted(cfg.domains))
         phases.mark("gateway_models")
         prep_s = obs.now() - t_prep
-        ft_before = await read_ft_tokens(stack)
+        ft_before = await read_ft_counters(stack)
         opts = ClientOptions(
             url=endpoint_url(stack.gateway_url, "chat"),
             send_slo=True,
@@ -373,7 +409,7 @@ async def _drive(
         phases.seconds["arrivals"] = arrivals_s
         phases.seconds["drain"] = replay_s - arrivals_s
         phases.t += replay_s
-        ft_after = await read_ft_tokens(stack)
+        ft_after = await read_ft_counters(stack)
         base_measured = base is None
         if base is None:
             base = await base_losses(bus, cfg)
@@ -391,7 +427,11 @@ async def _drive(
         await bus.close()
     write_records(out_dir / "requests.jsonl", result.records)
     summary = summarize(result.records, None, table, cfg.timeline_bin_s)
-    ft = {r: ft_after.get(r, 0.0) - ft_before.get(r, 0.0) for r in sorted(ft_after)}
+    delta = {
+        r: {k: v - ft_before.get(r, {}).get(k, 0.0) for k, v in after.items()}
+        for r, after in sorted(ft_after.items())
+    }
+    ft = {r: d.pop("ft_tokens", 0.0) for r, d in delta.items()}
     return {
         "policy": policy,
         "coordinator_policy": seen,
@@ -399,6 +439,8 @@ async def _drive(
         "summary": summary,
         "ft_tokens": sum(ft.values()),
         "ft_tokens_by_replica": ft,
+        # Per replica, serving iterations during the replay by what bounded their training.
+        "ft_limits_by_replica": delta,
         "rounds": obs.round_counts(replay_start, replay_end),
         "round_log": sorted(obs.rounds.values(), key=lambda r: r["round_id"]),
         "base_losses": base,
@@ -407,6 +449,7 @@ async def _drive(
         "current_versions": current,
         "final_current_gain": current_gain(table, current),
         "telemetry": obs.telemetry,
+        "share_decisions": obs.shares,
         "replay_window_s": [replay_start, replay_end],
         "prep_s": prep_s,
         "interrupted": result.interrupted,
