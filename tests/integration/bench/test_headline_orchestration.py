@@ -73,6 +73,12 @@ def test_headline_runs_each_policy_on_a_fresh_stack(tmp_path: Path) -> None:
         # The base loss is measured by the first run only (after its replay) and reused by the others.
         assert run["base_losses_measured"] == (i == 0)
         assert run["base_losses"] == results["base_losses"]["losses"]
+        # What bounded training while serving, per replica, and the coordinator's share decisions.
+        assert set(live["ft_limits_by_replica"]) == {"r0", "r1"}
+        limits = live["ft_limits_by_replica"].values()
+        assert all(set(d) <= {"share", "slack", "guard", "policy"} for d in limits)
+        assert run["share_decisions"] and {d["replica"] for d in run["share_decisions"]} == {"r0", "r1"}
+        assert all(d["reason"] and 0 <= d["ft_share"] <= 1 for d in run["share_decisions"])
         # Every step of the run is timed, in order; the arrivals end at the plan's last arrival.
         want = (
             [*phases, "base_loss", "read_out", "stack_stop"]

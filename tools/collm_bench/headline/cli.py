@@ -385,6 +385,7 @@ class Headline:
             self.results["base_losses"] = {"losses": self.base_losses, "measured_in": str(run_dir)}
         keep = (
             "ft_tokens",
+            "ft_limits_by_replica",
             "rounds",
             "stack_ready_s",
             "wall_s",
@@ -395,10 +396,15 @@ class Headline:
         )
         extra = {k: res[k] for k in keep} | {"quality_gain_current_end": res["final_current_gain"]}
         lv = entry["live"] = compact(res["summary"], extra)
+        limits: dict[str, float] = {}
+        for per in res["ft_limits_by_replica"].values():
+            for k, n in per.items():
+                limits[k] = limits.get(k, 0.0) + n
         self.say(
             f"  {policy}: goodput {lv['goodput_rps']:.3f} req/s, attainment {lv['attainment']:.3f}, "
             f"ft tokens {lv['ft_tokens']:.0f}, rounds {lv['rounds']}, quality gain end "
-            f"{lv['quality_gain_end']} ({time.monotonic() - t0:.0f}s)"
+            f"{lv['quality_gain_end']}, serving iterations with a job by what bounded training "
+            f"{ {k: int(n) for k, n in sorted(limits.items())} } ({time.monotonic() - t0:.0f}s)"
         )
         return entry
 
