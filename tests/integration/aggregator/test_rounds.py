@@ -98,6 +98,7 @@ class Cluster:
         self.agg_store = AdapterStore.from_url(s.redis_url, s.redis_prefix, s.retention_versions)
         self.agg = Aggregator(s, self.agg_bus, self.agg_store, WallClock())
         await self.agg.start()
+        await self.client.sync()  # so that its first request finds the aggregator's endpoints
         return self.agg
 
     async def stop_aggregator(self) -> None:

@@ -156,3 +156,25 @@ async def test_close_with_a_drain_bound_does_not_wait_for_a_stuck_handler(nats_s
     await bus.close(drain_timeout_s=0.5)
     assert asyncio.get_running_loop().time() - t0 < 3.0
     assert bus.nc.is_closed
+
+
+async def test_an_endpoint_serves_other_connections_as_soon_as_it_is_added(nats_server) -> None:
+    """Once `endpoint` returns and the other connection has synced, a request from it finds the endpoint
+    (without `endpoint`'s own round trip, or without the sync, some of these met no responders)."""
+    server = await Bus.connect(settings(nats_server.url), "server")
+    client = await Bus.connect(settings(nats_server.url), "client")
+    try:
+        svc = await server.service(subjects.SERVICE_REPLICA, "0.1.0", "test", {"replica_id": "race"})
+
+        async def control(cmd, _headers):
+            return ControlReply(ok=True, message=f"share={cmd.share}")
+
+        for i in range(50):
+            subject = subjects.replica(f"race{i}", "control")
+            await svc.endpoint(f"control{i}", subject, CONTROL_COMMAND, control)
+            await client.sync()
+            reply = await client.request(subject, SetFineTuneShare(share=0.5), ControlReply)
+            assert reply.ok, i
+    finally:
+        await client.close()
+        await server.close()

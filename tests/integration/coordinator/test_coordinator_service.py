@@ -119,9 +119,7 @@ class Harness:
         self.bus = await Bus.connect(settings(self.url, self.tmp_path, **self.kw), "coordinator")
         self.coord = Coordinator(settings(self.url, self.tmp_path, **self.kw), self.bus, WallClock())
         await self.coord.start()
-        # The server has the coordinator's endpoint subscriptions once its connection round-trips; a
-        # request from another connection before that may find no responders.
-        await self.bus.nc.flush()
+        await self.peers.sync()  # so that its first request finds the coordinator's endpoints
         return self
 
     async def __aexit__(self, *exc: object) -> None:
