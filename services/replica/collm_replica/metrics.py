@@ -160,7 +160,7 @@ class EngineTokenCollector(Collector):
         limits = CounterMetricFamily(
             "collm_replica_ft_limit_iterations",
             "Iterations that served while a training job was active, by what bounded their training time "
-            "(no_job, share, slack, guard; policy: a co-scheduler that does not say)",
+            "(share, slack, guard; policy: a co-scheduler that does not say)",
             labels=[*LABELS, "limit"],
         )
         for replica_id, engine in engines:
