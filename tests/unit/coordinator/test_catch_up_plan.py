@@ -80,3 +80,37 @@ def test_a_data_holder_appearing_waits_for_the_slow_tick() -> None:
         if d.slow is not None:
             slow_ticks.append(t)
     assert slow_ticks == [3]
+
+
+def risk_run(policy: str, calm_from_s: int | None, until_s: int = 40) -> dict[int, Decisions]:
+    """r0 holds med data, r1 bank data; r0's queue puts it at SLO risk until `calm_from_s` (None: always)."""
+    core = CoordinatorCore(config(warmup_s=3.0, slow_interval_s=30.0), policy)
+    out = {}
+    for t in range(until_s + 1):
+        at_risk = calm_from_s is None or t < calm_from_s
+        versions = (AdapterVersionView("med", 1), AdapterVersionView("bank", 1)) if t == 0 else ()
+        d = tick(
+            core,
+            float(t),
+            obs("r0", float(t), busy=0.1, queue=12 if at_risk else 0, domain="med"),
+            obs("r1", float(t), busy=0.1, domain="bank"),
+            adapter_versions=versions,
+        )
+        if d.slow is not None:
+            out[t] = d
+    return out
+
+
+def test_an_adapter_held_back_by_a_momentary_risk_is_planned_once_it_clears() -> None:
+    slow = risk_run("collm", calm_from_s=6)
+    assert sorted(slow) == [3, 6, 33]  # the catch-up at 6 leaves the slow cadence alone
+    first = slow[3].slow
+    assert first is not None and [p.adapter for p in first.plans] == ["bank"]  # r0 at risk: med waits
+    catch_up = slow[6].slow
+    assert catch_up is not None
+    assert [(p.adapter, [q.replica_id for q in p.participants]) for p in catch_up.plans] == [("med", ["r0"])]
+    assert {s.adapter for s in catch_up.skipped} == set()  # only med was considered off-cycle
+
+
+def test_an_adapter_whose_holders_stay_at_risk_keeps_the_slow_cadence() -> None:
+    assert sorted(risk_run("collm", calm_from_s=None)) == [3, 33]

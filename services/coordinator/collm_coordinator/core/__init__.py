@@ -25,6 +25,8 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
     * dt / slow_interval_s) at every fast tick; it grows while attainment falls short, so training
     yields to serving until the target is met again.
   Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
+  An adapter left without a plan because every replica holding its data was at risk at the tick is
+  planned at the first fast tick where one of them no longer is (state_machine.py).
 
 Fast loop, every `fast_interval_s` (fast_loop.py): each participant's share is its planned share,
 cut to 0 at once when its own SLOs are at risk (a queue, windowed attainment under the target),

@@ -13,6 +13,11 @@ tick where it has one (and a live replica holds its data), alone (the other adap
 cadence): an adapter created just after a slow tick does not wait a whole `slow_interval_s` for its
 first round. (An adapter without a data holder waits for the slow tick: replicas starting together
 report one by one, and planning at the first report would leave the others out.)
+
+Likewise an adapter that the slow loop could not plan because every live replica holding its data was
+at SLO risk at that tick (collm leaves such replicas out of a plan) is planned at the first fast tick
+where one of them no longer is: a risk that lasts a second (a long prompt's TTFT, a burst the fast loop
+already cut shares for) does not cost the adapter a whole slow interval without a round.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class CoordinatorCore:
         self.last_slow: SlowDecision | None = None
         # Adapters the last slow run skipped for lack of a version (see the module docstring).
         self._waiting: frozenset[str] = frozenset()
+        # ... and those it did not plan while every replica holding their data was at SLO risk.
+        self._risk_waiting: frozenset[str] = frozenset()
 
     @property
     def policy(self) -> str:
@@ -76,16 +83,22 @@ class CoordinatorCore:
         view = st.view(now_s, record_history=fast_due)
 
         slow: SlowDecision | None = None
-        catch_up = () if slow_due or not fast_due else _now_ready(view, self._waiting)
+        catch_up = (
+            ()
+            if slow_due or not fast_due
+            else tuple(sorted({*_now_ready(view, self._waiting), *_risk_cleared(view, self._risk_waiting)}))
+        )
         if slow_due or catch_up:
             if slow_due:
                 slow = self._policy.slow(view)
                 self._next_slow_s = _next_due(self._next_slow_s, cfg.slow_interval_s, now_s)
                 self._waiting = _not_ready(view)
+                self._risk_waiting = _held_by_risk(view, {p.adapter for p in slow.plans})
             else:
                 only = {a: view.adapter_domains[a] for a in catch_up}
                 slow = self._policy.slow(replace(view, adapter_domains=only))
                 self._waiting = self._waiting - set(catch_up)
+                self._risk_waiting = self._risk_waiting - set(catch_up)
             for plan in slow.plans:
                 st.add_plan(
                     plan,
@@ -141,6 +154,25 @@ def _now_ready(view: ClusterView, waiting: frozenset[str]) -> tuple[str, ...]:
         return ()
     ready, _ = adapters_to_plan(view)
     return tuple(sorted(a for a, _, _ in ready if a in waiting))
+
+
+def _held_by_risk(view: ClusterView, planned: set[str]) -> frozenset[str]:
+    """Ready adapters left unplanned while every live replica holding their data was at SLO risk."""
+    ready, _ = adapters_to_plan(view)
+    return frozenset(
+        a
+        for a, _, holders in ready
+        if a not in planned and holders and all(r in view.at_risk for r in holders)
+    )
+
+
+def _risk_cleared(view: ClusterView, waiting: frozenset[str]) -> tuple[str, ...]:
+    if not waiting:
+        return ()
+    ready, _ = adapters_to_plan(view)
+    return tuple(
+        sorted(a for a, _, holders in ready if a in waiting and any(r not in view.at_risk for r in holders))
+    )
 
 
 def _next_due(prev_due: float, interval_s: float, now_s: float) -> float:
