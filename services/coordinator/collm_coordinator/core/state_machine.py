@@ -16,8 +16,9 @@ report one by one, and planning at the first report would leave the others out.)
 
 Likewise an adapter that the slow loop could not plan because every live replica holding its data was
 at SLO risk at that tick (collm leaves such replicas out of a plan) is planned at the first fast tick
-where one of them no longer is: a risk that lasts a second (a long prompt's TTFT, a burst the fast loop
-already cut shares for) does not cost the adapter a whole slow interval without a round.
+where one of them no longer is: a risk that clears within the slow interval (a burst the fast loop
+already cut shares for, a slow request leaving the replica's latency window) does not cost the adapter a
+whole slow interval without a round.
 """
 
 from __future__ import annotations
