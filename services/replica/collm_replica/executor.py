@@ -460,9 +460,9 @@ class LayerPass:
             return min(self.head_rows, self.n_labels - self._head_pos)
         return self.padded_tokens
 
-    def remaining_ms(self, costs: PieceCosts, kinds: tuple[str, str, str] = ("fwd", "head", "bwd")) -> float:
-        """Predicted ms of the pieces still ahead (`kinds`: the cost-model kinds of fwd, head, bwd)."""
-        fwd, head, bwd = kinds
+    def remaining_ms(self, costs: PieceCosts) -> float:
+        """Predicted ms of the pieces still ahead (a training pass's cost-model kinds)."""
+        fwd, head, bwd = "fwd", "head", "bwd"
         n = self.padded_tokens
         ms = (self.ex.n_layers - self._layer) * costs.predict(fwd, n)
         rows = max(0, self.n_labels - self._head_pos)

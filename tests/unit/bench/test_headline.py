@@ -15,7 +15,7 @@ from collm_bench.goodput import summarize
 from collm_bench.headline import setup
 from collm_bench.headline.cli import build_parser, config_from_args, main, parse_rates
 from collm_bench.headline.config import HeadlineConfig
-from collm_bench.headline.live import Observer, Phases, parse_counter, parse_limits, stack_config
+from collm_bench.headline.live import Observer, Phases, parse_counter, stack_config
 from collm_bench.headline.predict import drain_cut, simulate_run, workload_spec
 from collm_bench.headline.rates import BestBaseline, grid_counts, search_rate
 from collm_bench.headline.table import compact, compare, markdown
@@ -309,7 +309,7 @@ def test_parse_counter() -> None:
     assert parse_counter(text, "collm_replica_ft_tokens") == {"r0": 512.0}
 
 
-def test_parse_limits_sums_each_limit() -> None:
+def test_parse_counter_by_another_label() -> None:
     text = (
         "# HELP collm_replica_ft_limit_iterations_total Iterations by limit\n"
         "# TYPE collm_replica_ft_limit_iterations_total counter\n"
@@ -317,8 +317,9 @@ def test_parse_limits_sums_each_limit() -> None:
         'collm_replica_ft_limit_iterations_total{limit="slack",replica="r0"} 3.0\n'
         'collm_replica_ft_tokens_total{replica="r0"} 512.0\n'
     )
-    assert parse_limits(text) == {"share": 7.0, "slack": 3.0}
-    assert parse_limits("") == {}
+    limits = parse_counter(text, "collm_replica_ft_limit_iterations", by="limit")
+    assert limits == {"share": 7.0, "slack": 3.0}
+    assert parse_counter("", "collm_replica_ft_limit_iterations", by="limit") == {}
 
 
 async def test_observer_keeps_share_changes_only() -> None:

@@ -228,27 +228,17 @@ class Observer:
         return out
 
 
-def parse_counter(text: str, name: str) -> dict[str, float]:
-    """{replica label: value} of a Prometheus counter family in exposition text (pure)."""
+def parse_counter(text: str, name: str, by: str = "replica") -> dict[str, float]:
+    """{value of label `by`: sum of the samples with it} of a Prometheus counter family in exposition
+    text (pure)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name in (name, f"{name}_total"):
-                out[s.labels.get("replica", "")] = float(s.value)
-    return out
-
-
-def parse_limits(text: str) -> dict[str, float]:
-    """{limit: iterations} of `collm_replica_ft_limit_iterations_total` in exposition text (pure)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "collm_replica_ft_limit_iterations_total":
-                out[s.labels["limit"]] = out.get(s.labels["limit"], 0.0) + float(s.value)
+                key = s.labels.get(by, "")
+                out[key] = out.get(key, 0.0) + float(s.value)
     return out
 
 
@@ -262,7 +252,8 @@ async def read_ft_counters(stack: Stack) -> dict[str, dict[str, float]]:
             r = await http.get(url)
             r.raise_for_status()
             tokens = sum(parse_counter(r.text, "collm_replica_ft_tokens").values())
-            out[name.removeprefix("replica-")] = {"ft_tokens": tokens, **parse_limits(r.text)}
+            limits = parse_counter(r.text, "collm_replica_ft_limit_iterations", by="limit")
+            out[name.removeprefix("replica-")] = {"ft_tokens": tokens, **limits}
     return out
 
 
