@@ -45,6 +45,18 @@ class CoordinatorSettings(CommonSettings):
     coordinator_stale_after_s: float = Field(
         3.0, gt=0, description="A replica silent this long is routed around and dropped from plans."
     )
+    coordinator_outcome_grace_s: float = Field(
+        10.0,
+        ge=0,
+        description="A planned round with no outcome this long after its deadline (or 0.25 x the round "
+        "length, whichever is longer) is forgotten and its adapter planned again.",
+    )
+    coordinator_evaluation_grace_s: float = Field(
+        150.0,
+        ge=0,
+        description="... and one the aggregator reported aggregating or evaluating, this long (its candidate "
+        "is scored on loaded replicas; keep it above the aggregator's eval_timeout_s).",
+    )
     coordinator_warmup_s: float = Field(
         20.0, ge=0, description="The first round is planned this long after start (telemetry arrives first)."
     )

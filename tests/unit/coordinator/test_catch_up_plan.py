@@ -38,7 +38,7 @@ def run(policy: str, until_s: int, bank_v1_at_s: int | None, split: bool) -> dic
 
 @pytest.mark.parametrize("policy", ["collm", "separate", "fixed_ratio", "leftover"])
 def test_adapter_created_after_the_slow_tick_is_considered_at_the_next_fast_tick(policy: str) -> None:
-    slow = run(policy, 40, bank_v1_at_s=5, split=False)
+    slow = run(policy, 33, bank_v1_at_s=5, split=False)
     assert sorted(slow) == [3, 5, 33]  # the catch-up at 5 leaves the slow cadence (3, 33) alone
     first = slow[3].slow
     assert first is not None
@@ -60,7 +60,7 @@ def test_collm_opens_the_late_adapters_round_where_there_is_capacity() -> None:
 
 
 def test_an_adapter_that_stays_unready_is_not_planned_off_cycle() -> None:
-    assert sorted(run("collm", 40, bank_v1_at_s=None, split=True)) == [3, 33]
+    assert sorted(run("collm", 33, bank_v1_at_s=None, split=True)) == [3, 33]
 
 
 def test_a_data_holder_appearing_waits_for_the_slow_tick() -> None:
@@ -82,7 +82,7 @@ def test_a_data_holder_appearing_waits_for_the_slow_tick() -> None:
     assert slow_ticks == [3]
 
 
-def risk_run(policy: str, calm_from_s: int | None, until_s: int = 40) -> dict[int, Decisions]:
+def risk_run(policy: str, calm_from_s: int | None, until_s: int = 33) -> dict[int, Decisions]:
     """r0 holds med data, r1 bank data; r0's queue puts it at SLO risk until `calm_from_s` (None: always)."""
     core = CoordinatorCore(config(warmup_s=3.0, slow_interval_s=30.0), policy)
     out = {}
@@ -114,3 +114,49 @@ def test_an_adapter_held_back_by_a_momentary_risk_is_planned_once_it_clears() ->
 
 def test_an_adapter_whose_holders_stay_at_risk_keeps_the_slow_cadence() -> None:
     assert sorted(risk_run("collm", calm_from_s=None)) == [3, 33]
+
+
+def evaluating_run(policy: str, outcome_at_s: int | None, until_s: int = 45) -> dict[int, Decisions]:
+    """r0 holds med data, r1 bank data. med's first round (opened at the first slow tick, 3) is still
+    evaluating at the second one (33) and publishes v2 at `outcome_at_s`; bank's round publishes at 24."""
+    from collm_coordinator.core import RoundEvent
+
+    core = CoordinatorCore(config(warmup_s=3.0, slow_interval_s=30.0, round_deadline_s=20.0), policy)
+    out = {}
+    for t in range(until_s + 1):
+        versions = (AdapterVersionView("med", 1), AdapterVersionView("bank", 1)) if t == 0 else ()
+        events: tuple[RoundEvent, ...] = ()
+        if t == 24:
+            events = (RoundEvent("med", "evaluating", 1), RoundEvent("bank", "published", 2, 1, 2))
+        if t == outcome_at_s:
+            events = (RoundEvent("med", "published", 1, 1, 2),)
+        d = tick(
+            core,
+            float(t),
+            obs("r0", float(t), busy=0.1, domain="med"),
+            obs("r1", float(t), busy=0.1, domain="bank"),
+            adapter_versions=versions,
+            round_events=events,
+        )
+        if d.slow is not None:
+            out[t] = d
+    return out
+
+
+@pytest.mark.parametrize("policy", ["collm", "fixed_ratio"])
+def test_an_adapter_still_evaluating_at_the_slow_tick_gets_its_next_round_when_it_ends(policy: str) -> None:
+    slow = evaluating_run(policy, outcome_at_s=38)
+    assert sorted(slow) == [3, 33, 38]
+    tick33 = slow[33].slow
+    assert tick33 is not None
+    assert [p.adapter for p in tick33.plans] == ["bank"]
+    assert "round in flight (evaluating)" in {s.adapter: s.reason for s in tick33.skipped}["med"]
+    catch_up = slow[38].slow
+    assert catch_up is not None
+    # Only med is planned off-cycle, on the version its last round published.
+    assert [(p.adapter, p.base_version) for p in catch_up.plans] == [("med", 2)]
+    assert catch_up.skipped == ()
+
+
+def test_a_round_that_ends_before_the_slow_tick_keeps_the_cadence() -> None:
+    assert sorted(evaluating_run("collm", outcome_at_s=30)) == [3, 33]

@@ -74,6 +74,33 @@ def test_share_recovers_gradually_after_burst() -> None:
         prev = now
 
 
+def test_a_share_cut_to_zero_rises_to_the_burst_level_while_the_burst_lasts() -> None:
+    """A lasting load above what the planned shares leave, but below the cluster's capacity: shares an
+    SLO risk cut to 0 climb back gradually to the cut share (planned x factor), never past it, instead of
+    staying at 0 for as long as the load lasts."""
+    core, before = trained_cluster()
+    planned = shares(before)
+    cfg = core.config
+    t = 13.0
+    tick(core, t, *(obs(r, t, busy=0.95, queue=12) for r in IDS))
+    prev = dict.fromkeys(IDS, 0.0)
+    for k in range(1, 12):
+        t = 13.0 + k
+        d = tick(core, t, *(obs(r, t, busy=0.6) for r in IDS))
+        now = shares(d)
+        assert all(c == "burst" for c in codes(d).values()), d.fast.reason
+        factor = float(d.fast.reason.rsplit("x", 1)[1])
+        for r in IDS:
+            assert now[r] <= prev[r] + cfg.share_recover_per_tick + 1e-9
+            assert now[r] <= planned[r] * factor + 5e-3  # the factor is printed to 2 decimals
+        # What training leaves still covers the demand the cut was computed for.
+        assert cfg.burst_util * sum(1.0 - now[r] for r in IDS) >= d.diagnostics.demand - 1e-6
+        prev = now
+    # By the end every share sits at its cut level (the load and so the factor stay the same).
+    assert all(now[r] == pytest.approx(planned[r] * factor, abs=5e-3) for r in IDS)
+    assert all(now[r] > 0.3 for r in IDS)
+
+
 def test_single_replica_risk_does_not_cut_the_others_without_cluster_burst() -> None:
     core, before = trained_cluster()
     t = 13.0

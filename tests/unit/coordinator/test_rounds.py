@@ -50,6 +50,25 @@ def test_round_without_outcome_expires_after_deadline_and_grace() -> None:
     assert any("no outcome" in n for n in d.diagnostics.notes)
 
 
+def test_a_round_being_evaluated_outlives_the_grace_until_the_evaluation_grace() -> None:
+    core = CoordinatorCore(
+        config(slow_interval_s=300.0, round_deadline_s=20.0, evaluation_grace_s=60.0), "collm"
+    )
+    t, d = plan_once(core)
+    deadline = d.slow.plans[0].deadline_s
+    tick(core, t + 1, *(obs(r, t + 1) for r in IDS), round_events=(RoundEvent("med", "opened", 7),))
+    tick(core, deadline, *(obs(r, deadline) for r in IDS), round_events=(RoundEvent("med", "evaluating", 7),))
+    x = deadline + 1
+    while x <= deadline + 60:
+        d = tick(core, x, *(obs(r, x) for r in IDS))
+        x += 1
+    assert "med" in core.state.rounds  # 60 s past its deadline: its candidate is still being scored
+    assert not any("no outcome" in n for n in d.diagnostics.notes)
+    d = tick(core, deadline + 61, *(obs(r, deadline + 61) for r in IDS))
+    assert "med" not in core.state.rounds
+    assert any("no outcome 60s after its deadline" in n for n in d.diagnostics.notes)
+
+
 def test_published_round_teaches_the_gain_coefficient() -> None:
     core = CoordinatorCore(config(), "collm")
     t, d = plan_once(core)

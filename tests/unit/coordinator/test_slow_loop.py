@@ -116,6 +116,25 @@ def test_replica_with_unknown_training_speed_gets_a_probe() -> None:
     assert all(p.token_budget == 512 for p in plan.participants)
 
 
+def test_an_adapter_whose_data_holders_are_all_at_risk_says_so() -> None:
+    # med's only holder has a queue (at risk); bank's holder is fine and gets a plan.
+    _, d, _ = plan_for([(0.1, 12, "med", 300, 1.0), (0.1, 0, "bank", 300, 1.0)], 0.0)
+    assert [p.adapter for p in d.slow.plans] == ["bank"]
+    (skip,) = d.slow.skipped
+    assert skip.adapter == "med"
+    assert "every replica holding its data is at SLO risk (r0: queue 12" in skip.reason
+
+
+def test_a_probe_refused_by_the_utilisation_cap_says_so() -> None:
+    from collm_coordinator.core import CostPrior
+
+    # Unknown training speed, so only a probe could train; the serving load leaves no room for it.
+    _, d, _ = plan_for([(0.6, 0, "med", 300, 1.0)], 0.0, cost_prior=CostPrior(), util_cap=0.62)
+    assert d.slow.plans == ()
+    (skip,) = d.slow.skipped
+    assert "probe refused: its share would exceed the utilisation cap 0.62" in skip.reason
+
+
 def test_adapters_without_a_known_version_are_skipped() -> None:
     _, d, _ = plan_for([(0.1, 0, "med", 300, 1.0)], 0.0)
     # The test replicas hold med@v1 and bank@v1, so med is plannable; a domain with no version is not.

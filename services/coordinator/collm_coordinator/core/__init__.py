@@ -26,7 +26,10 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
     yields to serving until the target is met again.
   Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
   An adapter left without a plan because every replica holding its data was at risk at the tick is
-  planned at the first fast tick where one of them no longer is (state_machine.py).
+  planned at the first fast tick where one of them no longer is, and one whose previous round was still
+  in flight (training, or its candidate being evaluated) at the first fast tick after that round ends
+  (state_machine.py). A round in flight is forgotten when no outcome came `outcome_grace_s` after its
+  deadline, `evaluation_grace_s` once the aggregator reported it aggregating or evaluating.
 
 Fast loop, every `fast_interval_s` (fast_loop.py): each participant's share is its planned share,
 cut to 0 at once when its own SLOs are at risk (a queue, windowed attainment under the target),
@@ -42,14 +45,14 @@ Load units: a replica's load is the fraction of its full-batch capacity its toke
 decode tokens/s x decode_step_ms(max_batch) / max_batch + prefill tokens/s x prefill_ms_per_token (ms
 per second / 1000), not its busy time (one running request keeps a batching engine busy all the time).
 
-Knobs (CoreConfig; the service's `COLLM_COORDINATOR_<KNOB>` settings): fast_interval_s,
-slow_interval_s, round_deadline_s, stale_after_s, warmup_s, attainment_target, util_cap,
-quality_weight_v (V), virtual_queue_gain, max_share, share_step, share_recover_per_tick, share_ttl_s,
-routing_ttl_s, queue_risk_frac, risk_attainment, non_resident_factor, publish_weights, ttft_slo_ms,
-tpot_slo_ms, slo_risk_frac, forecast_window_s, burst_headroom_sigmas, recent_window_s,
+Knobs (CoreConfig; the service's `COLLM_COORDINATOR_<KNOB>` settings): fast_interval_s, slow_interval_s,
+round_deadline_s, stale_after_s, warmup_s, outcome_grace_s, evaluation_grace_s, attainment_target,
+util_cap, quality_weight_v (V), virtual_queue_gain, max_share, share_step, share_recover_per_tick,
+share_ttl_s, routing_ttl_s, queue_risk_frac, risk_attainment, non_resident_factor, publish_weights,
+ttft_slo_ms, tpot_slo_ms, slo_risk_frac, forecast_window_s, burst_headroom_sigmas, recent_window_s,
 backlog_horizon_s, burst_window_s, burst_spike_factor, burst_util, quality_token_scale (tau),
-quality_prior_gain, quality_prior_weight, data_tokens_per_sample, data_useful_epochs,
-stale_data_weight, learning_rate, quorum_frac, min_budget_tokens, probe_budget_tokens, probe_share,
+quality_prior_gain, quality_prior_weight, data_tokens_per_sample, data_useful_epochs, stale_data_weight,
+learning_rate, quorum_frac, min_budget_tokens, probe_budget_tokens, probe_share,
 adapters; baselines: separate_train_frac, fixed_ratio_k, leftover_share.
 
 Baselines behind the same interface (baselines.py): `separate`, `fixed_ratio`, `leftover`.

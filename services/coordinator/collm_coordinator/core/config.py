@@ -35,6 +35,11 @@ class CoreConfig:
     round_deadline_s: float = 45.0
     stale_after_s: float = 3.0
     warmup_s: float = 20.0
+    # A round whose outcome has not come this long after its deadline is forgotten; one the aggregator
+    # reported as aggregating or evaluating (its candidate scored on loaded replicas, each report waited
+    # for up to the aggregator's eval_timeout_s) gets `evaluation_grace_s` instead.
+    outcome_grace_s: float = 10.0
+    evaluation_grace_s: float = 150.0
     # --- the long-term target and the drift-plus-penalty weights -----------------------------------
     attainment_target: float = 0.95
     util_cap: float = 0.9
@@ -113,6 +118,11 @@ class CoreConfig:
             )
         checks: list[tuple[str, bool]] = [
             ("warmup_s must be >= 0", self.warmup_s >= 0),
+            ("outcome_grace_s must be >= 0", self.outcome_grace_s >= 0),
+            (
+                "evaluation_grace_s must be >= outcome_grace_s",
+                self.evaluation_grace_s >= self.outcome_grace_s,
+            ),
             ("attainment_target must be in (0, 1]", 0 < self.attainment_target <= 1),
             ("util_cap must be in (0, 1]", 0 < self.util_cap <= 1),
             ("quality_weight_v must be >= 0", self.quality_weight_v >= 0),

@@ -11,7 +11,9 @@ at most that, and less at once when SLOs are at risk:
   inference capacity left by the planned shares, burst_util * sum_i (1 - p_i) (p_i = 0 for replicas at
   risk; burst_util >= util_cap, because the plan already keeps a margin for ordinary fluctuation),
   every remaining planned share is scaled by the same factor f < 1 so that the capacity covers D again
-  (`burst`);
+  (`burst`): a share above f * p_i drops to it at once, one below it rises toward it by at most
+  `share_recover_per_tick` per tick (a burst keeps training within the capacity D leaves; it does not
+  pin a share that an SLO risk or a plan's start left at 0 there for as long as it lasts);
 * otherwise a share rises back toward its plan by at most `share_recover_per_tick` per tick
   (`recovering`, then `slack`): decrease at once, increase gradually, so a burst that comes back does
   not meet replicas that already resumed full training.
@@ -101,7 +103,9 @@ def collm_shares(view: ClusterView) -> tuple[list[ShareDecision], str]:
         elif risk:
             out.append(ShareDecision(rid, 0.0, "slo_risk", risk))
         elif factor < 1.0:
-            share = min(p * factor, prev)  # a burst never raises a share
+            # Down to the cut share at once; a share under it (after an SLO risk, or a plan that has
+            # just begun) rises toward it as gradually as toward a plan, never past it.
+            share = min(p * factor, prev + cfg.share_recover_per_tick)
             out.append(ShareDecision(rid, _q(share), "burst", f"{aim}, cut: {why}"))
         elif prev + cfg.share_recover_per_tick < p:
             share = prev + cfg.share_recover_per_tick

@@ -216,7 +216,9 @@ def collm_slow(view: ClusterView) -> SlowDecision:
                 share[rid] += ps
                 rows.append((rid, cfg.probe_budget_tokens, ps, 0.0, "probe: training speed unknown"))
         if not rows:
-            skipped.append(SkippedAdapter(adapter, f"no participant: {stop}"))
+            skipped.append(
+                SkippedAdapter(adapter, f"no participant: {_why_none(view, adapter, cands, probes, stop)}")
+            )
             continue
         total_gain = log_gain(q.gain_coefficient, cfg.quality_token_scale, q.trained_tokens, x[adapter])
         per = total_gain / len(rows)
@@ -229,3 +231,28 @@ def collm_slow(view: ClusterView) -> SlowDecision:
     return SlowDecision(
         tuple(plans), tuple(skipped), demand, view.forecast_arrivals_per_s, Z, f"{head}; stop: {stop}"
     )
+
+
+def _why_none(
+    view: ClusterView,
+    adapter: str,
+    cands: dict[tuple[str, str], _Candidate],
+    probes: list[tuple[str, str]],
+    stop: str,
+) -> str:
+    """Why an adapter ended without a participant: its holders' risks, a refused probe, else the
+    greedy's stop (its candidates got no share step, or their budgets fell under the minimum)."""
+    holders = view.replicas_for(adapter)
+    at_risk = [r for r in holders if r in view.at_risk]
+    if at_risk and len(at_risk) == len(holders):
+        return (
+            "every replica holding its data is at SLO risk ("
+            + "; ".join(f"{r}: {view.at_risk[r]}" for r in at_risk)
+            + ")"
+        )
+    mine = [rid for (a, rid), c in cands.items() if a == adapter]
+    if not mine and any(a == adapter for a, _ in probes):
+        return f"probe refused: its share would exceed the utilisation cap {view.config.util_cap:.2f}"
+    if any(cands[(adapter, r)].share > 0 for r in mine):
+        return f"budget under {view.config.min_budget_tokens} tokens"
+    return stop

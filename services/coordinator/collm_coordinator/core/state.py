@@ -301,9 +301,14 @@ class ClusterState:
             self._window_finished = 0
 
     def expire(self, now_s: float) -> None:
-        """Rounds whose outcome never came are forgotten a grace period after their deadline."""
-        grace = max(10.0, 0.25 * self.config.round_deadline_s)
+        """Rounds whose outcome never came are forgotten a grace period after their deadline (a longer
+        one while the aggregator reports it aggregating or evaluating: its outcome is on its way)."""
+        cfg = self.config
         for rnd in list(self.rounds.values()):
+            closing = rnd.state in ("aggregating", "evaluating")
+            grace = (
+                cfg.evaluation_grace_s if closing else max(cfg.outcome_grace_s, 0.25 * cfg.round_deadline_s)
+            )
             if now_s > rnd.deadline_s + grace:
                 self.notes.append(f"round of {rnd.adapter} had no outcome {grace:.0f}s after its deadline")
                 self._finish_round(rnd, None)

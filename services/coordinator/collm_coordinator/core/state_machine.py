@@ -8,11 +8,15 @@ previous call; the core runs each loop that is due and says when it wants to be 
 both are due the slow loop runs first and the fast loop second, so a new plan's shares are already
 capped by the current load in the same tick: the fast loop always has the last word.
 
-An adapter the slow loop could not plan because it had no version yet is planned at the first fast
-tick where it has one (and a live replica holds its data), alone (the other adapters keep the slow
-cadence): an adapter created just after a slow tick does not wait a whole `slow_interval_s` for its
-first round. (An adapter without a data holder waits for the slow tick: replicas starting together
-report one by one, and planning at the first report would leave the others out.)
+An adapter the slow loop could not plan because it had no version yet, or because its previous round
+was still in flight (training, or the aggregator still evaluating its candidate), is planned at the
+first fast tick where it has a version and no round in flight (and a live replica holds its data),
+alone (the other adapters keep the slow cadence): an adapter created just after a slow tick does not
+wait a whole `slow_interval_s` for its first round, and a round that outlasts the slow interval (its
+evaluation on a loaded replica can take longer than the round) is followed by the next one as soon as
+it ends instead of a whole interval later, so an adapter's rounds start at the later of the slow tick
+and the end of its previous round. (An adapter without a data holder waits for the slow tick: replicas
+starting together report one by one, and planning at the first report would leave the others out.)
 
 Likewise an adapter that the slow loop could not plan because every live replica holding its data was
 at SLO risk at that tick (collm leaves such replicas out of a plan) is planned at the first fast tick
@@ -43,7 +47,8 @@ class CoordinatorCore:
         self.last: Decisions | None = None
         self.last_fast: FastDecision | None = None
         self.last_slow: SlowDecision | None = None
-        # Adapters the last slow run skipped for lack of a version (see the module docstring).
+        # Adapters the last slow run skipped for lack of a version or for a round in flight (see the
+        # module docstring).
         self._waiting: frozenset[str] = frozenset()
         # ... and those it did not plan while every replica holding their data was at SLO risk.
         self._risk_waiting: frozenset[str] = frozenset()
@@ -146,8 +151,8 @@ class CoordinatorCore:
 
 
 def _not_ready(view: ClusterView) -> frozenset[str]:
-    """Adapters without a round in flight that cannot be planned yet for lack of a version."""
-    return frozenset(a for a in view.adapter_domains if a not in view.rounds and not view.versions.get(a))
+    """Adapters that cannot be planned now: a round in flight, or no version yet."""
+    return frozenset(a for a in view.adapter_domains if a in view.rounds or not view.versions.get(a))
 
 
 def _now_ready(view: ClusterView, waiting: frozenset[str]) -> tuple[str, ...]:
