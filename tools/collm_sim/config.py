@@ -36,6 +36,7 @@ class EngineSpec:
     ft_share_default: float = _R["ft_share_default"]
     round_deadline_margin_s: float = _R["round_deadline_margin_s"]
     slo_window_s: float = _R["slo_window_s"]
+    ft_slo_reserve_frac: float = _R["ft_slo_reserve_frac"]
     telemetry_interval_s: float = _R["telemetry_interval_s"]
     # The simulated replica reports the busy fractions of each interval (the coordinator's best signal).
     report_busy_fractions: bool = True

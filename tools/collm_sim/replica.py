@@ -233,18 +233,20 @@ class SimReplica:
         all the SLO-aware co-scheduler reads)."""
         per_s = self.prefill_per_token_ms / 1e3
         fixed_s = self.decode_ms[1] / 1e3
+        keep = 1.0 - self.engine.ft_slo_reserve_frac  # the engine's reserve within each SLO
+        ttft_s, tpot_s = keep * self.ttft_slo_s, keep * self.tpot_slo_s
         best = float("inf")
         for s in self.running:
             if s.t_first is None:
-                d = s.arrival_s + self.ttft_slo_s - (s.prompt_len - s.computed) * per_s
+                d = s.arrival_s + ttft_s - (s.prompt_len - s.computed) * per_s
             else:
-                d = s.t_first + s.generated * self.tpot_slo_s
+                d = s.t_first + s.generated * tpot_s
             if d < best:
                 best = d
         ahead = 0
         for s in self.waiting:
             ahead += s.prompt_len
-            d = s.arrival_s + self.ttft_slo_s - fixed_s - ahead * per_s
+            d = s.arrival_s + ttft_s - fixed_s - ahead * per_s
             if d < best:
                 best = d
         return () if best == float("inf") else (best,)

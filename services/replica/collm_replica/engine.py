@@ -140,6 +140,9 @@ class EngineConfig:
     eval_fraction: float = 0.1
     train_guard_frac: float = 0.4  # background work between iterations: at most this share of the TTFT SLO
     train_slack_frac: float = 0.5  # share of the requests' slack that background work may use
+    # Background work plans against each request's SLOs less this fraction (a reserve for what the step
+    # model cannot see: steps slower than predicted, prompts arriving after the decision).
+    train_slo_reserve_frac: float = 0.1
     eval_max_tokens: int | None = 4096  # held-out tokens per domain an evaluation request scores at most
     eval_cache_entries: int = 64  # evaluation results kept (by weights digest and eval set)
     # Precision of the base model's products in evaluation passes: "auto" (bfloat16 on a CPU with AMX,
@@ -173,6 +176,7 @@ class EngineConfig:
             eval_fraction=s.eval_fraction,
             train_guard_frac=s.ft_guard_frac,
             train_slack_frac=s.ft_slack_frac,
+            train_slo_reserve_frac=s.ft_slo_reserve_frac,
             eval_max_tokens=s.eval_max_tokens,
             eval_matmul_dtype=s.eval_matmul_dtype,
         )
@@ -852,8 +856,11 @@ class Engine:
         return self._decode_ms.get(batch) or self.step_cost.predict(batch)
 
     def _timings(self, now: float, plan: Plan | None) -> tuple[list[ReqTiming], list[ReqTiming], StepModel]:
-        """The running and waiting requests as they will be after `plan`'s step, and the step model."""
+        """The running and waiting requests as they will be after `plan`'s step, and the step model. The
+        SLOs are the requests' own less the reserve (`train_slo_reserve_frac`): background work spends
+        only the slack within them."""
         n_tokens = dict(plan.items) if plan is not None else {}
+        keep = 1.0 - self.cfg.train_slo_reserve_frac
         running = []
         for s in self.running:
             n = n_tokens.get(s.req.request_id, 0)
@@ -863,8 +870,8 @@ class Engine:
             running.append(
                 ReqTiming(
                     arrival_s=s.t_arrival,
-                    ttft_slo_s=s.ttft_slo,
-                    tpot_slo_s=s.tpot_slo,
+                    ttft_slo_s=keep * s.ttft_slo,
+                    tpot_slo_s=keep * s.tpot_slo,
                     first_s=first,
                     next_index=len(s.output) + produces,
                     prompt_left=prompt_left,
@@ -873,7 +880,11 @@ class Engine:
             )
         waiting = [
             ReqTiming(
-                s.t_arrival, s.ttft_slo, s.tpot_slo, prompt_left=s.prompt_len, tokens_left=s.req.max_tokens
+                s.t_arrival,
+                keep * s.ttft_slo,
+                keep * s.tpot_slo,
+                prompt_left=s.prompt_len,
+                tokens_left=s.req.max_tokens,
             )
             for s in self.waiting
         ]
@@ -938,7 +949,7 @@ class Engine:
                     waiting,
                     model,
                     step_ms / 1e3,
-                    min_ttft_ms / 1e3,
+                    (1.0 - self.cfg.train_slo_reserve_frac) * min_ttft_ms / 1e3,
                     round(self._prompt_tokens_ewma),
                     self._likely_arrivals(min_ttft_ms / 1e3),
                 ),

@@ -99,6 +99,14 @@ class ReplicaSettings(CommonSettings):
         description="Share of the requests' slack (time before the next iteration must start for every "
         "request to stay within its TTFT/TPOT SLO) that background work may use under load.",
     )
+    ft_slo_reserve_frac: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="Background work plans against each request's TTFT/TPOT SLO less this fraction: a "
+        "reserve for steps slower than predicted and for prompts that arrive after it started (their "
+        "prefill lengthens the running requests' next steps).",
+    )
     train_micro_tokens: int = Field(
         128,
         ge=8,

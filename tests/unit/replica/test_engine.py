@@ -300,6 +300,32 @@ def test_serving_iterations_count_what_bounded_training(tiny: LoadedModel) -> No
     assert snap.ft_tokens_total == 0
 
 
+class RecordingCoScheduler(SloAwareCoScheduler):
+    """The SLO-aware co-scheduler, keeping the inputs it was asked about (a test double's window)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list = []
+
+    def budget_ms(self, inp):  # noqa: ANN001, ANN201
+        self.inputs.append(inp)
+        return super().budget_ms(inp)
+
+
+@pytest.mark.parametrize("reserve", [0.0, 0.5])
+def test_background_work_plans_against_the_slos_less_the_reserve(tiny: LoadedModel, reserve: float) -> None:
+    """A decoding request's next token is due `tpot_slo x (1 - reserve)` after the previous one's due
+    time: consecutive deadlines of a lone request are that far apart (less the step-time noise)."""
+    cfg = EngineConfig(train_slo_reserve_frac=reserve)
+    rec = RecordingCoScheduler()
+    with Engine(tiny, cfg, rec, dataset=dataset()) as eng:
+        submit_all(eng, [greedy("r", P1, 8, tpot_slo_ms=1000.0, ttft_slo_ms=20_000.0)])
+    decoding = [i.deadlines_s[0] for i in rec.inputs if i.running == 1 and i.deadlines_s][1:]
+    gaps = [b - a for a, b in zip(decoding, decoding[1:], strict=False)]
+    assert len(gaps) >= 4
+    assert all(abs(g - (1.0 - reserve)) < 0.05 for g in gaps), gaps
+
+
 def round_update_catcher() -> tuple[list, threading.Event, Callable[[object], None]]:
     """Job events as they come, and an event set at the first round update."""
     events: list = []
