@@ -108,6 +108,12 @@ class CoordinatorSettings(CommonSettings):
         le=1,
         description="Windowed attainment under this puts a replica at risk (None: the target).",
     )
+    coordinator_risk_attainment_z: float = Field(
+        1.0,
+        ge=0,
+        description="... judged with this many sigmas of confidence: at risk when the upper end of the "
+        "Wilson interval of the window's attainment is under it (0: the measured attainment).",
+    )
     coordinator_slo_risk_frac: float = Field(
         0.9, gt=0, le=1, description="p99 above this fraction of the SLO counts as at risk."
     )

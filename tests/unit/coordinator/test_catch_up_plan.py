@@ -160,3 +160,33 @@ def test_an_adapter_still_evaluating_at_the_slow_tick_gets_its_next_round_when_i
 
 def test_a_round_that_ends_before_the_slow_tick_keeps_the_cadence() -> None:
     assert sorted(evaluating_run("collm", outcome_at_s=30)) == [3, 33]
+
+
+def test_an_adapter_caught_up_while_its_holder_is_at_risk_waits_for_the_risk_to_clear() -> None:
+    """med's round ends (38) after the slow tick (33) while r0, its only data holder, is at risk until 41:
+    the catch-up at 38 finds no participant and med is planned at 41, when the risk clears."""
+    from collm_coordinator.core import RoundEvent
+
+    core = CoordinatorCore(config(warmup_s=3.0, slow_interval_s=30.0, round_deadline_s=20.0), "collm")
+    slow = {}
+    for t in range(46):
+        versions = (AdapterVersionView("med", 1), AdapterVersionView("bank", 1)) if t == 0 else ()
+        events: tuple[RoundEvent, ...] = ()
+        if t == 24:
+            events = (RoundEvent("med", "evaluating", 1), RoundEvent("bank", "published", 2, 1, 2))
+        if t == 38:
+            events = (RoundEvent("med", "published", 1, 1, 2),)
+        d = tick(
+            core,
+            float(t),
+            obs("r0", float(t), busy=0.1, domain="med", queue=12 if 36 <= t < 41 else 0),
+            obs("r1", float(t), busy=0.1, domain="bank"),
+            adapter_versions=versions,
+            round_events=events,
+        )
+        if d.slow is not None:
+            slow[t] = d.slow
+    assert sorted(slow) == [3, 33, 38, 41]
+    assert slow[38].plans == ()
+    assert "every replica holding its data is at SLO risk" in slow[38].skipped[0].reason
+    assert [(p.adapter, p.base_version) for p in slow[41].plans] == [("med", 2)]

@@ -118,6 +118,38 @@ def test_low_attainment_alone_puts_a_replica_at_risk() -> None:
     assert codes(after)["r2"] == "slo_risk"
 
 
+@pytest.mark.parametrize(
+    ("finished", "attainment", "z", "at_risk"),
+    [
+        (15, 14 / 15, 1.0, False),  # one miss in 15: under 0.95, but not with confidence
+        (15, 13 / 15, 1.0, True),  # two misses in 15
+        (30, 28 / 30, 1.0, False),
+        (30, 27 / 30, 1.0, True),
+        (15, 14 / 15, 0.0, True),  # z = 0: the measured attainment itself
+        (4, 0.5, 1.0, False),  # too few requests to judge (min_finished_for_attainment)
+    ],
+)
+def test_attainment_risk_needs_confidence(finished: int, attainment: float, z: float, at_risk: bool) -> None:
+    core = CoordinatorCore(config(risk_attainment_z=z), "collm")
+    o = obs("r0", 0.0, busy=0.2, attainment=attainment, finished=finished)
+    why = core.state.risk_of(o, 0.2)
+    assert (why is not None) == at_risk, why
+    if at_risk:
+        assert why is not None and why.startswith(f"attainment {attainment:.2f} of {finished} < 0.95")
+
+
+def test_attainment_upper_bound_is_the_wilson_interval() -> None:
+    from collm_coordinator.core.state import attainment_upper_bound
+
+    # 14 of 15 at one sigma, by hand: centre (p + 1/30) / (1 + 1/15), half-width
+    # sqrt(p (1 - p) / 15 + 1/900) / (1 + 1/15).
+    p = 14 / 15
+    hand = (p + 1 / 30 + (p * (1 - p) / 15 + 1 / 900) ** 0.5) / (1 + 1 / 15)
+    assert attainment_upper_bound(p, 15, 1.0) == pytest.approx(hand)
+    assert attainment_upper_bound(1.0, 15, 1.0) == 1.0
+    assert attainment_upper_bound(0.8, 15, 0.0) == 0.8
+
+
 def test_routing_prefers_resident_adapter() -> None:
     core = CoordinatorCore(config(), "collm")
     t = 0.0

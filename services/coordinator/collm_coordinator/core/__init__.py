@@ -32,7 +32,8 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
   deadline, `evaluation_grace_s` once the aggregator reported it aggregating or evaluating.
 
 Fast loop, every `fast_interval_s` (fast_loop.py): each participant's share is its planned share,
-cut to 0 at once when its own SLOs are at risk (a queue, windowed attainment under the target),
+cut to 0 at once when its own SLOs are at risk (a queue, windowed attainment under the target with
+`risk_attainment_z` sigmas of confidence),
 scaled down at once for all when the cluster's demand exceeds what the plan leaves (`burst`, judged on
 a 3 s mean or a large one-second spike), and raised back gradually (`share_recover_per_tick`); a
 replica that trains outside the plan (a round the aggregator's built-in planner or an operator opened,
@@ -48,11 +49,11 @@ per second / 1000), not its busy time (one running request keeps a batching engi
 Knobs (CoreConfig; the service's `COLLM_COORDINATOR_<KNOB>` settings): fast_interval_s, slow_interval_s,
 round_deadline_s, stale_after_s, warmup_s, outcome_grace_s, evaluation_grace_s, attainment_target,
 util_cap, quality_weight_v (V), virtual_queue_gain, max_share, share_step, share_recover_per_tick,
-share_ttl_s, routing_ttl_s, queue_risk_frac, risk_attainment, non_resident_factor, publish_weights,
-ttft_slo_ms, tpot_slo_ms, slo_risk_frac, forecast_window_s, burst_headroom_sigmas, recent_window_s,
-backlog_horizon_s, burst_window_s, burst_spike_factor, burst_util, quality_token_scale (tau),
-quality_prior_gain, quality_prior_weight, data_tokens_per_sample, data_useful_epochs, stale_data_weight,
-learning_rate, quorum_frac, min_budget_tokens, probe_budget_tokens, probe_share,
+share_ttl_s, routing_ttl_s, queue_risk_frac, risk_attainment, risk_attainment_z, non_resident_factor,
+publish_weights, ttft_slo_ms, tpot_slo_ms, slo_risk_frac, forecast_window_s, burst_headroom_sigmas,
+recent_window_s, backlog_horizon_s, burst_window_s, burst_spike_factor, burst_util, quality_token_scale
+(tau), quality_prior_gain, quality_prior_weight, data_tokens_per_sample, data_useful_epochs,
+stale_data_weight, learning_rate, quorum_frac, min_budget_tokens, probe_budget_tokens, probe_share,
 adapters; baselines: separate_train_frac, fixed_ratio_k, leftover_share.
 
 Baselines behind the same interface (baselines.py): `separate`, `fixed_ratio`, `leftover`.

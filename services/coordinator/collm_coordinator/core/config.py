@@ -55,6 +55,10 @@ class CoreConfig:
     min_finished_for_attainment: int = 5
     # A replica whose windowed attainment is under this is at risk (None: attainment_target).
     risk_attainment: float | None = None
+    # ... with this many standard deviations of confidence: at risk when the upper end of the Wilson score
+    # interval of the window's attainment is under the floor (0: the measured attainment itself). A
+    # window holds 10-30 requests, so one miss (0.93 of 15) says little; two (0.87) say more.
+    risk_attainment_z: float = 1.0
     non_resident_factor: float = 0.3
     # collm: publish routing weights to the gateway (False: the gateway routes least-loaded; see fast_loop).
     publish_weights: bool = False
@@ -135,6 +139,7 @@ class CoreConfig:
             ("queue_risk_frac must be > 0", self.queue_risk_frac > 0),
             ("non_resident_factor must be in [0, 1]", 0 <= self.non_resident_factor <= 1),
             ("slo_risk_frac must be in (0, 1]", 0 < self.slo_risk_frac <= 1),
+            ("risk_attainment_z must be >= 0", self.risk_attainment_z >= 0),
             (
                 "risk_attainment must be in (0, 1]",
                 self.risk_attainment is None or 0 < self.risk_attainment <= 1,

@@ -4,8 +4,9 @@ Shares. The slow loop planned a share p_i for every round participant. Each tick
 at most that, and less at once when SLOs are at risk:
 
 * a replica whose own SLOs are at risk (queue at or above `queue_risk_frac` x its batch, measured
-  attainment under the target, TTFT/TPOT p99 within `slo_risk_frac` of the SLO, serving load above
-  `util_cap`) gets share 0 in this very tick (`slo_risk`);
+  attainment under the target with `risk_attainment_z` sigmas of confidence, TTFT/TPOT p99 within
+  `slo_risk_frac` of the SLO, serving load above `util_cap`) gets share 0 in this very tick
+  (`slo_risk`);
 * when the cluster's demand D (the mean of the last `burst_window_s`, or this second's demand over
   `burst_spike_factor` when that is larger, so a real burst counts in its first tick) exceeds the
   inference capacity left by the planned shares, burst_util * sum_i (1 - p_i) (p_i = 0 for replicas at

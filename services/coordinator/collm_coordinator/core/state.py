@@ -36,6 +36,17 @@ ACTIVE_JOB_STATES = ("running",)
 CLOSED_ROUNDS_KEPT = 4096
 
 
+def attainment_upper_bound(attainment: float, n: int, z: float) -> float:
+    """Upper end of the Wilson score interval of a proportion measured over n requests, z sigmas wide
+    (z = 0: the proportion itself)."""
+    if z <= 0 or n <= 0:
+        return attainment
+    z2 = z * z
+    centre = (attainment + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(attainment * (1 - attainment) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return min(1.0, centre + half)
+
+
 @dataclass
 class ActiveRound:
     """A round the coordinator planned and has not yet seen finish."""
@@ -274,12 +285,13 @@ class ClusterState:
         if obs.queue_len >= max(1.0, cfg.queue_risk_frac * obs.max_batch):
             return f"queue {obs.queue_len} >= {cfg.queue_risk_frac:g} x batch {obs.max_batch}"
         floor = cfg.risk_attainment if cfg.risk_attainment is not None else cfg.attainment_target
-        if (
-            obs.slo_attainment is not None
-            and obs.finished >= cfg.min_finished_for_attainment
-            and obs.slo_attainment < floor
-        ):
-            return f"attainment {obs.slo_attainment:.2f} < {floor:.2f}"
+        if obs.slo_attainment is not None and obs.finished >= cfg.min_finished_for_attainment:
+            upper = attainment_upper_bound(obs.slo_attainment, obs.finished, cfg.risk_attainment_z)
+            if upper < floor:
+                return (
+                    f"attainment {obs.slo_attainment:.2f} of {obs.finished} < {floor:.2f}"
+                    f" (upper bound {upper:.2f})"
+                )
         if cfg.ttft_slo_ms and obs.ttft_ms_p99 and obs.ttft_ms_p99 > cfg.slo_risk_frac * cfg.ttft_slo_ms:
             return f"TTFT p99 {obs.ttft_ms_p99:.0f} ms near SLO {cfg.ttft_slo_ms:.0f} ms"
         if cfg.tpot_slo_ms and obs.tpot_ms_p99 and obs.tpot_ms_p99 > cfg.slo_risk_frac * cfg.tpot_slo_ms:

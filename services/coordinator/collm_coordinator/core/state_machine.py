@@ -18,11 +18,11 @@ it ends instead of a whole interval later, so an adapter's rounds start at the l
 and the end of its previous round. (An adapter without a data holder waits for the slow tick: replicas
 starting together report one by one, and planning at the first report would leave the others out.)
 
-Likewise an adapter that the slow loop could not plan because every live replica holding its data was
-at SLO risk at that tick (collm leaves such replicas out of a plan) is planned at the first fast tick
-where one of them no longer is: a risk that clears within the slow interval (a burst the fast loop
-already cut shares for, a slow request leaving the replica's latency window) does not cost the adapter a
-whole slow interval without a round.
+Likewise an adapter that the slow loop (or such a catch-up) could not plan because every live replica
+holding its data was at SLO risk at that tick (collm leaves such replicas out of a plan) is planned at
+the first fast tick where one of them no longer is: a risk that clears within the slow interval (a
+burst the fast loop already cut shares for, a slow request leaving the replica's latency window) does
+not cost the adapter a whole slow interval without a round.
 """
 
 from __future__ import annotations
@@ -104,7 +104,9 @@ class CoordinatorCore:
                 only = {a: view.adapter_domains[a] for a in catch_up}
                 slow = self._policy.slow(replace(view, adapter_domains=only))
                 self._waiting = self._waiting - set(catch_up)
-                self._risk_waiting = self._risk_waiting - set(catch_up)
+                # One caught up while all its data holders are at risk now waits for the risk to clear.
+                held = _held_by_risk(view, {p.adapter for p in slow.plans}) & set(catch_up)
+                self._risk_waiting = (self._risk_waiting - set(catch_up)) | held
             for plan in slow.plans:
                 st.add_plan(
                     plan,
