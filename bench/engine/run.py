@@ -629,14 +629,16 @@ def bench_memory(args: argparse.Namespace) -> None:
 def bench_calibrate(args: argparse.Namespace) -> None:
     """The simulator's calibration (`collm_bench.calibrate`): step costs, then quality curves per domain."""
     loaded = load_smollm2()
-    prompts = token_prompts(loaded, 32, 256, seed=5)
-    spec = os.environ.get("COLLM_BENCH_MODEL", "smollm2")
     sizes = CostSizes(reps=args.reps, statistic=args.statistic)
+    prompts = token_prompts(loaded, max(32, sizes.prompts_needed), sizes.prompt_tokens_needed, seed=5)
+    spec = os.environ.get("COLLM_BENCH_MODEL", "smollm2")
     cache_dir = ReplicaSettings().model_cache_dir
     costs = measure_costs_together(loaded, spec, prompts, sizes, args.processes, cache_dir)
     print(
         f"prefill ms {costs.prefill_ms}; decode ms {costs.decode_ms}; "
-        f"lora ms by #adapters {costs.lora_ms_by_adapters}; train ms {costs.train_ms}"
+        f"lora ms by #adapters {costs.lora_ms_by_adapters}; train ms {costs.train_ms}; "
+        f"decode ms of {sizes.context_batch} by context {costs.decode_ms_by_context}; "
+        f"a {sizes.chunk_tokens}-token prefill chunk's ms by earlier tokens {costs.chunk_ms_by_start}"
     )
     curves = []
     for domain in args.domains:

@@ -19,8 +19,14 @@ class CostModel(BaseModel):
 
     prefill_fixed_ms: float = Field(ge=0)
     prefill_ms_per_token: float = Field(ge=0)
-    # Decode step time by running batch size, measured at several sizes; interpolated between them.
+    # Decode step time by running batch size at a context of `decode_context_tokens` tokens per sequence,
+    # measured at several sizes; interpolated between them.
     decode_step_ms: dict[int, float]
+    decode_context_tokens: int = Field(128, ge=1)
+    # What one more token of context (summed over the decoding sequences) adds to a decode step, and what
+    # one earlier token of context adds to each token of a prefill chunk (attention grows with context).
+    decode_ms_per_context_token: float = Field(0.0, ge=0)
+    prefill_ms_per_token_per_context_token: float = Field(0.0, ge=0)
     # Extra cost of one distinct adapter in a batch, as a fraction of the base step.
     lora_overhead_frac_per_adapter: float = Field(0.0, ge=0)
     # Fine-tuning micro-step: forward+backward+optimizer share, per training token.
@@ -28,7 +34,16 @@ class CostModel(BaseModel):
     train_ms_per_token: float = Field(ge=0)
     max_batch: int = Field(ge=1)
 
-    def decode_ms(self, batch: int) -> float:
+    def decode_ms(self, batch: int, context_tokens: int | None = None) -> float:
+        """One decode step of `batch` sequences holding `context_tokens` tokens of context in all
+        (None: `decode_context_tokens` each, the context the step times were measured at)."""
+        base = self._decode_at_calibrated_context(batch)
+        if context_tokens is None or batch <= 0:
+            return base
+        extra = self.decode_ms_per_context_token * (context_tokens - batch * self.decode_context_tokens)
+        return max(0.0, base + extra)
+
+    def _decode_at_calibrated_context(self, batch: int) -> float:
         if batch <= 0:
             return 0.0
         sizes = sorted(self.decode_step_ms)
@@ -47,6 +62,13 @@ class CostModel(BaseModel):
 
     def prefill_ms(self, tokens: int) -> float:
         return self.prefill_fixed_ms + self.prefill_ms_per_token * tokens if tokens > 0 else 0.0
+
+    def prefill_chunk_ms(self, tokens: int, start_pos: int) -> float:
+        """What a prefill chunk of `tokens` tokens after `start_pos` earlier ones adds to a running
+        batch's step (its tokens, and their attention to the earlier context)."""
+        if tokens <= 0:
+            return 0.0
+        return tokens * (self.prefill_ms_per_token + self.prefill_ms_per_token_per_context_token * start_pos)
 
     def train_ms(self, tokens: int) -> float:
         return self.train_fixed_ms + self.train_ms_per_token * tokens if tokens > 0 else 0.0

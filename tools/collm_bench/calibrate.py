@@ -10,6 +10,9 @@ What is timed, all on the replica's own `Executor` (no engine loop, no NATS):
   `prefill_ms_per_token`;
 * decode: one step of a batch of b sequences at a fixed context (the KV caches are filled once for the
   largest batch; a batch of b reuses the first b of them, rewound to the context each step);
+* context: one decode step of the largest batch at several contexts (a line through the smallest and
+  the largest gives `decode_ms_per_context_token`), and one prefill chunk after 0 and after p earlier
+  tokens (`prefill_ms_per_token_per_context_token`);
 * LoRA: one decode step of a batch spread over k distinct adapters, against the same batch without any;
 * training: a micro-step (forward and backward through the frozen base into the LoRA) of n tokens;
 * quality: held-out loss of a domain's adapter against the tokens a `TrainingJob` trained it on.
@@ -59,6 +62,12 @@ class CostSizes:
     prefill_tokens: tuple[int, ...] = (16, 64, 128, 256)
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24)
     decode_context: int = 128
+    # Decode at these contexts too (the batch of `context_batch`), and a prefill chunk of
+    # `chunk_tokens` after 0 and after `chunk_start` earlier tokens: how attention grows with context.
+    decode_contexts: tuple[int, ...] = (32, 512)
+    context_batch: int = 16
+    chunk_tokens: int = 64
+    chunk_start: int = 256
     lora_adapters: tuple[int, ...] = (0, 1, 2, 4, 8)  # distinct adapters in the batch; must include 0
     lora_batch: int = 16
     train_tokens: tuple[int, ...] = (32, 64, 128)
@@ -74,16 +83,28 @@ class CostSizes:
             raise ValueError("decode needs a batch size; LoRA needs 0 and at least one adapter count")
         if self.reps < 1:
             raise ValueError("reps must be >= 1")
+        if len({*self.decode_contexts, self.decode_context}) < 2 or self.chunk_start < 1:
+            raise ValueError("context needs two decode contexts and a chunk start >= 1")
         if self.statistic not in ("min", "median"):
             raise ValueError("statistic must be 'min' or 'median'")
 
     @property
     def prompts_needed(self) -> int:
-        return max(2, max(self.decode_batches), self.lora_batch)
+        return max(2, max(self.decode_batches), self.lora_batch, self.context_batch)
+
+    @property
+    def contexts(self) -> list[int]:
+        """Every context the decode step is timed at by `context_batch` sequences."""
+        return sorted({*self.decode_contexts, self.decode_context})
 
     @property
     def prompt_tokens_needed(self) -> int:
-        return max(max(self.prefill_tokens), self.decode_context, max(self.train_tokens))
+        return max(
+            max(self.prefill_tokens),
+            max(self.contexts),
+            self.chunk_start + self.chunk_tokens,
+            max(self.train_tokens),
+        )
 
 
 @dataclass(frozen=True)
@@ -93,13 +114,17 @@ class CostMeasurement:
     decode_ms: dict[int, float]
     lora_ms_by_adapters: dict[int, float]
     train_ms: dict[int, float]
+    decode_ms_by_context: dict[int, float]  # the batch of `context_batch`
+    chunk_ms_by_start: dict[int, float]  # a prefill chunk of `chunk_tokens` after 0 and more tokens
     statistic: str
-    timings_ms: dict[str, dict[int, list[float]]]  # every timing: prefill, decode, lora, train
+    timings_ms: dict[str, dict[int, list[float]]]  # every timing by kind (`cost_timings`), and size
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "prefill_ms": self.prefill_ms,
             "decode_ms": self.decode_ms,
+            "decode_ms_by_context": self.decode_ms_by_context,
+            "chunk_ms_by_start": self.chunk_ms_by_start,
             "lora_ms_by_adapters": self.lora_ms_by_adapters,
             "train_ms": self.train_ms,
             "statistic": self.statistic,
@@ -161,13 +186,14 @@ def measure_costs(
 ) -> CostMeasurement:
     """The simulator's cost model of `loaded` on this machine (one process, torch's current threads)."""
     sz = sizes or CostSizes()
-    return costs_from_timings(cost_timings(loaded, prompts, sz), sz.statistic, sz.max_batch)
+    return costs_from_timings(cost_timings(loaded, prompts, sz), sz)
 
 
 def cost_timings(
     loaded: LoadedModel, prompts: Sequence[Sequence[int]], sz: CostSizes
 ) -> dict[str, dict[int, list[float]]]:
-    """Every timing of `measure_costs`: {"prefill" | "decode" | "lora" | "train": {size: [ms, ...]}}."""
+    """Every timing of `measure_costs`: {kind: {size: [ms, ...]}}, kinds "prefill" (tokens), "decode"
+    (batch), "lora" (distinct adapters), "train" (tokens), "context" (decode context), "chunk" (start)."""
     if len(prompts) < sz.prompts_needed or min(len(p) for p in prompts) < sz.prompt_tokens_needed:
         raise ValueError(f"need {sz.prompts_needed} prompts of >= {sz.prompt_tokens_needed} tokens")
     ex = Executor(loaded)
@@ -212,6 +238,29 @@ def cost_timings(
         )
     raw["lora"] = timings_ms(lora_fns, reps)
     ex.bank = None
+    # Context: the batch of `context_batch` decoding at each context (caches filled to the longest),
+    # and one prefill chunk after 0 and after `chunk_start` earlier tokens.
+    longest = max(sz.contexts)
+    ckvs = [ex.new_kv(longest + 32) for _ in range(sz.context_batch)]
+    cfill = [ForwardItem(list(p[:longest]), 0, kv) for kv, p in zip(ckvs, prompts, strict=False)]
+    for it in cfill:
+        ex.forward([it])
+
+    def decode_at(c: int) -> None:
+        for kv in ckvs:
+            kv.length = c
+        ex.forward([ForwardItem([5], c, kv) for kv in ckvs])
+
+    raw["context"] = timings_ms({c: lambda c=c: decode_at(c) for c in sz.contexts}, reps)
+    chunk_kv = ex.new_kv(sz.chunk_start + sz.chunk_tokens + 1)
+    ex.forward([ForwardItem(list(prompts[1][: sz.chunk_start]), 0, chunk_kv)])
+    chunk = list(prompts[0][: sz.chunk_tokens])
+
+    def chunk_at(start: int) -> None:
+        chunk_kv.length = start
+        ex.forward([ForwardItem(chunk, start, chunk_kv)])
+
+    raw["chunk"] = timings_ms({p: lambda p=p: chunk_at(p) for p in (0, sz.chunk_start)}, reps)
     # Training: micro-steps of n tokens (one sequence).
     live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, loaded.name)
 
@@ -318,34 +367,42 @@ def measure_costs_together(
             c.join(timeout=10)
             if c.is_alive():
                 c.kill()
-    return costs_from_timings(pooled, sz.statistic, sz.max_batch)
+    return costs_from_timings(pooled, sz)
 
 
-def costs_from_timings(
-    raw: Mapping[str, Mapping[int, Sequence[float]]], statistic: str, max_batch: int
-) -> CostMeasurement:
-    """The cost model of `measure_costs`'s timings, each size reduced by `statistic` (pure)."""
+def costs_from_timings(raw: Mapping[str, Mapping[int, Sequence[float]]], sz: CostSizes) -> CostMeasurement:
+    """The cost model of `measure_costs`'s timings, each size reduced by `sz.statistic` (pure)."""
+    statistic = sz.statistic
     pre = reduce_ms(raw["prefill"], statistic)
     decode = reduce_ms(raw["decode"], statistic)
     lora_ms = reduce_ms(raw["lora"], statistic)
     tr = reduce_ms(raw["train"], statistic)
+    by_context = reduce_ms(raw["context"], statistic)
+    by_start = reduce_ms(raw["chunk"], statistic)
     xs = sorted(pre)
     fixed, slope = line_through(pre, xs[1] if len(xs) > 2 else xs[0], xs[-1])
     most = max(lora_ms)
     per_adapter = max(0.0, (lora_ms[most] - lora_ms[0]) / lora_ms[0] / most)
     ts = sorted(tr)
     t_fixed, t_slope = line_through(tr, ts[0], ts[-1])
+    cs = sorted(by_context)
+    _, per_batch_context = line_through(by_context, cs[0], cs[-1])
+    starts = sorted(by_start)
+    chunk_extra = (by_start[starts[-1]] - by_start[starts[0]]) / (sz.chunk_tokens * starts[-1])
     cost = CostModel(
         prefill_fixed_ms=fixed,
         prefill_ms_per_token=slope,
         decode_step_ms=decode,
+        decode_context_tokens=sz.decode_context,
+        decode_ms_per_context_token=max(0.0, per_batch_context / sz.context_batch),
+        prefill_ms_per_token_per_context_token=max(0.0, chunk_extra),
         lora_overhead_frac_per_adapter=per_adapter,
         train_fixed_ms=t_fixed,
         train_ms_per_token=t_slope,
-        max_batch=max_batch,
+        max_batch=sz.max_batch,
     )
     timings = {name: {k: list(v) for k, v in by.items()} for name, by in raw.items()}
-    return CostMeasurement(cost, pre, decode, lora_ms, tr, statistic, timings)
+    return CostMeasurement(cost, pre, decode, lora_ms, tr, by_context, by_start, statistic, timings)
 
 
 def measure_quality(

@@ -6,8 +6,11 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
 2. `batching.plan_iteration` picks decode tokens and prefill chunks (and admits FCFS);
 3. the replica's co-scheduler (`collm_replica.cosched`) decides the training micro-step, given the
    coordinator's share (with its TTL: `effective_share`) and the requests' deadlines;
-4. the inference step costs `decode_step_ms(decodes)` plus `prefill_ms_per_token` per prefill token
-   (`prefill_fixed_ms` when the step has no decodes), times (1 + `lora_overhead_frac_per_adapter` per
+4. the inference step costs `decode_step_ms(decodes)`, plus `decode_ms_per_context_token` per token of
+   the decoding sequences' contexts beyond `decode_context_tokens` each (`CostModel.decode_ms`), plus
+   `prefill_ms_per_token` per prefill token and `prefill_ms_per_token_per_context_token` per prefill
+   token and earlier token of its sequence (`CostModel.prefill_chunk_ms`) (`prefill_fixed_ms` instead
+   of a decode step when the step has no decodes), times (1 + `lora_overhead_frac_per_adapter` per
    distinct adapter in the batch); the training micro-step costs `train_fixed_ms + train_ms_per_token *
    tokens` and runs after it, so requests wait for it, exactly as on the real engine (one process, one
    device, no overlap);
@@ -130,6 +133,11 @@ class SimReplica:
         self.decode_ms = [0.0] + [cost.decode_ms(b) for b in range(1, engine.max_batch_tokens + 1)]
         self.prefill_fixed_ms = cost.prefill_fixed_ms
         self.prefill_per_token_ms = cost.prefill_ms_per_token
+        # Attention grows with context: per context token of the decoding sequences (beyond the context
+        # the step times were measured at), and per earlier token of a prefill chunk, per chunk token.
+        self.decode_context_tokens = cost.decode_context_tokens
+        self.decode_ms_per_context_token = cost.decode_ms_per_context_token
+        self.prefill_ms_per_token_per_context_token = cost.prefill_ms_per_token_per_context_token
         self.lora_frac = cost.lora_overhead_frac_per_adapter
         self.train_cost = TrainCost(cost.train_fixed_ms, cost.train_ms_per_token)
         self.ttft_slo_s = (ttft_slo_ms or 1e12) / 1e3
@@ -271,6 +279,8 @@ class SimReplica:
         items: list[tuple[Req, int]] = []
         n_dec = 0
         n_pre = 0
+        dec_context = 0  # tokens of context of the decoding sequences
+        pre_pairs = 0  # prefill tokens x the earlier tokens they attend to
         adapters: set[str] = set()
         by_sid = self.by_sid
         for sid, n in plan.items:
@@ -279,12 +289,19 @@ class SimReplica:
             adapters.add(req.domain)
             if req.computed >= req.prompt_len:
                 n_dec += 1
+                dec_context += req.prompt_len + req.generated - 1  # the tokens before this one
             else:
                 n_pre += n
+                pre_pairs += n * req.computed
         inf_ms = 0.0
         if items:
-            inf_ms = self.decode_ms[n_dec] if n_dec else self.prefill_fixed_ms
+            if n_dec:
+                extra = self.decode_ms_per_context_token * (dec_context - n_dec * self.decode_context_tokens)
+                inf_ms = max(0.0, self.decode_ms[n_dec] + extra)
+            else:
+                inf_ms = self.prefill_fixed_ms
             inf_ms += self.prefill_per_token_ms * n_pre
+            inf_ms += self.prefill_ms_per_token_per_context_token * pre_pairs
             inf_ms *= 1.0 + self.lora_frac * len(adapters)
         train_tokens = 0
         train_ms = 0.0

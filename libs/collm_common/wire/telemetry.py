@@ -58,7 +58,9 @@ class ReplicaTelemetry(WireModel):
     finished: int = 0
     good: int = 0
     slo_attainment: float | None = None
-    # Cost model observed by the engine (for the coordinator and the simulator).
+    # Cost model observed by the engine (for the coordinator and the simulator): a decode step of the
+    # largest batch seen, and what one prefill token adds to a step (a step's time beyond a decode step
+    # of as many sequences, per prefill token).
     decode_step_ms: float | None = None
     prefill_ms_per_token: float | None = None
     train_step_ms: float | None = None

@@ -357,7 +357,6 @@ class Engine:
         self.step_cost = LinearCost(fixed_ms=5.0, per_unit_ms=2.0)
         self.piece_costs = PieceCosts()
         self._decode_ms: dict[int, float] = {}
-        self._prefill_ms_per_token: float | None = None
         self._prefill_extra_ms_per_token: float | None = None
         self._train_step_ms: float | None = None
         self.window = LatencyWindow(self.cfg.slo_window_s)
@@ -721,7 +720,7 @@ class Engine:
             training_paused=self.training_paused,
             latency=latency,
             decode_step_ms=decode.get(max(decode)) if decode else None,
-            prefill_ms_per_token=self._prefill_ms_per_token,
+            prefill_ms_per_token=self._prefill_extra_ms() if self.prefill_tokens_total else None,
             train_step_ms=self._train_step_ms,
             jobs=[self._job_status(j) for j in list(self.jobs.values())],
             adapters=adapters,
@@ -1040,9 +1039,6 @@ class Engine:
             old = self._decode_ms.get(b)
             self._decode_ms[b] = ms if old is None else 0.8 * old + 0.2 * ms
         elif prefill_tokens >= 16:
-            per = ms / n_tokens
-            old_p = self._prefill_ms_per_token
-            self._prefill_ms_per_token = per if old_p is None else 0.8 * old_p + 0.2 * per
             decode = self._decode_ms.get(len(fitems))
             if decode is not None:
                 extra = max(0.0, ms - decode) / prefill_tokens

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,19 @@ def made_up_dataset(root: Path, domain: str) -> Path:
     return root / domain
 
 
+# Fewer sizes and repetitions than the committed calibration's (this runs in the test suite).
+SIZES = CostSizes(
+    prefill_tokens=(32, 128),
+    decode_batches=(1, 2, 4, 8, 16),
+    decode_contexts=(32, 256),
+    lora_adapters=(0, 2),
+    train_tokens=(32, 128),
+    chunk_start=128,
+    reps=3,
+    statistic="median",
+)
+
+
 def measure_calibration(
     data: dict[str, Path], out: Path, replicas: int
 ) -> tuple[Calibration, CostMeasurement]:
@@ -112,14 +126,7 @@ def measure_calibration(
     except ModelLoadError as exc:
         pytest.skip(str(exc))
     text = " ".join(e.prompt + " " + e.response for d in data.values() for e in load_dataset(d).train)
-    sizes = CostSizes(
-        prefill_tokens=(32, 128),
-        decode_batches=(1, 2, 4, 8, 16),
-        lora_adapters=(0, 2),
-        train_tokens=(32, 128),
-        reps=3,
-        statistic="median",
-    )
+    sizes = SIZES
     prompts = prompts_from_text(loaded.tokenizer, text, sizes.prompts_needed, sizes.prompt_tokens_needed)
     curves = []
 
@@ -142,6 +149,9 @@ def scaled(cal: Calibration, factor: float) -> Calibration:
         prefill_fixed_ms=c.prefill_fixed_ms * factor,
         prefill_ms_per_token=c.prefill_ms_per_token * factor,
         decode_step_ms={b: ms * factor for b, ms in c.decode_step_ms.items()},
+        decode_context_tokens=c.decode_context_tokens,
+        decode_ms_per_context_token=c.decode_ms_per_context_token * factor,
+        prefill_ms_per_token_per_context_token=c.prefill_ms_per_token_per_context_token * factor,
         lora_overhead_frac_per_adapter=c.lora_overhead_frac_per_adapter,
         train_fixed_ms=c.train_fixed_ms * factor,
         train_ms_per_token=c.train_ms_per_token * factor,
@@ -235,7 +245,9 @@ def test_simulated_goodput_agrees_with_a_live_run(tmp_path: Path) -> None:
     lv = live["summary"]
     # The prediction, and the same simulation with wrong step costs: every cost x1.5 and x2, and the
     # same timings reduced to their fastest instead of their median (a quiet machine's costs).
-    fastest = cal.model_copy(update={"cost": costs_from_timings(costs.timings_ms, "min", max_batch).cost})
+    fastest = cal.model_copy(
+        update={"cost": costs_from_timings(costs.timings_ms, replace(SIZES, statistic="min")).cost}
+    )
     variants = {
         "sim": cal,
         "sim, costs x1.5": scaled(cal, 1.5),

@@ -59,6 +59,31 @@ def test_lora_overhead_scales_the_step() -> None:
     assert res.records[0].ttft_ms == pytest.approx(110.0 * 1.5)
 
 
+def test_attention_costs_grow_with_context() -> None:
+    # Decode steps measured at 100 tokens of context, +0.1 ms per token beyond; a prefill token +0.01 ms
+    # per earlier token. Chunks of 64: the 100-token prompt is 64 tokens (10 + 64 ms) then 36 tokens
+    # after 64 earlier ones (10 + 36 + 0.01 x 36 x 64 ms); the four decodes see 100..103 earlier tokens.
+    cal = calibration_for_tests()
+    cost = cal.cost.model_copy(
+        update={
+            "decode_context_tokens": 100,
+            "decode_ms_per_context_token": 0.1,
+            "prefill_ms_per_token_per_context_token": 0.01,
+        }
+    )
+    cal = cal.model_copy(update={"cost": cost})
+    cfg = SimConfig(
+        replicas=1, policy="separate", samples_per_replica=0, engine=EngineSpec(prefill_chunk_tokens=64)
+    )
+    (rec,) = Simulation(cfg, cal, workload([0.5])).run().records
+    assert rec.ttft_ms == pytest.approx(74.0 + 46.0 + 23.04)
+    assert rec.e2e_ms == pytest.approx(rec.ttft_ms + 20.0 + 20.1 + 20.2 + 20.3)
+    # The cost model says the same of each step.
+    assert cost.decode_ms(1, 103) == pytest.approx(20.3) and cost.decode_ms(16) == 50.0
+    assert cost.decode_ms(16, 16 * 90) == pytest.approx(50.0 - 0.1 * 16 * 10)
+    assert cost.prefill_chunk_ms(36, 64) == pytest.approx(36 + 23.04) and cost.prefill_chunk_ms(0, 64) == 0
+
+
 def test_goodput_counts_only_good_and_attainment_counts_everything() -> None:
     # A burst of 12 requests at one instant into one replica with a queue of 4: the first is admitted to
     # the batch at once, 4 wait, the other 7 are rejected (the gateway's retries have nowhere else to go);
