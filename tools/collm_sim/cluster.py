@@ -170,7 +170,11 @@ class Simulation:
     def _wake(self, rep: SimReplica, now: float) -> None:
         if rep.idle:
             rep.idle = False
-            self._push(now, _ITER, rep)
+            self._push(now, _ITER, (rep, rep.gen))
+        else:
+            end = rep.interrupt(now)  # a training stretch in progress yields to the arrival
+            if end is not None:
+                self._push(end, _ITER, (rep, rep.gen))
 
     # --- callbacks from replicas ----------------------------------------------------------------------
     def _on_finish(self, req: Req) -> None:
@@ -207,7 +211,10 @@ class Simulation:
                 self.now = t
                 self.events += 1
                 if kind == _ITER:
-                    nxt = payload.step(t)
+                    rep, gen = payload
+                    if gen != rep.gen:
+                        continue  # an arrival moved this iteration's end: a newer event stands for it
+                    nxt = rep.step(t)
                     if nxt is not None:
                         heapq.heappush(heap, (nxt, next(self._seq), _ITER, payload))
                 elif kind == _TELEMETRY:

@@ -35,6 +35,13 @@ class EngineSpec:
     fixed_every_iterations: int = _R["fixed_every_iterations"]
     ft_share_default: float = _R["ft_share_default"]
     round_deadline_margin_s: float = _R["round_deadline_margin_s"]
+    ft_guard_frac: float = _R["ft_guard_frac"]
+    default_ttft_slo_ms: float = _R["default_ttft_slo_ms"]
+    # Training runs in pieces of about one decoder layer (forward, then backward) plus the LM head: for
+    # SmolLM2-135M's 30 layers, 61 pieces per micro-step. A stretch of training ends at a piece boundary:
+    # when the next piece would overrun the co-scheduler's budget, or after the piece in progress when a
+    # request arrives (the engine's `_news`).
+    train_pieces_per_micro_step: int = 61
     slo_window_s: float = _R["slo_window_s"]
     ft_slo_reserve_frac: float = _R["ft_slo_reserve_frac"]
     telemetry_interval_s: float = _R["telemetry_interval_s"]

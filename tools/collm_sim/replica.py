@@ -4,16 +4,20 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
 
 1. drop waiting requests past their deadline;
 2. `batching.plan_iteration` picks decode tokens and prefill chunks (and admits FCFS);
-3. the replica's co-scheduler (`collm_replica.cosched`) decides the training micro-step, given the
-   coordinator's share (with its TTL: `effective_share`) and the requests' deadlines;
+3. the replica's co-scheduler (`collm_replica.cosched`) decides the training time after the step
+   (`budget_ms`), given the coordinator's share (with its TTL: `effective_share`), the requests'
+   deadlines and the guard (`ft_guard_frac` of the TTFT SLO);
 4. the inference step costs `decode_step_ms(decodes)`, plus `decode_ms_per_context_token` per token of
    the decoding sequences' contexts beyond `decode_context_tokens` each (`CostModel.decode_ms`), plus
    `prefill_ms_per_token` per prefill token and `prefill_ms_per_token_per_context_token` per prefill
    token and earlier token of its sequence (`CostModel.prefill_chunk_ms`) (`prefill_fixed_ms` instead
    of a decode step when the step has no decodes), times (1 + `lora_overhead_frac_per_adapter` per
-   distinct adapter in the batch); the training micro-step costs `train_fixed_ms + train_ms_per_token *
-   tokens` and runs after it, so requests wait for it, exactly as on the real engine (one process, one
-   device, no overlap);
+   distinct adapter in the batch); training runs after it, so requests wait for it, exactly as on the
+   real engine (one process, one device, no overlap): a stretch of whole pieces (a micro-step of
+   `train_micro_tokens` costs `train_fixed_ms + train_ms_per_token * tokens`, in
+   `train_pieces_per_micro_step` pieces) within the budget, at least one when idle; a micro-step carries
+   over to the next stretch, its tokens count when it completes, and a request arriving during a
+   stretch ends it after the piece in progress (the engine's `_news`);
 5. tokens are emitted at the end of the inference step: a prompt's last prefill chunk emits its first
    token (TTFT), every decode one more token.
 
@@ -24,6 +28,7 @@ percentiles and attainment, rates over the interval).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from itertools import islice
@@ -88,7 +93,9 @@ class Req:
 class Job:
     """A replica's local training job for one round."""
 
-    __slots__ = ("adapter", "round_id", "base_version", "budget", "tokens_done", "stop_s", "active")
+    __slots__ = (
+        "adapter", "round_id", "base_version", "budget", "tokens_done", "stop_s", "active", "progress_ms"
+    )  # fmt: skip
 
     def __init__(self, adapter: str, round_id: int, base_version: int, budget: int, stop_s: float) -> None:
         self.adapter = adapter
@@ -98,6 +105,7 @@ class Job:
         self.tokens_done = 0
         self.stop_s = stop_s
         self.active = True
+        self.progress_ms = 0.0  # training time already spent on the micro-step in progress
 
 
 FinishFn = Callable[["Req"], None]
@@ -153,7 +161,11 @@ class SimReplica:
         self.by_sid: dict[str, Req] = {}
         self.kv_reserved = 0
         self.idle = True
-        self.pending: tuple[list[tuple[Req, int]], float, int, float] | None = None
+        # The iteration in progress: (items, end of its inference step, end of its training stretch).
+        self.pending: tuple[list[tuple[Req, int]], float, float] | None = None
+        self.gen = 0  # bumped when an arrival cuts the iteration short (its old end event is stale)
+        micro_ms = self.train_cost.ms(engine.train_micro_tokens)
+        self.piece_ms = micro_ms / max(1, engine.train_pieces_per_micro_step)
         self.iteration = 0
         self.share: float | None = None
         self.share_expires_s: float | None = None
@@ -180,6 +192,24 @@ class SimReplica:
         self.waiting.append(req)
         self._arrivals += 1
         return True
+
+    def interrupt(self, now: float) -> float | None:
+        """A request arrived: a training stretch in progress stops after its piece in progress (none
+        starts once the inference step is over), as the engine's training yields to news. Returns the
+        iteration's new end (the cluster reschedules it; `gen` marks the old end stale), or None."""
+        p = self.pending
+        if p is None:
+            return None
+        items, t_inf, t_end = p
+        if now >= t_end or t_end <= t_inf:
+            return None
+        pieces = max(0, math.ceil((now - t_inf) / (self.piece_ms / 1e3) - 1e-9))
+        new_end = min(t_end, t_inf + pieces * self.piece_ms / 1e3)
+        if new_end >= t_end:
+            return None
+        self.pending = (items, t_inf, new_end)
+        self.gen += 1
+        return new_end
 
     def _finish(self, req: Req, t: float, status: str) -> None:
         req.t_end = t
@@ -303,52 +333,85 @@ class SimReplica:
             inf_ms += self.prefill_per_token_ms * n_pre
             inf_ms += self.prefill_ms_per_token_per_context_token * pre_pairs
             inf_ms *= 1.0 + self.lora_frac * len(adapters)
-        train_tokens = 0
         train_ms = 0.0
         job = self.job
         if job is not None and job.active:
             share, _ = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
-            tokens = self.cosched.decide(
-                CoSchedInput(
-                    now_s=now,
-                    share=share,
-                    has_job=True,
-                    running=len(running),
-                    waiting=len(self.waiting),
-                    inference_tokens=plan.tokens,
-                    token_budget=self.batch_cfg.max_batch_tokens,
-                    step_ms=inf_ms,
-                    deadlines_s=self._deadlines(now) if share > 0 else (),
-                    train=self.train_cost,
-                    micro_tokens=self.engine.train_micro_tokens,
-                    batch_tokens=self.engine.train_batch_tokens,
-                    iteration=self.iteration,
-                )
+            guard_ms = self.engine.ft_guard_frac * min(
+                self.ttft_slo_ms or self.engine.default_ttft_slo_ms, self.engine.default_ttft_slo_ms
             )
-            tokens = min(tokens, job.budget - job.tokens_done)
-            if tokens > 0:
-                train_tokens = tokens
-                train_ms = self.train_cost.ms(tokens)
-                self.cosched.charge(train_ms)
+            inp = CoSchedInput(
+                now_s=now,
+                share=share,
+                has_job=True,
+                running=len(running),
+                waiting=len(self.waiting),
+                inference_tokens=plan.tokens,
+                token_budget=self.batch_cfg.max_batch_tokens,
+                step_ms=inf_ms,
+                deadlines_s=self._deadlines(now) if share > 0 else (),
+                train=self.train_cost,
+                micro_tokens=self.engine.train_micro_tokens,
+                batch_tokens=self.engine.train_batch_tokens,
+                iteration=self.iteration,
+                max_train_ms=guard_ms,
+            )
+            # As the engine: the co-scheduler's time budget, spent in whole pieces (at least one when
+            # idle), never past what the job's token budget still needs.
+            budget = getattr(self.cosched, "budget_ms", None)
+            budget_ms = budget(inp) if budget is not None else self.train_cost.ms(self.cosched.decide(inp))
+            pieces = int(min(budget_ms, 60_000.0) / self.piece_ms + 1e-9)
+            if inp.idle and budget_ms > 0:
+                pieces = max(1, pieces)
+            train_ms = min(pieces * self.piece_ms, self._ms_to_finish(job))
         self.iteration += 1
-        if not items and train_tokens == 0:
+        if not items and train_ms <= 0:
             self.idle = True
             return None
         self.iterations_total += 1
         t_inf = now + inf_ms / 1e3
-        self.pending = (items, t_inf, train_tokens, t_inf + train_ms / 1e3)
+        self.pending = (items, t_inf, t_inf + train_ms / 1e3)
         self._pending_ms = (inf_ms, train_ms)
         self.idle = False
         return t_inf + train_ms / 1e3
 
+    def _micro_ms(self, job: Job) -> tuple[int, float]:
+        """(tokens, ms) of the job's micro-step in progress (the last one may be short of the budget)."""
+        tokens = min(self.engine.train_micro_tokens, job.budget - job.tokens_done)
+        return tokens, self.train_cost.ms(tokens)
+
+    def _ms_to_finish(self, job: Job) -> float:
+        """Training time until the job's token budget is done, whole pieces."""
+        left = job.budget - job.tokens_done
+        if left <= 0:
+            return 0.0
+        micro = self.engine.train_micro_tokens
+        full, rest = divmod(left, micro)
+        ms = full * self.train_cost.ms(micro) + self.train_cost.ms(rest) - job.progress_ms
+        return math.ceil(max(0.0, ms) / self.piece_ms - 1e-9) * self.piece_ms
+
+    def _train(self, job: Job, ms: float, t_end: float) -> int:
+        """Spend `ms` of training on the job's micro-steps; tokens of those it completed."""
+        done = 0
+        job.progress_ms += ms
+        while job.active and job.tokens_done < job.budget:
+            tokens, step_ms = self._micro_ms(job)
+            if job.progress_ms + 1e-6 < step_ms:
+                break
+            job.progress_ms -= step_ms
+            job.tokens_done += tokens
+            done += tokens
+        if job.tokens_done >= job.budget:
+            job.progress_ms = 0.0
+        return done
+
     def _complete(self) -> None:
         assert self.pending is not None
-        items, t_inf, train_tokens, t_end = self.pending
+        items, t_inf, t_end = self.pending
         self.pending = None
-        # Busy time is counted with the tokens it produced (at completion), so that one interval's
-        # training tokens and training time always belong to the same micro-steps.
+        train_ms = max(0.0, (t_end - t_inf) * 1e3)  # an arrival may have cut the stretch short
         self._infer_ms += self._pending_ms[0]
-        self._train_ms += self._pending_ms[1]
+        self._train_ms += train_ms
         for req, n in items:
             if req.computed < req.prompt_len:
                 req.computed += n
@@ -367,10 +430,10 @@ class SimReplica:
                 self._gen_tokens += 1
                 if req.generated >= req.out_len:
                     self._finish(req, t_inf, "ok")
-        if train_tokens:
-            job = self.job
-            assert job is not None
-            job.tokens_done += train_tokens
+        job = self.job
+        if train_ms > 0 and job is not None and job.active:
+            self.cosched.charge(train_ms)
+            train_tokens = self._train(job, train_ms, t_end)
             self._ft_tokens += train_tokens
             self.ft_tokens_total += train_tokens
             if job.tokens_done >= job.budget:

@@ -202,3 +202,26 @@ def test_unknown_domain_and_bad_config_are_refused() -> None:
         Simulation(SimConfig(domains=("law",)), calibration_for_tests())
     with pytest.raises(ValueError, match="unknown policy"):
         SimConfig(policy="fastest")
+
+
+def test_training_runs_in_pieces_that_yield_to_an_arrival_and_carry_over() -> None:
+    """As the engine: a stretch of whole pieces; an arrival ends it after the piece in progress; the
+    micro-step carries over and its tokens count when it completes."""
+    from collm_replica.cosched import LeftoverCoScheduler
+    from collm_sim.replica import SimReplica
+
+    done: list[object] = []
+    rep = SimReplica(
+        "r0", calibration_for_tests().cost, EngineSpec(train_micro_tokens=128, train_pieces_per_micro_step=4),
+        LeftoverCoScheduler(), "med", 100, {}, 2000.0, 250.0, 60.0, done.append,
+        lambda _r, job, _t: done.append(job),
+    )  # fmt: skip
+    rep.start_job("med", 1, 1, budget=1000, deadline_s=1e9, now=0.0)
+    # idle: one micro-step of 128 tokens (20 + 128 x 1 ms = 148 ms) in 4 pieces of 37 ms
+    assert rep.step(0.0) == pytest.approx(0.148)
+    assert rep.interrupt(0.05) == pytest.approx(0.074)  # the piece in progress (37-74 ms) completes
+    assert rep.interrupt(0.06) is None  # already cut there
+    assert rep.step(0.074) == pytest.approx(0.074 + 0.148)
+    assert rep.ft_tokens_total == 0 and rep.job is not None and rep.job.progress_ms == pytest.approx(74.0)
+    rep.step(0.222)  # 74 + 148 ms: the micro-step completed, 74 ms of the next one carried over
+    assert rep.ft_tokens_total == 128 and rep.job.progress_ms == pytest.approx(74.0)
