@@ -5,6 +5,8 @@ co-scheduler's predictions follow the machine (other load, thermal state) within
 `PieceCosts` keeps one such model per kind of background piece (a layer's forward or backward of a
 training micro-step, an LM-head chunk, an evaluation layer, the optimizer step), so the engine can run
 exactly as much background work as fits the time the co-scheduler grants.
+`StepCosts` learns the engine's inference steps: their time by tokens, the decode step by batch size and what
+a prefill token adds to a step.
 `LatencyWindow` keeps finished requests of the last `window_s` seconds for percentiles and SLO attainment.
 """
 
@@ -48,6 +50,48 @@ class LinearCost:
     def predict(self, units: float) -> float:
         fixed, per = self.params()
         return fixed + per * units
+
+
+class StepCosts:
+    """What the engine learns of its own inference steps (pure).
+
+    * `line`: the step's time against its tokens (every step), the prediction of a planned step;
+    * `decode_ms`: the time of a decode-only step by its number of sequences (smoothed);
+    * `prefill_extra_ms_per_token`: what one prefill token adds to a step, from steps with at least
+      `min_prefill_tokens` of prefill: the step's time beyond a decode-only step of as many sequences,
+      per prefill token (smoothed; None until such a step follows a decode-only step of its size).
+    """
+
+    def __init__(self, smoothing: float = 0.2, min_prefill_tokens: int = 16) -> None:
+        self.line = LinearCost(fixed_ms=5.0, per_unit_ms=2.0)
+        self.decode_ms: dict[int, float] = {}
+        self.prefill_extra_ms_per_token: float | None = None
+        self.smoothing = smoothing
+        self.min_prefill_tokens = min_prefill_tokens
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe(self, sequences: int, tokens: int, prefill_tokens: int, ms: float) -> None:
+        """One step of `sequences` sequences and `tokens` tokens, `prefill_tokens` of them prefill."""
+        self.line.observe(tokens, ms)
+        if prefill_tokens == 0:
+            self.decode_ms[sequences] = self._smooth(self.decode_ms.get(sequences), ms)
+        elif prefill_tokens >= self.min_prefill_tokens:
+            decode = self.decode_ms.get(sequences)
+            if decode is not None:
+                extra = max(0.0, ms - decode) / prefill_tokens
+                self.prefill_extra_ms_per_token = self._smooth(self.prefill_extra_ms_per_token, extra)
+
+    def decode_at(self, sequences: int) -> float:
+        """A decode step of `sequences` sequences: measured when seen, else the line's prediction."""
+        return self.decode_ms.get(sequences) or self.line.predict(sequences)
+
+    def prefill_ms_per_token(self) -> float:
+        """What a prefill token adds to a step: measured, else the line's slope."""
+        if self.prefill_extra_ms_per_token is not None:
+            return self.prefill_extra_ms_per_token
+        return self.line.params()[1]
 
 
 class PieceCosts:

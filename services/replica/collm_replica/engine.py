@@ -59,7 +59,7 @@ from collm_replica.cosched import (
     make_coscheduler,
     request_deadlines,
 )
-from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, PieceCosts
+from collm_replica.costs import FinishedSample, LatencyWindow, PieceCosts, StepCosts
 from collm_replica.executor import Executor, ForwardItem, SeqKV
 from collm_replica.lora_bank import LiveLora, LoraBank, parse_adapter
 from collm_replica.lru import VersionLru
@@ -354,10 +354,8 @@ class Engine:
         self.iteration = 0
 
         # Costs and counters.
-        self.step_cost = LinearCost(fixed_ms=5.0, per_unit_ms=2.0)
+        self.step_costs = StepCosts()
         self.piece_costs = PieceCosts()
-        self._decode_ms: dict[int, float] = {}
-        self._prefill_extra_ms_per_token: float | None = None
         self._train_step_ms: float | None = None
         self.window = LatencyWindow(self.cfg.slo_window_s)
         self.generated_tokens_total = 0
@@ -702,7 +700,8 @@ class Engine:
             live = self._live_work  # a stretch of training in progress counts as it goes
             ft_tokens_total = self.ft_tokens_total + (live.train_tokens if live else 0)
             train_ms_total = self.train_ms_total + (live.train_ms if live else 0.0)
-        decode = dict(self._decode_ms)
+        decode = dict(self.step_costs.decode_ms)
+        prefill_ms = self.step_costs.prefill_ms_per_token() if self.prefill_tokens_total else None
         return EngineSnapshot(
             queue_len=queue_len,
             running=len(self.running),
@@ -720,7 +719,7 @@ class Engine:
             training_paused=self.training_paused,
             latency=latency,
             decode_step_ms=decode.get(max(decode)) if decode else None,
-            prefill_ms_per_token=self._prefill_extra_ms() if self.prefill_tokens_total else None,
+            prefill_ms_per_token=prefill_ms,
             train_step_ms=self._train_step_ms,
             jobs=[self._job_status(j) for j in list(self.jobs.values())],
             adapters=adapters,
@@ -731,7 +730,7 @@ class Engine:
         )
 
     def decode_step_ms_by_batch(self) -> dict[int, float]:
-        return dict(self._decode_ms)
+        return dict(self.step_costs.decode_ms)
 
     # ===================================================================================== internals
     def _command(self, fn: Callable[[], None]) -> None:
@@ -852,7 +851,7 @@ class Engine:
     # --- scheduling helpers ---------------------------------------------------------------------------
     def _decode_ms_at(self, batch: int) -> float:
         """Predicted cost of a decode step of `batch` sequences (measured when seen, else the fit)."""
-        return self._decode_ms.get(batch) or self.step_cost.predict(batch)
+        return self.step_costs.decode_at(batch)
 
     def _timings(self, now: float, plan: Plan | None) -> tuple[list[ReqTiming], list[ReqTiming], StepModel]:
         """The running and waiting requests as they will be after `plan`'s step, and the step model. The
@@ -890,19 +889,12 @@ class Engine:
         b = self.cfg.batch
         model = StepModel(
             decode_step_s=self._decode_ms_at(max(1, len(self.running))) / 1e3,
-            prefill_s_per_token=self._prefill_extra_ms() / 1e3,
+            prefill_s_per_token=self.step_costs.prefill_ms_per_token() / 1e3,
             max_batch=b.max_batch,
             max_batch_tokens=b.max_batch_tokens,
             prefill_chunk_tokens=b.prefill_chunk_tokens,
         )
         return running, waiting, model
-
-    def _prefill_extra_ms(self) -> float:
-        """Time a prefill token adds to a step: measured (a step's time beyond a decode step of as many
-        sequences, per prefill token), else the slope of the step-cost fit."""
-        if self._prefill_extra_ms_per_token is not None:
-            return self._prefill_extra_ms_per_token
-        return self.step_cost.params()[1]
 
     def _min_ttft_slo_ms(self) -> float:
         """The tightest TTFT SLO of present requests and of those that arrived within the SLO window
@@ -932,7 +924,7 @@ class Engine:
         jobs = self._active_jobs()
         share, _ = effective_share(now, self._share, self._share_expires, self.cfg.ft_share_default)
         fixed, per = self.piece_costs.micro_step(self.executor.n_layers, head_rows=TRAIN_HEAD_ROWS)
-        step_ms = self.step_cost.predict(plan.tokens) if plan.tokens else 0.0
+        step_ms = self.step_costs.line.predict(plan.tokens) if plan.tokens else 0.0
         running, waiting, model = self._timings(now, plan)
         min_ttft_ms = self._min_ttft_slo_ms()
         # A request arriving meanwhile must still meet its TTFT: background work lasts at most a share of
@@ -1033,17 +1025,7 @@ class Engine:
         logits = self.executor.forward(fitems)
         ms = (time.perf_counter() - t0) * 1e3
         n_tokens = sum(len(f.token_ids) for f in fitems)
-        self.step_cost.observe(n_tokens, ms)
-        if prefill_tokens == 0:
-            b = len(fitems)
-            old = self._decode_ms.get(b)
-            self._decode_ms[b] = ms if old is None else 0.8 * old + 0.2 * ms
-        elif prefill_tokens >= 16:
-            decode = self._decode_ms.get(len(fitems))
-            if decode is not None:
-                extra = max(0.0, ms - decode) / prefill_tokens
-                old_e = self._prefill_extra_ms_per_token
-                self._prefill_extra_ms_per_token = extra if old_e is None else 0.8 * old_e + 0.2 * extra
+        self.step_costs.observe(len(fitems), n_tokens, prefill_tokens, ms)
         self.prefill_tokens_total += prefill_tokens
         now = self.clock()
         for (seq, n), lg in zip(work, logits, strict=True):

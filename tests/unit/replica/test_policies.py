@@ -19,7 +19,7 @@ from collm_replica.cosched import (
     make_coscheduler,
     request_deadlines,
 )
-from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, percentile
+from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, StepCosts, percentile
 from collm_replica.lru import VersionLru
 from collm_replica.sampling import StopMatcher
 
@@ -201,6 +201,27 @@ def test_linear_cost_learns_fixed_and_slope() -> None:
     one = LinearCost(5.0, 3.0)
     one.observe(4, 20.0)
     assert one.predict(4) == pytest.approx(20.0)
+
+
+def test_step_costs_price_a_prefill_token_beyond_a_decode_step_of_as_many_sequences() -> None:
+    c = StepCosts()
+    # Before any prefill-bearing step: the slope of the steps' line.
+    assert c.prefill_ms_per_token() == pytest.approx(2.0)
+    c.observe(sequences=4, tokens=4, prefill_tokens=0, ms=100.0)
+    # Three decodes and a 32-token chunk (4 sequences, 35 tokens): 64 ms beyond the decode step of 4,
+    # 2 ms per prefill token (not 164 / 35 ms, the step's time over all its tokens).
+    c.observe(sequences=4, tokens=35, prefill_tokens=32, ms=164.0)
+    assert c.prefill_ms_per_token() == pytest.approx(2.0)
+    c.observe(sequences=4, tokens=35, prefill_tokens=32, ms=196.0)  # 3 ms per token, smoothed by 0.2
+    assert c.prefill_ms_per_token() == pytest.approx(0.8 * 2.0 + 0.2 * 3.0)
+    # A chunk under 16 tokens, or a step whose size has no decode-only measurement, teaches nothing.
+    c.observe(sequences=4, tokens=12, prefill_tokens=9, ms=500.0)
+    c.observe(sequences=7, tokens=70, prefill_tokens=64, ms=900.0)
+    assert c.prefill_ms_per_token() == pytest.approx(2.2)
+    assert c.decode_at(4) == 100.0 and c.decode_ms == {4: 100.0}
+    c.observe(sequences=4, tokens=4, prefill_tokens=0, ms=110.0)
+    assert c.decode_at(4) == pytest.approx(102.0)
+    assert c.decode_at(9) == pytest.approx(c.line.predict(9))  # never seen: the line
 
 
 def test_latency_window_percentiles_and_attainment() -> None:
