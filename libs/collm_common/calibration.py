@@ -40,8 +40,12 @@ class CostModel(BaseModel):
         base = self._decode_at_calibrated_context(batch)
         if context_tokens is None or batch <= 0:
             return base
-        extra = self.decode_ms_per_context_token * (context_tokens - batch * self.decode_context_tokens)
-        return max(0.0, base + extra)
+        return max(0.0, base + self.decode_context_ms(batch, context_tokens))
+
+    def decode_context_ms(self, batch: int, context_tokens: int) -> float:
+        """What `context_tokens` of context in all add to a decode step of `batch` sequences beyond the
+        calibrated context (negative below it)."""
+        return self.decode_ms_per_context_token * (context_tokens - batch * self.decode_context_tokens)
 
     def _decode_at_calibrated_context(self, batch: int) -> float:
         if batch <= 0:

@@ -139,13 +139,9 @@ class SimReplica:
         )
         # Decode step cost by number of decoding sequences, computed once (the cost model interpolates).
         self.decode_ms = [0.0] + [cost.decode_ms(b) for b in range(1, engine.max_batch_tokens + 1)]
+        self.cost = cost
         self.prefill_fixed_ms = cost.prefill_fixed_ms
         self.prefill_per_token_ms = cost.prefill_ms_per_token
-        # Attention grows with context: per context token of the decoding sequences (beyond the context
-        # the step times were measured at), and per earlier token of a prefill chunk, per chunk token.
-        self.decode_context_tokens = cost.decode_context_tokens
-        self.decode_ms_per_context_token = cost.decode_ms_per_context_token
-        self.prefill_ms_per_token_per_context_token = cost.prefill_ms_per_token_per_context_token
         self.lora_frac = cost.lora_overhead_frac_per_adapter
         self.train_cost = TrainCost(cost.train_fixed_ms, cost.train_ms_per_token)
         self.ttft_slo_s = (ttft_slo_ms or 1e12) / 1e3
@@ -308,11 +304,11 @@ class SimReplica:
             req.version = f"{req.domain}@v{v}" if v else "base"
         items: list[tuple[Req, int]] = []
         n_dec = 0
-        n_pre = 0
         dec_context = 0  # tokens of context of the decoding sequences
-        pre_pairs = 0  # prefill tokens x the earlier tokens they attend to
+        prefill_ms = 0.0
         adapters: set[str] = set()
         by_sid = self.by_sid
+        cost = self.cost
         for sid, n in plan.items:
             req = by_sid[sid]
             items.append((req, n))
@@ -321,17 +317,14 @@ class SimReplica:
                 n_dec += 1
                 dec_context += req.prompt_len + req.generated - 1  # the tokens before this one
             else:
-                n_pre += n
-                pre_pairs += n * req.computed
+                prefill_ms += cost.prefill_chunk_ms(n, req.computed)
         inf_ms = 0.0
         if items:
-            if n_dec:
-                extra = self.decode_ms_per_context_token * (dec_context - n_dec * self.decode_context_tokens)
-                inf_ms = max(0.0, self.decode_ms[n_dec] + extra)
+            if n_dec:  # the decode table at the calibrated context, then the context's own cost
+                inf_ms = max(0.0, self.decode_ms[n_dec] + cost.decode_context_ms(n_dec, dec_context))
             else:
                 inf_ms = self.prefill_fixed_ms
-            inf_ms += self.prefill_per_token_ms * n_pre
-            inf_ms += self.prefill_ms_per_token_per_context_token * pre_pairs
+            inf_ms += prefill_ms
             inf_ms *= 1.0 + self.lora_frac * len(adapters)
         train_ms = 0.0
         job = self.job
