@@ -13,6 +13,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("collm", "separate", "fixed_ratio", "leftover")
+REFERENCE = "serving_only"  # collm's coordinator with fine-tuning off (sweeps since it was added)
 
 
 def f(x: Any, nd: int = 2) -> str:
@@ -30,45 +31,50 @@ def sweep_tables(doc: dict[str, Any]) -> str:
     ]
     out.append(
         "| trace / replicas | SLO TTFT / TPOT ms | sustained rate at >= 90% (req/s): collm / separate / "
-        "fixed_ratio / leftover | best baseline | crossing rate (req/s) | goodput at crossing (req/s): "
-        "collm / separate / fixed_ratio / leftover | quality gain per hour at crossing (nats/h): collm / "
-        "separate / fixed_ratio / leftover |"
+        f"fixed_ratio / leftover ({REFERENCE}) | best baseline | crossing rate (req/s) | goodput at crossing "
+        f"(req/s): collm / separate / fixed_ratio / leftover ({REFERENCE}) | quality gain per hour at "
+        "crossing (nats/h): collm / separate / fixed_ratio / leftover |"
     )
     out.append("|---|---|---|---|---|---|---|")
     for key, c in doc["configs"].items():
         a = c["analysis"]
-        sus = " / ".join(f(a["sustained_rate_rps"][p]["rate"]) for p in POLICIES)
+        ref = a["sustained_rate_rps"].get(REFERENCE, {}).get("rate")
+        sus = " / ".join(f(a["sustained_rate_rps"][p]["rate"]) for p in POLICIES) + f" ({f(ref)})"
         at = a.get("at_crossing") or {}
         gp = " / ".join(f(at.get(p, {}).get("goodput_rps"), 3) for p in POLICIES) if at else "-"
+        if at:
+            gp += f" ({f(at.get(REFERENCE, {}).get('goodput_rps'), 3)})"
         q = " / ".join(f(at.get(p, {}).get("quality_gain_per_hour"), 3) for p in POLICIES) if at else "-"
         slo = f"{c['slo']['ttft_ms']:.0f} / {c['slo']['tpot_ms']:.0f}"
         out.append(
             f"| {key} | {slo} | {sus} | {a['best_baseline']} | {f(a.get('crossing_rate_rps'))} | {gp} | {q} |"
         )
     out.append("")
-    out.append("| trace / replicas | goal | reached | met |")
-    out.append("|---|---|---|---|")
+    out.append(f"| trace / replicas | goal | reached | met | {REFERENCE} (same baseline) |")
+    out.append("|---|---|---|---|---|")
     for key, c in doc["configs"].items():
         for name, g in c["analysis"]["goals"].items():
             out.append(
-                f"| {key} | {name} >= {g['goal']} | {f(g['reached'])} | {'yes' if g['met'] else 'no'} |"
+                f"| {key} | {name} >= {g['goal']} | {f(g['reached'])} | {'yes' if g['met'] else 'no'} "
+                f"| {f(g.get(REFERENCE))} |"
             )
     return "\n".join(out)
 
 
 def grid_table(doc: dict[str, Any], key: str) -> str:
     c = doc["configs"][key]
+    series = [*POLICIES, *([REFERENCE] if any(r["policy"] == REFERENCE for r in c["grid"]) else [])]
     out = [
         f"{key}: goodput (req/s) / attainment / quality gain per hour (nats/h) / fine-tuning tokens, by rate",
         "",
-        "| rate (req/s) | " + " | ".join(POLICIES) + " |",
-        "|---|" + "---|" * len(POLICIES),
+        "| rate (req/s) | " + " | ".join(series) + " |",
+        "|---|" + "---|" * len(series),
     ]
     rates = sorted({r["rate_rps"] for r in c["grid"]})
     by = {(r["policy"], r["rate_rps"]): r for r in c["grid"]}
     for rate in rates:
         cells = []
-        for p in POLICIES:
+        for p in series:
             r = by.get((p, rate))
             cells.append(
                 "-"

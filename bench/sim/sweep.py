@@ -13,7 +13,13 @@ the same seed (the same requests), then:
    its crossing rate, and reports goodput there: collm / separate and collm / the best co-located
    baseline (fixed_ratio, leftover), and quality gain per hour: collm / the best baseline;
 3. compares with the goals of the issue (>= 3x separate and >= 1.3x co-located goodput at that rate;
-   sustained rate >= 1.8x separate and >= 1.2x co-located; quality >= 0.9x the best baseline).
+   sustained rate >= 1.8x separate and >= 1.2x co-located; quality >= 0.9x the best baseline);
+4. runs a reference beside the policies, `serving_only`: collm's coordinator and routing with every
+   replica's co-scheduler off (no fine-tuning at all), and reports its two co-located ratios too. A
+   policy that trains on the same replicas can hardly serve more than they do serving only, so these
+   are the practical ceiling of collm's co-located ratios (not a strict one: training pauses can
+   enlarge batches, and where attainment hovers near 90% over a range of rates, as on the bursty code
+   trace, small timing changes move the crossing).
 
 Results: JSON in `bench/results/sim/`, figures (goodput, attainment and quality gain per hour against
 the rate) in `bench/sim/figures/`. The calibration file is required; the script refuses to run without
@@ -38,6 +44,14 @@ REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("collm", "separate", "fixed_ratio", "leftover")
 BASELINES = ("separate", "fixed_ratio", "leftover")
 CO_LOCATED = ("fixed_ratio", "leftover")
+# Reference series (not a policy): name -> (coordinator policy, replica co-scheduler override).
+REFERENCES = {"serving_only": ("collm", "off")}
+SERIES = (*POLICIES, *REFERENCES)
+# Goal -> the analysis key of what serving only reaches against the same baseline (its practical ceiling).
+SERVING_ONLY = {
+    "goodput_vs_colocated_at_crossing": "serving_only_goodput_vs_colocated_at_crossing",
+    "sustained_rate_vs_colocated": "serving_only_sustained_rate_vs_colocated",
+}
 TARGET = 0.9
 GOALS = {
     "goodput_vs_separate_at_crossing": 3.0,
@@ -60,8 +74,15 @@ def capacity_per_replica(cal: Any, wl: Any, max_batch: int) -> float:
     return 1000.0 / per_req_ms if per_req_ms > 0 else math.inf
 
 
-def make_task(common: dict[str, Any], base: dict[str, Any], policy: str, rate: float) -> dict[str, Any]:
-    return {**common, "policy": policy, "workload": {**base, "rate_rps": rate}}
+def make_task(common: dict[str, Any], base: dict[str, Any], series: str, rate: float) -> dict[str, Any]:
+    policy, coscheduler = REFERENCES.get(series, (series, None))
+    return {
+        **common,
+        "series": series,
+        "policy": policy,
+        "coscheduler": coscheduler,
+        "workload": {**base, "rate_rps": rate},
+    }
 
 
 def run_one(task: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +99,7 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
         samples_per_replica=task["samples_per_replica"],
         quality_extrapolate=task["quality_extrapolate"],
         seed=task["seed"],
+        coscheduler=task.get("coscheduler"),
     )
     res = simulate(cfg, cal)
     s, m = res.summary, res.sim
@@ -85,7 +107,7 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
     return {
         "trace": task["trace_label"],
         "replicas": task["replicas"],
-        "policy": task["policy"],
+        "policy": task.get("series", task["policy"]),
         "rate_rps": wl.rate_rps,
         "goodput_rps": s["goodput_rps"],
         "attainment": s["attainment"],
@@ -128,9 +150,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def analyse(rows: list[dict[str, Any]], at_crossing: list[dict[str, Any]]) -> dict[str, Any]:
     by_policy = {
-        p: [(r["rate_rps"], r["attainment"] or 0.0) for r in rows if r["policy"] == p] for p in POLICIES
+        p: [(r["rate_rps"], r["attainment"] or 0.0) for r in rows if r["policy"] == p] for p in SERIES
     }
-    sustained = {p: crossing_rate(v) for p, v in by_policy.items()}
+    sustained = {p: crossing_rate(v) for p, v in by_policy.items() if v or p in POLICIES}
     rates = {p: v[0] for p, v in sustained.items()}
     best_baseline = max(BASELINES, key=lambda p: rates[p] or 0.0)
     best_colocated_rate = max(CO_LOCATED, key=lambda p: rates[p] or 0.0)
@@ -140,6 +162,10 @@ def analyse(rows: list[dict[str, Any]], at_crossing: list[dict[str, Any]]) -> di
         "sustained_rate_vs_separate": ratio(rates["collm"], rates["separate"]),
         "sustained_rate_vs_colocated": ratio(rates["collm"], rates[best_colocated_rate]),
         "best_colocated_by_rate": best_colocated_rate,
+        # The same replicas serving only, against the same baseline (None when not run).
+        "serving_only_sustained_rate_vs_colocated": ratio(
+            rates.get("serving_only"), rates[best_colocated_rate]
+        ),
     }
     if at_crossing:
         at = {r["policy"]: r for r in at_crossing}
@@ -157,6 +183,9 @@ def analyse(rows: list[dict[str, Any]], at_crossing: list[dict[str, Any]]) -> di
                     at["collm"]["goodput_rps"], at[best_co]["goodput_rps"]
                 ),
                 "best_colocated_at_crossing": best_co,
+                "serving_only_goodput_vs_colocated_at_crossing": ratio(
+                    at.get("serving_only", {}).get("goodput_rps"), at[best_co]["goodput_rps"]
+                ),
                 # "The best baseline's" quality: the baseline that sustains the highest rate; and, stricter,
                 # the baseline with the highest quality gain at that rate (whatever its goodput).
                 "quality_vs_best_baseline": ratio(
@@ -172,6 +201,8 @@ def analyse(rows: list[dict[str, Any]], at_crossing: list[dict[str, Any]]) -> di
         k: {"goal": g, "reached": out.get(k), "met": out.get(k) is not None and out[k] >= g}
         for k, g in GOALS.items()
     }
+    for goal, key in SERVING_ONLY.items():
+        out["goals"][goal]["serving_only"] = out.get(key)
     return out
 
 
@@ -182,12 +213,16 @@ def plot(label: str, rows: list[dict[str, Any]], analysis: dict[str, Any], path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for p in POLICIES:
-        pts = sorted((r["rate_rps"], r) for r in rows if r["policy"] == p)
+    for p in SERIES:
+        pts = sorted(((r["rate_rps"], r) for r in rows if r["policy"] == p), key=lambda xr: xr[0])
+        if not pts:
+            continue
         xs = [x for x, _ in pts]
-        axes[0].plot(xs, [r["goodput_rps"] or 0 for _, r in pts], marker="o", label=p)
-        axes[1].plot(xs, [r["attainment"] or 0 for _, r in pts], marker="o", label=p)
-        axes[2].plot(xs, [r["quality_gain_per_hour"] or 0 for _, r in pts], marker="o", label=p)
+        style = {"color": "grey", "linestyle": "--", "marker": "."} if p in REFERENCES else {"marker": "o"}
+        axes[0].plot(xs, [r["goodput_rps"] or 0 for _, r in pts], label=p, **style)
+        axes[1].plot(xs, [r["attainment"] or 0 for _, r in pts], label=p, **style)
+        if p not in REFERENCES:  # no training, no quality gain
+            axes[2].plot(xs, [r["quality_gain_per_hour"] or 0 for _, r in pts], label=p, **style)
     axes[1].axhline(TARGET, color="grey", linestyle="--", linewidth=1)
     if analysis.get("crossing_rate_rps"):
         for ax in axes:
@@ -301,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
 
                 def run_rates(rs: list[float], common: dict[str, Any] = common, base: dict[str, Any] = base):
-                    tasks = [make_task(common, base, p, r) for r in rs for p in POLICIES]
+                    tasks = [make_task(common, base, p, r) for r in rs for p in SERIES]
                     return list(pool.map(run_one, tasks)) if pool else [run_one(t) for t in tasks]
 
                 rows = run_rates(rates)
@@ -324,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                 # cliff near saturation, so linear interpolation between grid points is too coarse.
                 for _ in range(args.bisect):
                     mids = []
-                    for p in POLICIES:
+                    for p in SERIES:
                         pts = sorted(
                             (r["rate_rps"], r["attainment"] or 0.0) for r in rows if r["policy"] == p
                         )
@@ -340,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 cross = pre["sustained_rate_rps"][pre["best_baseline"]]["rate"]
                 at_cross: list[dict[str, Any]] = []
                 if cross is not None:
-                    tasks = [make_task(common, base, p, round(cross, 3)) for p in POLICIES]
+                    tasks = [make_task(common, base, p, round(cross, 3)) for p in SERIES]
                     at_cross = list(pool.map(run_one, tasks)) if pool else [run_one(t) for t in tasks]
                 analysis = analyse(rows, at_cross)
                 fig = args.figures / f"sim_{trace}_{n}.png"
@@ -361,7 +396,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"[{label}] best baseline {analysis['best_baseline']}; "
                     + "; ".join(
                         f"{k} {v['reached'] if v['reached'] is None else round(v['reached'], 2)}"
-                        f" (goal {v['goal']})"
+                        f" (goal {v['goal']}"
+                        + (
+                            f", serving only {v['serving_only']:.2f})"
+                            if v.get("serving_only") is not None
+                            else ")"
+                        )
                         for k, v in goals.items()
                     )  # fmt: skip
                     + "\n"
