@@ -77,6 +77,24 @@ class CostModel(BaseModel):
     def train_ms(self, tokens: int) -> float:
         return self.train_fixed_ms + self.train_ms_per_token * tokens if tokens > 0 else 0.0
 
+    def scaled(self, factor: float) -> CostModel:
+        """Every step cost (prefill, decode, their context terms, training) times `factor`; the LoRA
+        overhead, a fraction, is kept: the same engine on a machine `factor` times slower."""
+        if not factor > 0:
+            raise ValueError(f"a cost factor must be > 0, not {factor}")
+        per_context = self.prefill_ms_per_token_per_context_token
+        return self.model_copy(
+            update={
+                "prefill_fixed_ms": self.prefill_fixed_ms * factor,
+                "prefill_ms_per_token": self.prefill_ms_per_token * factor,
+                "decode_step_ms": {b: ms * factor for b, ms in self.decode_step_ms.items()},
+                "decode_ms_per_context_token": self.decode_ms_per_context_token * factor,
+                "prefill_ms_per_token_per_context_token": per_context * factor,
+                "train_fixed_ms": self.train_fixed_ms * factor,
+                "train_ms_per_token": self.train_ms_per_token * factor,
+            }
+        )
+
 
 class QualityCurve(BaseModel):
     """Held-out eval loss of one domain's adapter against the training tokens it has seen."""
@@ -103,3 +121,7 @@ class Calibration(BaseModel):
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         return cls.model_validate_json(Path(path).read_text())
+
+    def scaled(self, factor: float) -> Calibration:
+        """This calibration with every step cost times `factor` (`CostModel.scaled`); quality unchanged."""
+        return self.model_copy(update={"cost": self.cost.scaled(factor)})

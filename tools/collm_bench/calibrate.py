@@ -189,25 +189,56 @@ def measure_costs(
     return costs_from_timings(cost_timings(loaded, prompts, sz), sz)
 
 
+KINDS = ("prefill", "decode", "lora", "context", "chunk", "train")
+
+
 def cost_timings(
-    loaded: LoadedModel, prompts: Sequence[Sequence[int]], sz: CostSizes
+    loaded: LoadedModel, prompts: Sequence[Sequence[int]], sz: CostSizes, kinds: Sequence[str] = KINDS
 ) -> dict[str, dict[int, list[float]]]:
     """Every timing of `measure_costs`: {kind: {size: [ms, ...]}}, kinds "prefill" (tokens), "decode"
-    (batch), "lora" (distinct adapters), "train" (tokens), "context" (decode context), "chunk" (start)."""
+    (batch), "lora" (distinct adapters), "train" (tokens), "context" (decode context), "chunk" (start);
+    only those of `kinds` ("lora" needs "decode")."""
     if len(prompts) < sz.prompts_needed or min(len(p) for p in prompts) < sz.prompt_tokens_needed:
         raise ValueError(f"need {sz.prompts_needed} prompts of >= {sz.prompt_tokens_needed} tokens")
+    if "lora" in kinds and "decode" not in kinds:
+        raise ValueError("the LoRA timings reuse the decode caches: time 'decode' too")
     ex = Executor(loaded)
-    reps = sz.reps
     raw: dict[str, dict[int, list[float]]] = {}
-    # Prefill: one sequence of n tokens.
+    if "prefill" in kinds:
+        _time_prefill(ex, prompts, sz, raw)
+    if "decode" in kinds:
+        _time_decode_and_lora(loaded, ex, prompts, sz, raw, with_lora="lora" in kinds)
+    if "context" in kinds or "chunk" in kinds:
+        _time_context(ex, prompts, sz, raw, kinds)
+    if "train" in kinds:
+        _time_train(loaded, ex, prompts, sz, raw)
+    return raw
+
+
+def _time_prefill(
+    ex: Executor, prompts: Sequence[Sequence[int]], sz: CostSizes, raw: dict[str, dict[int, list[float]]]
+) -> None:
+    """Prefill: one sequence of n tokens."""
     raw["prefill"] = timings_ms(
         {
             n: lambda n=n: ex.forward([ForwardItem(list(prompts[0][:n]), 0, ex.new_kv(n + 1))])
             for n in sz.prefill_tokens
         },
-        reps,
+        sz.reps,
     )
-    # Decode: batch b at the context; the caches of the largest batch are filled once and shared.
+
+
+def _time_decode_and_lora(
+    loaded: LoadedModel,
+    ex: Executor,
+    prompts: Sequence[Sequence[int]],
+    sz: CostSizes,
+    raw: dict[str, dict[int, list[float]]],
+    with_lora: bool,
+) -> None:
+    """Decode: batch b at the context; the caches of the largest batch are filled once and shared. LoRA
+    overhead: the LoRA batch spread over k distinct adapters (k = 0: no adapter)."""
+    reps = sz.reps
     ctx = sz.decode_context
     kvs = [ex.new_kv(ctx + 32) for _ in range(max(max(sz.decode_batches), sz.lora_batch))]
     fill = [ForwardItem(list(p[:ctx]), 0, kv) for kv, p in zip(kvs, prompts, strict=False)]
@@ -223,7 +254,8 @@ def cost_timings(
         {b: lambda b=b: step([ForwardItem([5], ctx, kv) for kv in kvs[:b]]) for b in sz.decode_batches},
         reps,
     )
-    # LoRA overhead: the LoRA batch spread over k distinct adapters (k = 0: no adapter).
+    if not with_lora:
+        return
     most = max(sz.lora_adapters)
     bank = LoraBank(most, ex.n_layers, ex.shapes, LORA_MODULES, 16, ex.dtype, ex.device)
     for i in range(most):
@@ -238,20 +270,33 @@ def cost_timings(
         )
     raw["lora"] = timings_ms(lora_fns, reps)
     ex.bank = None
-    # Context: the batch of `context_batch` decoding at each context (caches filled to the longest),
-    # and one prefill chunk after 0 and after `chunk_start` earlier tokens.
-    longest = max(sz.contexts)
-    ckvs = [ex.new_kv(longest + 32) for _ in range(sz.context_batch)]
-    cfill = [ForwardItem(list(p[:longest]), 0, kv) for kv, p in zip(ckvs, prompts, strict=False)]
-    for it in cfill:
-        ex.forward([it])
 
-    def decode_at(c: int) -> None:
-        for kv in ckvs:
-            kv.length = c
-        ex.forward([ForwardItem([5], c, kv) for kv in ckvs])
 
-    raw["context"] = timings_ms({c: lambda c=c: decode_at(c) for c in sz.contexts}, reps)
+def _time_context(
+    ex: Executor,
+    prompts: Sequence[Sequence[int]],
+    sz: CostSizes,
+    raw: dict[str, dict[int, list[float]]],
+    kinds: Sequence[str],
+) -> None:
+    """Context: the batch of `context_batch` decoding at each context (caches filled to the longest),
+    and one prefill chunk after 0 and after `chunk_start` earlier tokens."""
+    reps = sz.reps
+    if "context" in kinds:
+        longest = max(sz.contexts)
+        ckvs = [ex.new_kv(longest + 32) for _ in range(sz.context_batch)]
+        cfill = [ForwardItem(list(p[:longest]), 0, kv) for kv, p in zip(ckvs, prompts, strict=False)]
+        for it in cfill:
+            ex.forward([it])
+
+        def decode_at(c: int) -> None:
+            for kv in ckvs:
+                kv.length = c
+            ex.forward([ForwardItem([5], c, kv) for kv in ckvs])
+
+        raw["context"] = timings_ms({c: lambda c=c: decode_at(c) for c in sz.contexts}, reps)
+    if "chunk" not in kinds:
+        return
     chunk_kv = ex.new_kv(sz.chunk_start + sz.chunk_tokens + 1)
     ex.forward([ForwardItem(list(prompts[1][: sz.chunk_start]), 0, chunk_kv)])
     chunk = list(prompts[0][: sz.chunk_tokens])
@@ -261,7 +306,16 @@ def cost_timings(
         ex.forward([ForwardItem(chunk, start, chunk_kv)])
 
     raw["chunk"] = timings_ms({p: lambda p=p: chunk_at(p) for p in (0, sz.chunk_start)}, reps)
-    # Training: micro-steps of n tokens (one sequence).
+
+
+def _time_train(
+    loaded: LoadedModel,
+    ex: Executor,
+    prompts: Sequence[Sequence[int]],
+    sz: CostSizes,
+    raw: dict[str, dict[int, list[float]]],
+) -> None:
+    """Training: micro-steps of n tokens (one sequence)."""
     live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, loaded.name)
 
     def train(n: int) -> None:
@@ -270,8 +324,7 @@ def cost_timings(
             loss, _ = ex.response_loss(ids, torch.ones_like(ids), ids, live)
             loss.backward()
 
-    raw["train"] = timings_ms({n: lambda n=n: train(n) for n in sz.train_tokens}, max(2, reps // 2))
-    return raw
+    raw["train"] = timings_ms({n: lambda n=n: train(n) for n in sz.train_tokens}, max(2, sz.reps // 2))
 
 
 READY = "ready"
@@ -285,6 +338,7 @@ def _time_in_child(
     sz: CostSizes,
     barrier: Any,
     results: Any,
+    kinds: Sequence[str] = KINDS,
 ) -> None:
     """One more engine of `measure_costs_together` (a spawned process): load, say so, wait for all, time."""
     try:
@@ -292,7 +346,7 @@ def _time_in_child(
         loaded = load_model(spec, device="cpu", cache_dir=cache_dir)
         results.put(READY)
         barrier.wait()
-        results.put(cost_timings(loaded, prompts, sz))
+        results.put(cost_timings(loaded, prompts, sz, kinds))
     except Exception as exc:  # the parent reports it; a broken barrier releases the others
         barrier.abort()
         results.put(f"{type(exc).__name__}: {exc}")
@@ -335,14 +389,30 @@ def measure_costs_together(
     by a barrier once every one has loaded; the timings of all of them are pooled before each size is
     reduced. `while_loading` runs here while the others load (work that is not timed)."""
     sz = sizes or CostSizes()
+    pooled = timings_together(loaded, spec, prompts, sz, processes, cache_dir, while_loading, timeout_s)
+    return costs_from_timings(pooled, sz)
+
+
+def timings_together(
+    loaded: LoadedModel,
+    spec: str,
+    prompts: Sequence[Sequence[int]],
+    sz: CostSizes,
+    processes: int = 2,
+    cache_dir: Path | None = None,
+    while_loading: Callable[[], object] | None = None,
+    timeout_s: float = 600.0,
+    kinds: Sequence[str] = KINDS,
+) -> dict[str, dict[int, list[float]]]:
+    """The pooled timings (`cost_timings`, of `kinds`) of `measure_costs_together`."""
     if processes <= 1:
         if while_loading is not None:
             while_loading()
-        return measure_costs(loaded, prompts, sz)
+        return cost_timings(loaded, prompts, sz, kinds)
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(processes)
     results = ctx.Queue()
-    args = (spec, cache_dir, torch.get_num_threads(), [list(p) for p in prompts], sz, barrier, results)
+    args = (spec, cache_dir, torch.get_num_threads(), [list(p) for p in prompts], sz, barrier, results, kinds)
     children = [ctx.Process(target=_time_in_child, args=args, daemon=True) for _ in range(processes - 1)]
     for c in children:
         c.start()
@@ -356,7 +426,7 @@ def measure_costs_together(
             barrier.wait(max(1.0, deadline - time.monotonic()))
         except threading.BrokenBarrierError:
             raise RuntimeError("the timing processes could not start together") from None
-        pooled = cost_timings(loaded, prompts, sz)
+        pooled = cost_timings(loaded, prompts, sz, kinds)
         for _ in children:
             got = _next(results, children, deadline)
             for name, by in got.items():
@@ -367,7 +437,7 @@ def measure_costs_together(
             c.join(timeout=10)
             if c.is_alive():
                 c.kill()
-    return costs_from_timings(pooled, sz)
+    return pooled
 
 
 def costs_from_timings(raw: Mapping[str, Mapping[int, Sequence[float]]], sz: CostSizes) -> CostMeasurement:
@@ -457,3 +527,82 @@ def calibration(model: str, cost: CostModel, curves: Sequence[QualityCurve], com
         cost=cost,
         quality=list(curves),
     )
+
+
+# --- speed probe --------------------------------------------------------------------------------------
+# On a shared machine the engine's speed drifts by tens of percent between hours, so a calibration
+# measured earlier can be off on the day of a run. The probe times a few sizes of the work that dominates
+# a replica (prefill, decode at batch 1 and full batch, a training micro-step) the way the calibration
+# was timed, and compares them with the calibration's prediction at the same sizes.
+PROBE_SIZES = CostSizes(
+    prefill_tokens=(32, 128), decode_batches=(1, 16), train_tokens=(32, 64), reps=3, statistic="median"
+)
+PROBE_KINDS = ("prefill", "decode", "train")
+
+
+@dataclass(frozen=True)
+class SpeedProbe:
+    """Step times measured now against a calibration's at the same sizes (ms, by "kind size");
+    `factor`, the median ratio, is how much slower (> 1) or faster this machine runs the engine now."""
+
+    measured_ms: dict[str, float]
+    reference_ms: dict[str, float]
+    wall_s: float = 0.0
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        return {k: ms / self.reference_ms[k] for k, ms in self.measured_ms.items()}
+
+    @property
+    def factor(self) -> float:
+        return statistics.median(self.ratios.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "factor": self.factor,
+            "ratios": self.ratios,
+            "measured_ms": self.measured_ms,
+            "reference_ms": self.reference_ms,
+            "wall_s": self.wall_s,
+        }
+
+
+def compare_speed(
+    raw: Mapping[str, Mapping[int, Sequence[float]]], reference: CostModel, sz: CostSizes = PROBE_SIZES
+) -> SpeedProbe:
+    """The probe's timings (`cost_timings` of prefill, decode and train; each size reduced by
+    `sz.statistic`) against `reference`'s prediction of each (pure)."""
+    predict: dict[str, Callable[[int], float]] = {
+        "prefill": reference.prefill_ms,
+        "decode": lambda b: reference.decode_ms(b, b * sz.decode_context),
+        "train": reference.train_ms,
+    }
+    measured: dict[str, float] = {}
+    ref: dict[str, float] = {}
+    for kind, fn in predict.items():
+        for size, ms in reduce_ms(raw[kind], sz.statistic).items():
+            measured[f"{kind} {size}"], ref[f"{kind} {size}"] = ms, fn(size)
+    return SpeedProbe(measured, ref)
+
+
+def probe_speed(
+    spec: str,
+    reference: Calibration,
+    text: str,
+    processes: int = 2,
+    cache_dir: Path | None = None,
+    sz: CostSizes = PROBE_SIZES,
+) -> SpeedProbe:
+    """Time `sz` with `processes` engines at once and `reference`'s torch threads per engine, as
+    `calibrate --processes N` measured it, and compare with `reference` (about half a minute)."""
+    t0 = time.monotonic()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(reference.torch_threads)
+    try:
+        loaded = load_model(spec, device="cpu", cache_dir=cache_dir)
+        prompts = prompts_from_text(loaded.tokenizer, text, sz.prompts_needed, sz.prompt_tokens_needed)
+        raw = timings_together(loaded, spec, prompts, sz, processes, cache_dir, kinds=PROBE_KINDS)
+    finally:
+        torch.set_num_threads(threads)
+    probe = compare_speed(raw, reference.cost, sz)
+    return SpeedProbe(probe.measured_ms, probe.reference_ms, time.monotonic() - t0)

@@ -50,7 +50,7 @@ from collm_bench.headline.config import HeadlineConfig
 from collm_bench.headline.live import run_live
 from collm_bench.headline.predict import simulate_run
 from collm_bench.headline.rates import capacity_estimate_rps
-from collm_common.calibration import Calibration, CostModel
+from collm_common.calibration import Calibration
 from collm_common.data import load_dataset
 from collm_replica.models import ModelLoadError, load_model
 from collm_replica.settings import ReplicaSettings
@@ -140,24 +140,6 @@ def measure_calibration(
     cal.save(out)
     out.with_name("costs.json").write_text(json.dumps(costs.as_dict()))
     return cal, costs
-
-
-def scaled(cal: Calibration, factor: float) -> Calibration:
-    """The calibration with every step cost (prefill, decode, training) times `factor`."""
-    c = cal.cost
-    cost = CostModel(
-        prefill_fixed_ms=c.prefill_fixed_ms * factor,
-        prefill_ms_per_token=c.prefill_ms_per_token * factor,
-        decode_step_ms={b: ms * factor for b, ms in c.decode_step_ms.items()},
-        decode_context_tokens=c.decode_context_tokens,
-        decode_ms_per_context_token=c.decode_ms_per_context_token * factor,
-        prefill_ms_per_token_per_context_token=c.prefill_ms_per_token_per_context_token * factor,
-        lora_overhead_frac_per_adapter=c.lora_overhead_frac_per_adapter,
-        train_fixed_ms=c.train_fixed_ms * factor,
-        train_ms_per_token=c.train_ms_per_token * factor,
-        max_batch=c.max_batch,
-    )
-    return cal.model_copy(update={"cost": cost})
 
 
 def line(s: dict[str, Any]) -> str:
@@ -250,8 +232,8 @@ def test_simulated_goodput_agrees_with_a_live_run(tmp_path: Path) -> None:
     )
     variants = {
         "sim": cal,
-        "sim, costs x1.5": scaled(cal, 1.5),
-        "sim, costs x2": scaled(cal, 2.0),
+        "sim, costs x1.5": cal.scaled(1.5),
+        "sim, costs x2": cal.scaled(2.0),
         "sim, fastest": fastest,
     }
     sims = {name: sim(c, n)["summary"] for name, c in variants.items()}

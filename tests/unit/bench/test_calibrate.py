@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from collm_bench.calibrate import CostSizes, costs_from_timings, line_through, reduce_ms
+from collm_bench.calibrate import CostSizes, compare_speed, costs_from_timings, line_through, reduce_ms
 
 pytestmark = pytest.mark.unit
 
@@ -69,3 +69,43 @@ def test_sizes_are_checked() -> None:
     assert sz.prompts_needed == 24 and sz.prompt_tokens_needed == 256 + 64  # the chunk after 256 tokens
     assert sz.contexts == [64, 128]
     assert CostSizes().prompt_tokens_needed == 512
+
+
+def test_scaled_costs_scale_every_step_time_and_keep_fractions() -> None:
+    cost = costs_from_timings(TIMINGS, SIZES).cost
+    slow = cost.scaled(1.5)
+    assert slow.decode_ms(16) == pytest.approx(1.5 * cost.decode_ms(16))
+    assert slow.decode_ms(8, 400) == pytest.approx(1.5 * cost.decode_ms(8, 400))
+    assert slow.prefill_ms(100) == pytest.approx(1.5 * cost.prefill_ms(100))
+    assert slow.prefill_chunk_ms(64, 300) == pytest.approx(1.5 * cost.prefill_chunk_ms(64, 300))
+    assert slow.train_ms(64) == pytest.approx(1.5 * cost.train_ms(64))
+    assert slow.lora_overhead_frac_per_adapter == cost.lora_overhead_frac_per_adapter
+    assert slow.max_batch == cost.max_batch and slow.decode_context_tokens == cost.decode_context_tokens
+    with pytest.raises(ValueError, match="> 0"):
+        cost.scaled(0.0)
+
+
+def test_speed_probe_compares_each_timing_with_the_calibrations_prediction() -> None:
+    m = costs_from_timings(TIMINGS, SIZES)  # the fastest of each size ("min")
+    same = compare_speed(TIMINGS, m.cost, SIZES)
+    # The prefill and training lines go through both sizes, so against the same timings every ratio is 1.
+    assert same.factor == pytest.approx(1.0)
+    assert set(same.measured_ms) == {
+        "prefill 32",
+        "prefill 128",
+        "decode 1",
+        "decode 16",
+        "train 32",
+        "train 128",
+    }
+    assert all(r == pytest.approx(1.0) for r in same.ratios.values())
+    assert same.reference_ms["decode 16"] == pytest.approx(40.0)
+    # A machine running at 0.8x the calibrated step times: the factor is 0.8 on every kind.
+    assert compare_speed(TIMINGS, m.cost.scaled(1.25), SIZES).factor == pytest.approx(0.8)
+    # Each size is reduced by the sizes' statistic: the median timings against the fastest.
+    typical = compare_speed(TIMINGS, m.cost, replace(SIZES, statistic="median"))
+    assert typical.measured_ms["decode 1"] == 12.0 and typical.ratios["decode 1"] == pytest.approx(1.2)
+    # The median keeps one odd timing from moving the factor.
+    odd = replace(same, measured_ms={**same.measured_ms, "train 32": 10 * same.measured_ms["train 32"]})
+    assert odd.factor == pytest.approx(1.0)
+    assert odd.as_dict()["ratios"]["train 32"] == pytest.approx(10.0)

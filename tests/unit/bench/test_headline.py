@@ -13,7 +13,7 @@ import pytest
 
 from collm_bench.goodput import summarize
 from collm_bench.headline import setup
-from collm_bench.headline.cli import build_parser, config_from_args, main, parse_rates
+from collm_bench.headline.cli import _probe_note, build_parser, config_from_args, main, parse_rates
 from collm_bench.headline.config import HeadlineConfig
 from collm_bench.headline.live import Observer, Phases, parse_counter, stack_config
 from collm_bench.headline.predict import drain_cut, simulate_run, workload_spec
@@ -237,6 +237,14 @@ def test_arguments_override_the_presets() -> None:
     assert tiny.calibration is None and not tiny.simulate and tiny.needs_search() == []
 
 
+def test_speed_probe_is_on_by_default_and_reported_in_the_header() -> None:
+    assert HeadlineConfig().speed_probe
+    assert not config_from_args(build_parser().parse_args(["--no-speed-probe"])).speed_probe
+    assert _probe_note({"calibration": {"path": "x"}}) == "" and _probe_note({"calibration": None}) == ""
+    note = _probe_note({"calibration": {"speed_probe": {"factor": 1.234}}})
+    assert "1.23x the calibration's" in note
+
+
 def test_missing_traces_exit_2_with_one_clear_line(tmp_path: Path) -> None:
     err = io.StringIO()
     rc = main(["--traces-dir", str(tmp_path), "--out-dir", str(tmp_path / "out")], io.StringIO(), err)
@@ -293,10 +301,12 @@ def test_phases_time_each_step_from_the_previous_mark(monkeypatch: pytest.Monkey
 
 def test_default_run_fits_a_quarter_of_an_hour() -> None:
     # Eight runs (two rates, four policies) of ~13 s stack start, arrivals, a full drain and ~4 s of
-    # teardown: bench/README.md (Headline) gives the measured phases behind these figures.
+    # teardown, after a ~30 s speed probe: bench/README.md (Headline) gives the measured phases behind
+    # these figures.
     cfg = HeadlineConfig()
     runs = len(cfg.rate_labels) * len(cfg.policies)
-    assert runs * (13 + cfg.duration_s + cfg.drain_s + 4) <= 15 * 60
+    probe_s = 30 if cfg.speed_probe else 0
+    assert probe_s + runs * (13 + cfg.duration_s + cfg.drain_s + 4) <= 15 * 60
 
 
 def test_parse_counter() -> None:

@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-simulate", action="store_true", help="no simulator prediction beside the live runs")
     g.add_argument("--no-live", action="store_true", help="only the rate search and the simulator")
     g.add_argument(
+        "--no-speed-probe",
+        action="store_true",
+        help="use the calibration's step costs as they are (default: scaled by a probe of the engine now)",
+    )
+    g.add_argument(
         "--render",
         type=Path,
         default=None,
@@ -196,6 +201,8 @@ def config_from_args(args: argparse.Namespace) -> HeadlineConfig:
         changes["simulate"] = False
     if args.no_live:
         changes["live"] = False
+    if args.no_speed_probe:
+        changes["speed_probe"] = False
     return dataclasses.replace(base, **changes)
 
 
@@ -253,10 +260,39 @@ class Headline:
         if cfg.live:
             self.datasets = setup.prepare_data(cfg, self.root / "data")
             self.builder = setup.prompt_builder(cfg, setup.token_counter(cfg.model))
+            if cfg.speed_probe and self.cal is not None and self.cal.model == served_name(cfg.model):
+                self.probe_speed()
         self.samples = _samples_per_replica(self.datasets, cfg)
         # The base model's held-out loss per domain: measured by the first live run, passed to the others.
         self.base_losses: dict[str, float] | None = None
         self.say(f"setup (traces, data, tokenizer): {time.monotonic() - self.t_start:.1f} s")
+
+    def probe_speed(self) -> None:
+        """Scale the calibration's step costs to the engine's speed on this machine now (`probe_speed`)."""
+        from collm_bench.calibrate import probe_speed
+        from collm_common.data import load_dataset
+
+        assert self.cal is not None
+        text = " ".join(
+            f"{e.prompt} {e.response}" for path in self.datasets.values() for e in load_dataset(path).train
+        )
+        if not text:
+            self.say("speed probe: no local data to cut prompts from; the calibration's costs as they are")
+            return
+        probe = probe_speed(
+            self.cfg.model,
+            self.cal,
+            text,
+            processes=self.cfg.replicas,
+            cache_dir=ReplicaSettings().model_cache_dir,
+        )
+        self.cal = self.cal.scaled(probe.factor)
+        self.results["calibration"]["speed_probe"] = probe.as_dict()
+        ratios = ", ".join(f"{k} {r:.2f}" for k, r in probe.ratios.items())
+        self.say(
+            f"speed probe ({probe.wall_s:.0f} s, {self.cfg.replicas} engines at once): step times "
+            f"{probe.factor:.2f}x the calibration's (median of {ratios}); its costs are scaled by that"
+        )
 
     def say(self, line: str) -> None:
         self.out.write(f"[headline] {line}\n")
@@ -429,6 +465,16 @@ def compare_block(block: dict[str, Any]) -> None:
         block["compare"] = compare(sims, None) | {"simulated_only": True}
 
 
+def _probe_note(results: dict[str, Any]) -> str:
+    probe = (results.get("calibration") or {}).get("speed_probe")
+    if not probe:
+        return ""
+    return (
+        f"; the engine's step times {probe['factor']:.2f}x the calibration's in a probe before the runs, "
+        "its costs scaled by that"
+    )
+
+
 def write_outputs(results: dict[str, Any], root: Path, latest_dir: Path | None, out: TextIO) -> None:
     """table.md and headline.png beside results.json (and as latest.* in `latest_dir`); prints the table."""
     cfg = results["config"]
@@ -436,7 +482,7 @@ def write_outputs(results: dict[str, Any], root: Path, latest_dir: Path | None, 
     header = (
         f"Command: `{results['command']}` ({started}, {results.get('wall_s', 0.0) / 60:.1f} min; "
         f"model {cfg['model']}, {cfg['replicas']} replicas, {cfg['duration_s']:g} s of arrivals per run, "
-        f"seed {cfg['seed']})\n\n"
+        f"seed {cfg['seed']}" + _probe_note(results) + ")\n\n"
     )
     table = markdown(results)
     (root / "table.md").write_text(header + table + "\n", encoding="utf-8")

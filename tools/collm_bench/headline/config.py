@@ -86,6 +86,9 @@ class HeadlineConfig:
     # Simulator prediction beside the live run (needs the calibration).
     simulate: bool = True
     live: bool = True
+    # Before live runs, time the engine on this machine now and scale the calibration's step costs by
+    # how much slower or faster it runs than when the calibration was measured (rates, SLOs, predictions).
+    speed_probe: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
