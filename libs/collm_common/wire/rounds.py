@@ -109,6 +109,9 @@ class EvaluateCandidate(WireModel):
     candidate_version: int | None = Field(None, ge=1)
     # At most this many held-out tokens per domain (None: the replica's own bound only).
     max_tokens: int | None = Field(None, ge=1)
+    # Additive (v1). When the requester stops waiting (unix s; None: no deadline): a loaded replica paces
+    # the evaluation to finish before it instead of scoring only in its slack.
+    deadline_unix_s: float | None = None
 
 
 class DomainLoss(WireModel):

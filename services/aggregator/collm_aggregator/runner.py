@@ -656,6 +656,8 @@ class RoundRunner:
 
     async def _ask(self, rid: str, req: EvaluateCandidate) -> EvalReport | None:
         s = self.deps.settings
+        # The replica paces its scoring to answer before this request times out.
+        req = req.model_copy(update={"deadline_unix_s": self.deps.clock.now() + s.eval_timeout_s})
         try:
             return await self.deps.bus.request(
                 subjects.replica(rid, "evaluate"), req, EvalReport, timeout_s=s.eval_timeout_s

@@ -218,6 +218,20 @@ def background_budget_ms(inp: CoSchedInput, margin_ms: float = 10.0, slack_frac:
     return max(0.0, min(slack_ms(inp, margin_ms) * slack_frac, inp.max_train_ms))
 
 
+def behind_schedule(
+    progress: float, now_s: float, start_s: float, deadline_s: float, finish_frac: float = 0.8
+) -> bool:
+    """Whether background work with a deadline (an evaluation someone waits for) is behind the even pace
+    that finishes it at `finish_frac` of its window: done less than the share of that time elapsed. The
+    engine then runs more of it than the slack allows, so it does not finish after the requester gave up."""
+    window_s = (deadline_s - start_s) * finish_frac
+    if progress >= 1.0:
+        return False
+    if window_s <= 0:
+        return True
+    return progress < min(1.0, (now_s - start_s) / window_s)
+
+
 class NoTraining:
     name = "off"
 

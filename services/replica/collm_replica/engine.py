@@ -55,6 +55,7 @@ from collm_replica.cosched import (
     TrainCost,
     arrival_guard_s,
     background_budget_ms,
+    behind_schedule,
     effective_share,
     make_coscheduler,
     request_deadlines,
@@ -254,6 +255,24 @@ class _Seq:
 
 
 @dataclass
+class _PendingEval:
+    """An evaluation waiting for or in its pieces; `pace` = (asked, deadline) on the engine's clock."""
+
+    priority: int
+    runs: list[EvalRun]
+    fut: Future[Any]
+    finish: Callable[[list[EvalRun]], Any]
+    pace: tuple[float, float] | None = None
+
+    def behind(self, at_s: float) -> bool:
+        """Behind the even pace to its deadline at `at_s` (never without a deadline)."""
+        if self.pace is None:
+            return False
+        progress = sum(r.progress for r in self.runs) / len(self.runs) if self.runs else 1.0
+        return behind_schedule(progress, at_s, *self.pace)
+
+
+@dataclass
 class EngineSnapshot:
     """Plain numbers for telemetry and metrics (read from any thread)."""
 
@@ -340,7 +359,7 @@ class Engine:
         self.jobs: dict[str, TrainingJob] = {}
         self._job_rr = 0
         # Pending evaluations, highest priority first (then FIFO): (priority, runs, future, finish).
-        self._evals: list[tuple[int, list[EvalRun], Future[Any], Callable[[list[EvalRun]], Any]]] = []
+        self._evals: list[_PendingEval] = []
         self._eval_cache: dict[tuple[str, str], EvalRun] = {}
         self._render_cache: dict[tuple[Example, int], Rendered | None] = {}
         self._pending_installs: list[tuple[float, Callable[[], bool]]] = []
@@ -605,6 +624,7 @@ class Engine:
         max_tokens: int | None = None,
         digests: list[str | None] | None = None,
         priority: int = 0,
+        deadline_unix_s: float | None = None,
     ) -> Future[dict[str, EvalRun]]:
         """Held-out loss of each candidate (None: the base model) on the local eval split, per domain.
 
@@ -613,8 +633,11 @@ class Engine:
         speed on an idle replica, in the slack under load, at least one piece per iteration. `digests`
         (one per candidate: the sha256 of its blob, "base" for None, None: unknown) key a cache of
         results, so the same weights on the same items are scored once. Higher `priority` goes first
-        (a candidate on a publication's critical path before a background pre-scoring). The runs carry
-        `eval_set`, the digest of the items per domain (`training.eval_set_digests`)."""
+        (a candidate on a publication's critical path before a background pre-scoring). With
+        `deadline_unix_s` (when the requester stops waiting), an evaluation that falls behind the even
+        pace to finish by 80% of its window runs more pieces per iteration than the slack allows, up to
+        the guard for the next arrival (`cosched.behind_schedule`). The runs carry `eval_set`, the
+        digest of the items per domain (`training.eval_set_digests`)."""
         fut: Future[dict[str, EvalRun]] = Future()
         labels = [label for label, _ in candidates]
         keys = list(digests) if digests is not None else [None] * len(candidates)
@@ -668,8 +691,11 @@ class Engine:
             if not todo:
                 fut.set_result(finish([]))
                 return
-            pos = next((i for i, e in enumerate(self._evals) if e[0] < priority), len(self._evals))
-            self._evals.insert(pos, (priority, todo, fut, finish))
+            pace = None
+            if deadline_unix_s is not None:
+                pace = (t_asked, t_asked + deadline_unix_s - self.wall())
+            pos = next((i for i, e in enumerate(self._evals) if e.priority < priority), len(self._evals))
+            self._evals.insert(pos, _PendingEval(priority, todo, fut, finish, pace))
 
         self._command(apply)
         return fut
@@ -1143,28 +1169,31 @@ class Engine:
     # --- background evaluation and training -----------------------------------------------------------
     def _eval_work(self, until: float) -> bool:
         """Evaluation pieces (highest priority first) while the next is predicted to end by `until`;
-        at least one piece, so an evaluation progresses under any load."""
+        at least one piece, so an evaluation progresses under any load; past `until` while the first
+        evaluation is behind its deadline's pace, up to the guard for the next arrival."""
         pad = int(self.tok.pad_token_id or 0)
         ran = False
+        catch_up_until = self.clock() + self.cfg.train_guard_frac * self._min_ttft_slo_ms() / 1e3
         while self._evals:
-            _prio, runs, fut, finish = self._evals[0]
+            ev = self._evals[0]
             try:
-                run = next((r for r in runs if not r.done), None)
+                run = next((r for r in ev.runs if not r.done), None)
                 if run is None:
                     self._evals.pop(0)
-                    fut.set_result(finish(runs))
+                    ev.fut.set_result(ev.finish(ev.runs))
                     continue
                 nxt = run.next_piece(self.executor, pad)
                 if nxt is None:
                     continue
-                if ran and (self.clock() + self.piece_costs.predict(*nxt) / 1e3 > until or self._news()):
+                end = self.clock() + self.piece_costs.predict(*nxt) / 1e3
+                if ran and (end > until or self._news()) and not (end <= catch_up_until and ev.behind(end)):
                     break
                 ms, _ = run.run_piece(self.executor, pad, self.piece_costs)
                 self.eval_ms_total += ms
                 ran = True
             except Exception as exc:  # noqa: BLE001 - delivered to the caller
                 self._evals.pop(0)
-                fut.set_exception(exc)
+                ev.fut.set_exception(exc)
         return ran
 
     def _news(self) -> bool:

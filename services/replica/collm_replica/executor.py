@@ -454,6 +454,11 @@ class LayerPass:
     def done(self) -> bool:
         return self.next_piece is None
 
+    @property
+    def forward_frac(self) -> float:
+        """Share of the decoder layers the forward has passed (1.0 from the head on)."""
+        return min(1.0, self._layer / max(1, self.ex.n_layers))
+
     def next_units(self) -> int:
         """Size of the next piece for the cost model: tokens of the batch, or rows of a head piece."""
         if self.next_piece == "head":

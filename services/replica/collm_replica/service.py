@@ -788,6 +788,7 @@ class Replica:
                     max_tokens=req.max_tokens,
                     digests=[d for _, _, d in scored],
                     priority=0 if req.candidate_version is not None else 1,
+                    deadline_unix_s=req.deadline_unix_s,
                 )
             )
         except AdapterMismatch as exc:

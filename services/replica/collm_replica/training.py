@@ -208,6 +208,18 @@ class EvalRun:
     def done(self) -> bool:
         return self.pos >= len(self._order) and self._pass is None
 
+    @property
+    def progress(self) -> float:
+        """Share of the evaluation done, by tokens: whole batches scored, and the batch in progress by the
+        share of the decoder layers its forward has passed."""
+        total = sum(len(r.ids) for r in self._order)
+        if total == 0 or self.done:
+            return 1.0
+        taken = sum(len(r.ids) for r in self._order[: self.pos])
+        current = sum(len(r.ids) for r in self._batch) if self._pass is not None else 0
+        frac = self._pass.forward_frac if self._pass is not None else 0.0
+        return (taken - current + current * frac) / total
+
     def _start(self, executor: Executor, pad_id: int, max_tokens: int | None = None) -> None:
         budget = min(self.chunk_tokens, max_tokens or self.chunk_tokens)
         batch: list[Rendered] = []

@@ -327,6 +327,10 @@ async def test_current_version_is_scored_while_participants_train(cluster: Clust
     v1 = tiny_adapter()
     for d in cluster.doubles.values():
         first, second = d.evaluated
+        # Each request says when the aggregator stops waiting for it (now + eval_timeout_s).
+        assert first.deadline_unix_s is not None and second.deadline_unix_s is not None
+        assert cluster.agg is not None
+        assert time.time() < second.deadline_unix_s <= time.time() + cluster.agg.settings.eval_timeout_s
         assert first.candidate_version == 1 and not first.score_current
         assert second.candidate_version is None and not second.score_current
         assert second.candidate_key.endswith(":_candidate")

@@ -631,3 +631,42 @@ def test_round_job_sends_its_update_at_the_deadline_without_training_time(
     upd = next(e for e in events if e.kind == "round_update")
     assert upd.round_id == 4 and upd.num_tokens == 0 and upd.weights is not None
     assert sent_at < deadline  # sent before the deadline, not when some later work ran
+
+
+def test_an_evaluation_behind_its_deadline_runs_past_the_slack(tiny: LoadedModel) -> None:
+    """Under load with no slack an evaluation advances one piece per iteration; one whose requester stops
+    waiting soon (here: already) catches up within the guard for the next arrival instead."""
+
+    def iterations_to_evaluate(eng: Engine, deadline_unix_s: float | None, tag: str) -> int:
+        reqs = [
+            EngineRequest(
+                f"{tag}{i}",
+                list(range(5, 25)),
+                max_tokens=400,
+                ignore_eos=True,
+                ttft_slo_ms=60_000,
+                tpot_slo_ms=1e-3,
+            )  # fmt: skip
+            for i in range(3)
+        ]
+        collectors = {}
+        for r in reqs:
+            collectors[r.request_id] = c = Collector()
+            eng.submit(r, c)
+        start = eng.iteration
+        while eng.iteration < start + 3:  # the requests run
+            time.sleep(0.01)
+        it0 = eng.iteration
+        eng.evaluate([("base", None)], max_examples=40, deadline_unix_s=deadline_unix_s).result(60)
+        took = eng.iteration - it0
+        assert all(not c.done.is_set() for c in collectors.values())  # still serving throughout
+        for rid in collectors:
+            eng.cancel(rid)
+        return took
+
+    cfg = EngineConfig(job=JobConfig(eval_chunk_tokens=48))  # small batches: many pieces
+    with Engine(tiny, cfg, NoTraining(), dataset=dataset(40)) as eng:
+        slack_only = iterations_to_evaluate(eng, None, "a")
+        paced = iterations_to_evaluate(eng, time.time(), "b")
+    # Asking, and the answer, each take an iteration boundary; paced, the scoring itself takes one more.
+    assert paced <= 3 and slack_only >= paced + 3, (slack_only, paced)

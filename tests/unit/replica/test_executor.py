@@ -286,3 +286,20 @@ def test_evaluation_batches_bound_their_padding_and_score_as_one_by_one(tiny: Lo
         alone.step(ex, 0)
     assert run.per_domain()["d"] == pytest.approx(alone.per_domain()["d"], rel=1e-5)
     assert run.tokens == alone.tokens == {"d": 50 + 48 + 25 + 24}
+
+
+def test_evaluation_progress_counts_tokens_of_batches_and_layers(tiny: LoadedModel) -> None:
+    from collm_replica.training import EvalRun, Rendered
+
+    items = [Rendered(f"e{i}", "d", list(range(3, 3 + n)), [-100] * (n // 2) + list(range(3 + n // 2, 3 + n)))
+             for i, n in enumerate((60, 20))]  # fmt: skip
+    ex = Executor(tiny)
+    run = EvalRun(items, None, 64)  # 60 and 20 tokens do not share a batch of 64
+    seen = [run.progress]
+    while not run.done:
+        run.run_piece(ex, 0)
+        seen.append(run.progress)
+    assert seen[0] == 0.0 and seen[-1] == 1.0
+    assert all(b >= a for a, b in zip(seen, seen[1:], strict=False))
+    # After the first batch's forward and head: its 60 of 80 tokens.
+    assert 60 / 80 in seen

@@ -15,6 +15,7 @@ from collm_replica.cosched import (
     StepModel,
     TrainCost,
     arrival_guard_s,
+    behind_schedule,
     effective_share,
     make_coscheduler,
     request_deadlines,
@@ -382,3 +383,16 @@ def test_arrival_guard_keeps_room_for_a_likely_burst() -> None:
     assert one == pytest.approx(1.0 - 0.2 - 0.03)
     # Two arrivals likely within the SLO: the second finds the batch full, 20 steps from a free slot.
     assert arrival_guard_s(three, [], model(), 0.1, 1.0, 30, arrivals=2) == 0.0
+
+
+def test_deadline_paced_work_is_behind_when_done_lags_the_elapsed_share() -> None:
+    # A 10-s window paced to finish at 80% of it (8 s): at 4 s, half must be done.
+    assert behind_schedule(0.4, now_s=4.0, start_s=0.0, deadline_s=10.0)
+    assert not behind_schedule(0.5, now_s=4.0, start_s=0.0, deadline_s=10.0)
+    assert not behind_schedule(0.0, now_s=0.0, start_s=0.0, deadline_s=10.0)
+    # Past 80% of the window everything should be done; finished work is never behind.
+    assert behind_schedule(0.99, now_s=9.0, start_s=0.0, deadline_s=10.0)
+    assert not behind_schedule(1.0, now_s=11.0, start_s=0.0, deadline_s=10.0)
+    # A deadline already gone (or none left): behind until done.
+    assert behind_schedule(0.2, now_s=5.0, start_s=5.0, deadline_s=4.0)
+    assert behind_schedule(0.2, now_s=5.0, start_s=0.0, deadline_s=10.0, finish_frac=0.5)
