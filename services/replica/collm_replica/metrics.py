@@ -129,6 +129,9 @@ class TokenCounters(Protocol):
     prefill_tokens_total: int
     ft_tokens_total: int
     train_limits: dict[str, int]
+    infer_ms_total: float
+    train_ms_total: float
+    eval_ms_total: float
 
 
 class EngineTokenCollector(Collector):
@@ -167,6 +170,21 @@ class EngineTokenCollector(Collector):
             for limit, n in sorted(dict(engine().train_limits).items()):
                 limits.add_metric([replica_id, limit], float(n))
         yield limits
+        busy = CounterMetricFamily(
+            "collm_replica_busy_seconds",
+            "Wall time the engine spent on each kind of work: inference iterations, fine-tuning pieces, "
+            "held-out evaluation pieces (the federated gate's and the jobs' own)",
+            labels=[*LABELS, "work"],
+        )
+        for replica_id, engine in engines:
+            e = engine()
+            for work, ms in (
+                ("inference", e.infer_ms_total),
+                ("training", e.train_ms_total),
+                ("evaluation", e.eval_ms_total),
+            ):
+                busy.add_metric([replica_id, work], float(ms) / 1e3)
+        yield busy
 
 
 ENGINE_TOKENS = EngineTokenCollector()

@@ -77,6 +77,12 @@ def test_headline_runs_each_policy_on_a_fresh_stack(tmp_path: Path) -> None:
         assert set(live["ft_limits_by_replica"]) == {"r0", "r1"}
         limits = live["ft_limits_by_replica"].values()
         assert all(set(d) <= {"share", "slack", "guard", "policy"} for d in limits)
+        # Seconds each replica's engine spent on each kind of work during the replay.
+        busy = run["busy_s_by_replica"]
+        assert set(busy) == {"r0", "r1"} and all(
+            set(b) == {"inference", "training", "evaluation"} for b in busy.values()
+        )
+        assert sum(b["inference"] for b in busy.values()) > 0 and live["busy_s_by_replica"] == busy
         assert run["share_decisions"] and {d["replica"] for d in run["share_decisions"]} == {"r0", "r1"}
         assert all(d["reason"] and 0 <= d["ft_share"] <= 1 for d in run["share_decisions"])
         # Every step of the run is timed, in order; the arrivals end at the plan's last arrival.

@@ -110,18 +110,34 @@ def test_replica_training_limits_are_read_from_the_engine_at_scrape() -> None:
     from collm_replica import metrics
 
     engine = SimpleNamespace(
-        generated_tokens_total=3, prefill_tokens_total=5, ft_tokens_total=7, train_limits={"share": 2}
+        generated_tokens_total=3,
+        prefill_tokens_total=5,
+        ft_tokens_total=7,
+        train_limits={"share": 2},
+        infer_ms_total=1500.0,
+        train_ms_total=250.0,
+        eval_ms_total=0.0,
     )
     metrics.ENGINE_TOKENS.attach("limits-test", lambda: engine)  # type: ignore[arg-type,return-value]
     try:
         engine.train_limits = {"share": 4, "slack": 1}  # read when scraped, not when attached
+        engine.eval_ms_total = 500.0
+        families = list(REGISTRY.collect())
         got = {
             (s.labels["limit"], s.value)
-            for fam in REGISTRY.collect()
+            for fam in families
             if fam.name == "collm_replica_ft_limit_iterations"
+            for s in fam.samples
+            if s.labels.get("replica") == "limits-test" and s.name.endswith("_total")
+        }
+        busy = {
+            s.labels["work"]: s.value
+            for fam in families
+            if fam.name == "collm_replica_busy_seconds"
             for s in fam.samples
             if s.labels.get("replica") == "limits-test" and s.name.endswith("_total")
         }
     finally:
         metrics.ENGINE_TOKENS.detach("limits-test")
     assert got == {("share", 4.0), ("slack", 1.0)}
+    assert busy == {"inference": 1.5, "training": 0.25, "evaluation": 0.5}

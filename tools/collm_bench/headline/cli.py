@@ -422,6 +422,7 @@ class Headline:
         keep = (
             "ft_tokens",
             "ft_limits_by_replica",
+            "busy_s_by_replica",
             "rounds",
             "stack_ready_s",
             "wall_s",
@@ -430,7 +431,7 @@ class Headline:
             "coscheduler",
             "run_dir",
         )
-        extra = {k: res[k] for k in keep} | {"quality_gain_current_end": res["final_current_gain"]}
+        extra = {k: res.get(k) for k in keep} | {"quality_gain_current_end": res["final_current_gain"]}
         lv = entry["live"] = compact(res["summary"], extra)
         limits: dict[str, float] = {}
         for per in res["ft_limits_by_replica"].values():
@@ -442,6 +443,16 @@ class Headline:
             f"{lv['quality_gain_end']}, serving iterations with a job by what bounded training "
             f"{ {k: int(n) for k, n in sorted(limits.items())} } ({time.monotonic() - t0:.0f}s)"
         )
+        busy = res.get("busy_s_by_replica") or {}
+        if busy:
+            self.say(
+                "    busy s (inference / training / evaluation): "
+                + ", ".join(
+                    f"{r} "
+                    + " / ".join(f"{b.get(w, 0.0):.0f}" for w in ("inference", "training", "evaluation"))
+                    for r, b in sorted(busy.items())
+                )
+            )
         return entry
 
     def compare_block(self, block: dict[str, Any]) -> None:

@@ -244,7 +244,8 @@ def parse_counter(text: str, name: str, by: str = "replica") -> dict[str, float]
 
 async def read_ft_counters(stack: Stack) -> dict[str, dict[str, float]]:
     """Per replica: `ft_tokens` (its `collm_replica_ft_tokens_total`, tokens its co-executed fine-tuning
-    processed) and, per limit, the serving iterations whose training that limit bounded."""
+    processed), per limit the serving iterations whose training that limit bounded, and `busy_s_<work>`,
+    the seconds its engine spent on inference, training and evaluation."""
     out: dict[str, dict[str, float]] = {}
     urls = {n: u for n, u in stack.metrics_urls().items() if n.startswith("replica-")}
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
@@ -253,7 +254,12 @@ async def read_ft_counters(stack: Stack) -> dict[str, dict[str, float]]:
             r.raise_for_status()
             tokens = sum(parse_counter(r.text, "collm_replica_ft_tokens").values())
             limits = parse_counter(r.text, "collm_replica_ft_limit_iterations", by="limit")
-            out[name.removeprefix("replica-")] = {"ft_tokens": tokens, **limits}
+            busy = parse_counter(r.text, "collm_replica_busy_seconds", by="work")
+            out[name.removeprefix("replica-")] = {
+                "ft_tokens": tokens,
+                **limits,
+                **{f"busy_s_{work}": s for work, s in busy.items()},
+            }
     return out
 
 
@@ -423,6 +429,10 @@ async def _drive(
         for r, after in sorted(ft_after.items())
     }
     ft = {r: d.pop("ft_tokens", 0.0) for r, d in delta.items()}
+    busy = {
+        r: {k.removeprefix("busy_s_"): d.pop(k) for k in list(d) if k.startswith("busy_s_")}
+        for r, d in delta.items()
+    }
     return {
         "policy": policy,
         "coordinator_policy": seen,
@@ -432,6 +442,8 @@ async def _drive(
         "ft_tokens_by_replica": ft,
         # Per replica, serving iterations during the replay by what bounded their training.
         "ft_limits_by_replica": delta,
+        # Per replica, seconds of the replay its engine spent on inference, training and evaluation.
+        "busy_s_by_replica": busy,
         "rounds": obs.round_counts(replay_start, replay_end),
         "round_log": sorted(obs.rounds.values(), key=lambda r: r["round_id"]),
         "base_losses": base,
