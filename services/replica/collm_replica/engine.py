@@ -358,7 +358,7 @@ class Engine:
         self.kv_reserved = 0
         self.jobs: dict[str, TrainingJob] = {}
         self._job_rr = 0
-        # Pending evaluations, highest priority first (then FIFO): (priority, runs, future, finish).
+        # Pending evaluations, highest priority first (then FIFO).
         self._evals: list[_PendingEval] = []
         self._eval_cache: dict[tuple[str, str], EvalRun] = {}
         self._render_cache: dict[tuple[Example, int], Rendered | None] = {}
