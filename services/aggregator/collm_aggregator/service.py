@@ -250,7 +250,11 @@ class Aggregator:
         if not math.isfinite(plan.deadline_unix_s) or plan.deadline_unix_s <= now:
             raise ServiceFailure(400, f"deadline {plan.deadline_unix_s} is not in the future (now {now:.3f})")
         async with self._open_lock:
-            running = [r for r in self.runners.values() if r.plan.adapter == plan.adapter]
+            # A round that has announced its end no longer holds its adapter, even while it still cleans up
+            # (its final event is out, and whoever saw it may open the next round at once).
+            running = [
+                r for r in self.runners.values() if r.plan.adapter == plan.adapter and not r.machine.final
+            ]
             for r in running:
                 if r.plan.policy == "builtin" and plan.policy != "builtin":
                     await self._supersede(r)
@@ -346,7 +350,7 @@ class Aggregator:
         if not due:
             return
         currents = {a: await self.store.current(a) for a in due}
-        busy = {r.plan.adapter for r in self.runners.values()}
+        busy = {r.plan.adapter for r in self.runners.values() if not r.machine.final}
         cfg = PlanConfig(
             token_budget=s.default_token_budget,
             learning_rate=s.default_learning_rate,

@@ -288,6 +288,36 @@ async def test_silent_participant_never_blocks_past_the_deadline(cluster: Cluste
     assert await cluster.store.current(ADAPTER) == 2
 
 
+async def test_the_next_round_opens_as_soon_as_the_last_one_announced_its_end(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final event is out before the ended round has cleaned up (its blobs are deleted after it); a
+    client that saw the event and opens the adapter's next round at once must not be told the last one
+    is still running."""
+    from collm_aggregator.runner import RoundRunner
+
+    cleaning = asyncio.Event()
+    drop = RoundRunner._drop_blobs
+
+    async def slow_drop(self: RoundRunner) -> None:
+        cleaning.set()
+        await asyncio.sleep(1.5)
+        await drop(self)
+
+    monkeypatch.setattr(RoundRunner, "_drop_blobs", slow_drop)
+    await cluster.seed_v1()
+    await cluster.start_aggregator()
+    await cluster.add("r0")
+    await cluster.open(["r0"], quorum=1, deadline_s=5.0)
+    out = await cluster.wait_final(1, timeout_s=10)
+    assert out.state == "published"
+    await asyncio.wait_for(cleaning.wait(), 5)
+    assert cluster.agg is not None and 1 in cluster.agg.runners  # still cleaning up
+    second = await cluster.open(["r0"], quorum=1, deadline_s=5.0)
+    assert second.round_id == 2 and second.state == "opened"
+    assert (await cluster.wait_final(2, timeout_s=10)).state == "published"
+
+
 async def test_unreachable_or_refusing_participants_are_recorded(cluster: Cluster) -> None:
     await cluster.seed_v1()
     await cluster.start_aggregator()
