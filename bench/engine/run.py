@@ -637,6 +637,7 @@ def bench_calibrate(args: argparse.Namespace) -> None:
     print(
         f"prefill ms {costs.prefill_ms}; decode ms {costs.decode_ms}; "
         f"lora ms by #adapters {costs.lora_ms_by_adapters}; train ms {costs.train_ms}; "
+        f"eval ms {costs.eval_ms}; "
         f"decode ms of {sizes.context_batch} by context {costs.decode_ms_by_context}; "
         f"a {sizes.chunk_tokens}-token prefill chunk's ms by earlier tokens {costs.chunk_ms_by_start}"
     )

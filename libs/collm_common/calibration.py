@@ -32,6 +32,10 @@ class CostModel(BaseModel):
     # Fine-tuning micro-step: forward+backward+optimizer share, per training token.
     train_fixed_ms: float = Field(ge=0)
     train_ms_per_token: float = Field(ge=0)
+    # A held-out evaluation batch (no-grad forward with the loss over its response tokens, in the
+    # replica's evaluation precision): fixed + per padded token. None: not measured (older files).
+    eval_fixed_ms: float = Field(0.0, ge=0)
+    eval_ms_per_token: float | None = Field(None, ge=0)
     max_batch: int = Field(ge=1)
 
     def decode_ms(self, batch: int, context_tokens: int | None = None) -> float:
@@ -77,12 +81,23 @@ class CostModel(BaseModel):
     def train_ms(self, tokens: int) -> float:
         return self.train_fixed_ms + self.train_ms_per_token * tokens if tokens > 0 else 0.0
 
+    def eval_ms(self, tokens: int, batch_tokens: int) -> float | None:
+        """An evaluation of `tokens` padded tokens in batches of at most `batch_tokens` (None: the file
+        has no evaluation cost)."""
+        if self.eval_ms_per_token is None:
+            return None
+        if tokens <= 0:
+            return 0.0
+        batches = -(-tokens // max(1, batch_tokens))
+        return batches * self.eval_fixed_ms + self.eval_ms_per_token * tokens
+
     def scaled(self, factor: float) -> CostModel:
-        """Every step cost (prefill, decode, their context terms, training) times `factor`; the LoRA
-        overhead, a fraction, is kept: the same engine on a machine `factor` times slower."""
+        """Every step cost (prefill, decode, their context terms, training, evaluation) times `factor`;
+        the LoRA overhead, a fraction, is kept: the same engine on a machine `factor` times slower."""
         if not factor > 0:
             raise ValueError(f"a cost factor must be > 0, not {factor}")
         per_context = self.prefill_ms_per_token_per_context_token
+        per_eval_token = self.eval_ms_per_token
         return self.model_copy(
             update={
                 "prefill_fixed_ms": self.prefill_fixed_ms * factor,
@@ -92,6 +107,8 @@ class CostModel(BaseModel):
                 "prefill_ms_per_token_per_context_token": per_context * factor,
                 "train_fixed_ms": self.train_fixed_ms * factor,
                 "train_ms_per_token": self.train_ms_per_token * factor,
+                "eval_fixed_ms": self.eval_fixed_ms * factor,
+                "eval_ms_per_token": None if per_eval_token is None else per_eval_token * factor,
             }
         )
 

@@ -15,6 +15,9 @@ What is timed, all on the replica's own `Executor` (no engine loop, no NATS):
   tokens (`prefill_ms_per_token_per_context_token`);
 * LoRA: one decode step of a batch spread over k distinct adapters, against the same batch without any;
 * training: a micro-step (forward and backward through the frozen base into the LoRA) of n tokens;
+* evaluation: a held-out batch of n tokens (half prompt, half response) scored with an adapter the way
+  the engine scores one (`EvalRun`, in the evaluation precision the replica picks on this machine); a
+  line through two sizes gives `eval_fixed_ms` and `eval_ms_per_token`;
 * quality: held-out loss of a domain's adapter against the tokens a `TrainingJob` trained it on.
 
 Each size is timed `reps` times round-robin (on a shared machine the speed drifts; interleaving lets a
@@ -46,10 +49,11 @@ import torch
 from collm_common.calibration import Calibration, CostModel, QualityCurve
 from collm_common.data import Example
 from collm_common.lora import AdapterWeights, LoraSpec
+from collm_replica.engine import eval_dtype
 from collm_replica.executor import Executor, ForwardItem
 from collm_replica.lora_bank import LiveLora, LoraBank
 from collm_replica.models import LoadedModel, load_model
-from collm_replica.training import EvalRun, JobConfig, JobSpec, TrainingJob, render_example
+from collm_replica.training import EvalRun, JobConfig, JobSpec, Rendered, TrainingJob, render_example
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 K = TypeVar("K", bound=Hashable)
@@ -71,14 +75,15 @@ class CostSizes:
     lora_adapters: tuple[int, ...] = (0, 1, 2, 4, 8)  # distinct adapters in the batch; must include 0
     lora_batch: int = 16
     train_tokens: tuple[int, ...] = (32, 64, 128)
+    eval_tokens: tuple[int, ...] = (64, 256)
     reps: int = 7
     # The figure kept of each size's timings: "min" (the least disturbed) or "median" (the typical one).
     statistic: str = "min"
     max_batch: int = 16  # the replica's batch size the cost model is for
 
     def __post_init__(self) -> None:
-        if len(self.prefill_tokens) < 2 or len(self.train_tokens) < 2:
-            raise ValueError("prefill and training need at least two sizes each (a line through them)")
+        if len(self.prefill_tokens) < 2 or len(self.train_tokens) < 2 or len(self.eval_tokens) < 2:
+            raise ValueError("prefill, training and evaluation need two sizes each (a line through them)")
         if not self.decode_batches or 0 not in self.lora_adapters or len(self.lora_adapters) < 2:
             raise ValueError("decode needs a batch size; LoRA needs 0 and at least one adapter count")
         if self.reps < 1:
@@ -104,6 +109,7 @@ class CostSizes:
             max(self.contexts),
             self.chunk_start + self.chunk_tokens,
             max(self.train_tokens),
+            max(self.eval_tokens),
         )
 
 
@@ -114,6 +120,7 @@ class CostMeasurement:
     decode_ms: dict[int, float]
     lora_ms_by_adapters: dict[int, float]
     train_ms: dict[int, float]
+    eval_ms: dict[int, float]
     decode_ms_by_context: dict[int, float]  # the batch of `context_batch`
     chunk_ms_by_start: dict[int, float]  # a prefill chunk of `chunk_tokens` after 0 and more tokens
     statistic: str
@@ -127,6 +134,7 @@ class CostMeasurement:
             "chunk_ms_by_start": self.chunk_ms_by_start,
             "lora_ms_by_adapters": self.lora_ms_by_adapters,
             "train_ms": self.train_ms,
+            "eval_ms": self.eval_ms,
             "statistic": self.statistic,
             "timings_ms": self.timings_ms,
         }
@@ -189,15 +197,15 @@ def measure_costs(
     return costs_from_timings(cost_timings(loaded, prompts, sz), sz)
 
 
-KINDS = ("prefill", "decode", "lora", "context", "chunk", "train")
+KINDS = ("prefill", "decode", "lora", "context", "chunk", "train", "eval")
 
 
 def cost_timings(
     loaded: LoadedModel, prompts: Sequence[Sequence[int]], sz: CostSizes, kinds: Sequence[str] = KINDS
 ) -> dict[str, dict[int, list[float]]]:
     """Every timing of `measure_costs`: {kind: {size: [ms, ...]}}, kinds "prefill" (tokens), "decode"
-    (batch), "lora" (distinct adapters), "train" (tokens), "context" (decode context), "chunk" (start);
-    only those of `kinds` ("lora" needs "decode")."""
+    (batch), "lora" (distinct adapters), "train" (tokens), "context" (decode context), "chunk" (start),
+    "eval" (tokens); only those of `kinds` ("lora" needs "decode")."""
     if len(prompts) < sz.prompts_needed or min(len(p) for p in prompts) < sz.prompt_tokens_needed:
         raise ValueError(f"need {sz.prompts_needed} prompts of >= {sz.prompt_tokens_needed} tokens")
     if "lora" in kinds and "decode" not in kinds:
@@ -210,8 +218,8 @@ def cost_timings(
         _time_decode_and_lora(loaded, ex, prompts, sz, raw, with_lora="lora" in kinds)
     if "context" in kinds or "chunk" in kinds:
         _time_context(ex, prompts, sz, raw, kinds)
-    if "train" in kinds:
-        _time_train(loaded, ex, prompts, sz, raw)
+    if "train" in kinds or "eval" in kinds:
+        _time_with_adapter(loaded, ex, prompts, sz, raw, kinds)
     return raw
 
 
@@ -308,15 +316,18 @@ def _time_context(
     raw["chunk"] = timings_ms({p: lambda p=p: chunk_at(p) for p in (0, sz.chunk_start)}, reps)
 
 
-def _time_train(
+def _time_with_adapter(
     loaded: LoadedModel,
     ex: Executor,
     prompts: Sequence[Sequence[int]],
     sz: CostSizes,
     raw: dict[str, dict[int, list[float]]],
+    kinds: Sequence[str],
 ) -> None:
-    """Training: micro-steps of n tokens (one sequence)."""
+    """With one fresh adapter: training, micro-steps of n tokens (one sequence); evaluation, one held-out
+    batch of n tokens with the second half scored, in the evaluation precision the replica picks here."""
     live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, loaded.name)
+    reps = max(2, sz.reps // 2)
 
     def train(n: int) -> None:
         ids = torch.tensor([list(prompts[1][:n])])
@@ -324,7 +335,21 @@ def _time_train(
             loss, _ = ex.response_loss(ids, torch.ones_like(ids), ids, live)
             loss.backward()
 
-    raw["train"] = timings_ms({n: lambda n=n: train(n) for n in sz.train_tokens}, max(2, sz.reps // 2))
+    if "train" in kinds:
+        raw["train"] = timings_ms({n: lambda n=n: train(n) for n in sz.train_tokens}, reps)
+    if "eval" not in kinds:
+        return
+    fast = eval_dtype("auto", loaded.device, loaded.dtype)
+    if fast is not None:
+        ex.enable_fast_eval(fast)
+    pad = int(loaded.tokenizer.pad_token_id or 0)
+
+    def score(n: int) -> None:
+        ids = list(prompts[2][:n])
+        labels = [-100] * (n // 2) + ids[n // 2 :]
+        EvalRun([Rendered("calibration", "calibration", ids, labels)], live, n).run_all(ex, pad)
+
+    raw["eval"] = timings_ms({n: lambda n=n: score(n) for n in sz.eval_tokens}, reps)
 
 
 READY = "ready"
@@ -455,6 +480,8 @@ def costs_from_timings(raw: Mapping[str, Mapping[int, Sequence[float]]], sz: Cos
     per_adapter = max(0.0, (lora_ms[most] - lora_ms[0]) / lora_ms[0] / most)
     ts = sorted(tr)
     t_fixed, t_slope = line_through(tr, ts[0], ts[-1])
+    ev = reduce_ms(raw["eval"], statistic) if "eval" in raw else {}
+    e_fixed, e_slope = line_through(ev, min(ev), max(ev)) if len(ev) >= 2 else (0.0, None)
     cs = sorted(by_context)
     _, per_batch_context = line_through(by_context, cs[0], cs[-1])
     starts = sorted(by_start)
@@ -469,10 +496,12 @@ def costs_from_timings(raw: Mapping[str, Mapping[int, Sequence[float]]], sz: Cos
         lora_overhead_frac_per_adapter=per_adapter,
         train_fixed_ms=t_fixed,
         train_ms_per_token=t_slope,
+        eval_fixed_ms=max(0.0, e_fixed),
+        eval_ms_per_token=None if e_slope is None else max(0.0, e_slope),
         max_batch=sz.max_batch,
     )
     timings = {name: {k: list(v) for k, v in by.items()} for name, by in raw.items()}
-    return CostMeasurement(cost, pre, decode, lora_ms, tr, by_context, by_start, statistic, timings)
+    return CostMeasurement(cost, pre, decode, lora_ms, tr, ev, by_context, by_start, statistic, timings)
 
 
 def measure_quality(

@@ -17,8 +17,13 @@ Events and what they do:
 * coordinator tick (when the core asks): `CoordinatorCore.on_tick`; weights go to the gateway, shares
   to the replicas (with their TTL), round plans to the simulated aggregator;
 * round deadline / publication: the aggregator closes a round when every participant sent its update
-  or at the deadline (aborted under quorum), and `publish_delay_s` later publishes the next version,
-  whose eval loss is the quality model's loss at the adapter's total trained tokens.
+  or at the deadline (aborted under quorum), and `publish_delay_s` after its evaluators scored the
+  candidate (or `eval_timeout_s` after it asked them) publishes the next version, whose eval loss is
+  the quality model's loss at the adapter's total trained tokens. The evaluators are the participants
+  and every replica holding the adapter's domain, as the aggregator picks them; at the opening each
+  scores the current version unless it already scored it (the engine caches scores by weights), and
+  after the close the candidate: work on the replica (`SimReplica.add_eval`) when the calibration has
+  the evaluation cost, else none.
 
 The `separate` baseline is a serving cluster beside a training cluster: by default (`separate_routing=
 "serving_cluster"`) its requests are routed by the gateway's least-loaded rule over the serving replicas
@@ -64,10 +69,10 @@ from collm_sim.plugins import (
     rank_replicas,
 )
 from collm_sim.quality import QualityModel
-from collm_sim.replica import Job, Req, SimReplica
+from collm_sim.replica import EvalTask, Job, Req, SimReplica
 from collm_sim.workload import Workload, build_workload
 
-_ITER, _TELEMETRY, _TICK, _DEADLINE, _PUBLISH = range(5)
+_ITER, _TELEMETRY, _TICK, _DEADLINE, _PUBLISH, _EVAL_TIMEOUT = range(6)
 
 
 @dataclass
@@ -81,6 +86,9 @@ class SimRound:
     updates: dict[str, int] = field(default_factory=dict)
     closed: bool = False
     state: str = "opened"
+    evals_pending: int = 0  # evaluations of this round not reported yet
+    scored_candidate: list[str] = field(default_factory=list)
+    publishing: bool = False
 
 
 @dataclass
@@ -162,6 +170,9 @@ class Simulation:
         self.quality_timeline: list[tuple[float, dict[str, float]]] = [(0.0, self._gains())]
         self.share_samples: list[float] = []
         self.z_samples: list[float] = []
+        # Versions each replica has scored (adapter, version): the engine's cache of evaluations.
+        self._scored: dict[str, set[tuple[str, int]]] = {rid: set() for rid in self.ids}
+        self.evals_modelled = any(r.eval_ms_each for r in self.replicas.values())
 
     # --- event queue ----------------------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: Any = None) -> None:
@@ -230,6 +241,8 @@ class Simulation:
                         self._close_round(payload, t)
                 elif kind == _PUBLISH:
                     self._publish(payload, t)
+                elif kind == _EVAL_TIMEOUT:
+                    self._schedule_publish(payload, t)
             elif i < n:
                 self.now = t = float(t_arr)
                 self.events += 1
@@ -354,7 +367,46 @@ class Simulation:
             rep = self.replicas[p.replica_id]
             rep.start_job(plan.adapter, rid, plan.base_version, max(1, p.token_budget), plan.deadline_s, t)
             self._wake(rep, t)
+        for e in self._evaluators(rnd):
+            if (rnd.adapter, rnd.base_version) not in self._scored[e]:
+                self._ask_eval(rnd, e, t, self._current_scored)
         self._push(plan.deadline_s, _DEADLINE, rnd)
+
+    def _evaluators(self, rnd: SimRound) -> list[str]:
+        if not self.evals_modelled:
+            return []
+        holders = {rid for rid, rep in self.replicas.items() if rep.domain == rnd.adapter}
+        return sorted(holders | set(rnd.participants))
+
+    def _ask_eval(self, rnd: SimRound, rid: str, t: float, on_done: Any) -> None:
+        rep = self.replicas[rid]
+        ms = rep.eval_ms_each
+        if not ms:
+            return
+        rnd.evals_pending += 1
+        rep.add_eval(EvalTask(rnd.round_id, ms, t, t + self.cfg.eval_timeout_s, on_done))
+        self._wake(rep, t)
+
+    def _current_scored(self, rep: SimReplica, task: EvalTask, t: float) -> None:
+        rnd = self.rounds[task.round_id]
+        self._scored[rep.replica_id].add((rnd.adapter, rnd.base_version))
+        self._eval_reported(rnd, t)
+
+    def _candidate_scored(self, rep: SimReplica, task: EvalTask, t: float) -> None:
+        rnd = self.rounds[task.round_id]
+        rnd.scored_candidate.append(rep.replica_id)
+        self._eval_reported(rnd, t)
+
+    def _eval_reported(self, rnd: SimRound, t: float) -> None:
+        rnd.evals_pending -= 1
+        if rnd.closed and rnd.state == "opened" and rnd.evals_pending <= 0:
+            self._schedule_publish(rnd, t)
+
+    def _schedule_publish(self, rnd: SimRound, t: float) -> None:
+        if rnd.publishing or rnd.state != "opened":
+            return
+        rnd.publishing = True
+        self._push(t + self.cfg.publish_delay_s, _PUBLISH, rnd)
 
     def _close_round(self, rnd: SimRound, t: float) -> None:
         rnd.closed = True
@@ -373,7 +425,13 @@ class Simulation:
                 RoundEvent(rnd.adapter, "aborted", round_id=rnd.round_id, reason="quorum not reached")
             )
             return
-        self._push(t + self.cfg.publish_delay_s, _PUBLISH, rnd)
+        evaluators = self._evaluators(rnd)
+        for e in evaluators:
+            self._ask_eval(rnd, e, t, self._candidate_scored)
+        if rnd.evals_pending <= 0:
+            self._schedule_publish(rnd, t)
+        else:  # the aggregator waits for the reports at most this long
+            self._push(t + self.cfg.eval_timeout_s, _EVAL_TIMEOUT, rnd)
 
     def _publish(self, rnd: SimRound, t: float) -> None:
         d = rnd.adapter
@@ -385,6 +443,8 @@ class Simulation:
         self.versions[d] += 1
         v = self.versions[d]
         self.version_losses[f"{d}@v{v}"] = {d: after}
+        for e in rnd.scored_candidate:  # the candidate they scored is this version
+            self._scored[e].add((d, v))
         self._versions_changed = True
         rnd.state = "published"
         self.rounds_stats["published"] += 1
@@ -483,6 +543,11 @@ class Simulation:
             "quality_timeline": [[t, g] for t, g in self.quality_timeline],
             "mean_total_share": float(np.mean(self.share_samples)) if self.share_samples else 0.0,
             "mean_virtual_queue": float(np.mean(self.z_samples)) if self.z_samples else 0.0,
+            "evaluations_modelled": self.evals_modelled,
+            "busy_s_by_replica": {
+                rid: {k: round(ms / 1e3, 3) for k, ms in rep.busy_ms.items()}
+                for rid, rep in self.replicas.items()
+            },
         }
         return SimResult(self.cfg, summary, sim, records)
 

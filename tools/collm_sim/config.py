@@ -45,6 +45,17 @@ class EngineSpec:
     slo_window_s: float = _R["slo_window_s"]
     ft_slo_reserve_frac: float = _R["ft_slo_reserve_frac"]
     telemetry_interval_s: float = _R["telemetry_interval_s"]
+    ft_slack_frac: float = _R["ft_slack_frac"]
+    # Held-out evaluations (a round job's own before and after its training and every
+    # `publish_every_steps` optimizer steps of `train_batch_tokens`; the aggregator's gate): tokens each
+    # scores (the replica's cap per evaluation; None: evaluations are not modelled), in batches of
+    # `eval_batch_tokens` (the job's evaluation chunk), each batch in `eval_pieces_per_batch` pieces (one
+    # per decoder layer and the LM head: 31 for SmolLM2-135M). Costs: the calibration's
+    # `eval_fixed_ms` and `eval_ms_per_token` (a calibration without them models none).
+    eval_tokens: int | None = _R["eval_max_tokens"]
+    eval_batch_tokens: int = 512
+    eval_pieces_per_batch: int = 31
+    publish_every_steps: int = _R["publish_every_steps"]
     # The simulated replica reports the busy fractions of each interval (the coordinator's best signal).
     report_busy_fractions: bool = True
 
@@ -77,8 +88,11 @@ class SimConfig:
     domains: tuple[str, ...] | None = None
     # A waiting request older than this is dropped (the gateway's deadline; counted as a timeout).
     request_timeout_s: float = 60.0
-    # Aggregation, federated evaluation and publication after a round closes.
+    # Aggregation and publication after a round closes and its evaluators scored the candidate (the
+    # evaluations themselves are work on the evaluators when the calibration has their cost).
     publish_delay_s: float = 2.0
+    # How long the aggregator waits for an evaluator's report (AggregatorSettings.eval_timeout_s).
+    eval_timeout_s: float = 60.0
     # separate: "serving_cluster" (least-loaded over the serving replicas, as its own gateway would) or
     # "weights" (the shared gateway's weighted draw on the coordinator's weights).
     separate_routing: str = "serving_cluster"
@@ -104,5 +118,5 @@ class SimConfig:
             raise ValueError("separate_routing must be 'serving_cluster' or 'weights'")
         if self.quality_extrapolate not in ("log", "hold") or not self.quality_max_factor >= 1:
             raise ValueError("quality_extrapolate must be 'log' or 'hold' and quality_max_factor >= 1")
-        if not self.request_timeout_s > 0 or self.publish_delay_s < 0:
-            raise ValueError("request_timeout_s must be > 0 and publish_delay_s >= 0")
+        if not self.request_timeout_s > 0 or self.publish_delay_s < 0 or not self.eval_timeout_s > 0:
+            raise ValueError("request_timeout_s and eval_timeout_s must be > 0 and publish_delay_s >= 0")

@@ -19,7 +19,15 @@ from __future__ import annotations
 from collm_coordinator.core import CoordinatorCore, CoreConfig
 from collm_gateway.routing import ReplicaSnapshot, RoutingConfig, WeightsSnapshot, rank_replicas
 from collm_replica.batching import BatchConfig, SeqView, plan_iteration
-from collm_replica.cosched import CoSchedInput, CoScheduler, TrainCost, effective_share, make_coscheduler
+from collm_replica.cosched import (
+    CoSchedInput,
+    CoScheduler,
+    TrainCost,
+    background_budget_ms,
+    behind_schedule,
+    effective_share,
+    make_coscheduler,
+)
 from collm_replica.costs import FinishedSample, LatencyWindow
 
 COSCHEDULER_FOR_POLICY = {"collm": "slo", "separate": "slo", "fixed_ratio": "fixed", "leftover": "leftover"}
@@ -38,6 +46,8 @@ __all__ = [
     "SeqView",
     "TrainCost",
     "WeightsSnapshot",
+    "background_budget_ms",
+    "behind_schedule",
     "effective_share",
     "make_coscheduler",
     "plan_iteration",

@@ -21,6 +21,14 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
 5. tokens are emitted at the end of the inference step: a prompt's last prefill chunk emits its first
    token (TTFT), every decode one more token.
 
+Evaluations (when the calibration has their cost, `CostModel.eval_ms`): a round job scores its start
+weights and its result (and its live copy every `publish_every_steps` optimizer steps), as part of its
+work and within its training time; the aggregator's gate asks every evaluator to score a version
+(`EvalTask`), which runs before training after the inference step, as the engine's pending evaluations
+do: within `background_budget_ms` (the slack rule without share or job), at least one piece per
+iteration, and, while the task is behind the even pace to its deadline (`behind_schedule`), up to the
+guard; training gets what is left of its window.
+
 The co-scheduler is given the calibration's costs as its predictions (the live engine learns the same
 costs online). Telemetry is built like the live replica's (a window of `slo_window_s` for latency
 percentiles and attainment, rates over the interval).
@@ -44,6 +52,8 @@ from collm_sim.plugins import (
     LatencyWindow,
     SeqView,
     TrainCost,
+    background_budget_ms,
+    behind_schedule,
     effective_share,
     plan_iteration,
 )
@@ -94,10 +104,13 @@ class Job:
     """A replica's local training job for one round."""
 
     __slots__ = (
-        "adapter", "round_id", "base_version", "budget", "tokens_done", "stop_s", "active", "progress_ms"
+        "adapter", "round_id", "base_version", "budget", "tokens_done", "stop_s", "active", "progress_ms",
+        "eval_debt_ms", "evals", "next_eval_tokens", "final_eval",
     )  # fmt: skip
 
-    def __init__(self, adapter: str, round_id: int, base_version: int, budget: int, stop_s: float) -> None:
+    def __init__(
+        self, adapter: str, round_id: int, base_version: int, budget: int, stop_s: float, eval_every: int
+    ) -> None:
         self.adapter = adapter
         self.round_id = round_id
         self.base_version = base_version
@@ -106,6 +119,37 @@ class Job:
         self.stop_s = stop_s
         self.active = True
         self.progress_ms = 0.0  # training time already spent on the micro-step in progress
+        self.eval_debt_ms = 0.0  # evaluation work due before the job goes on (its own evaluations)
+        self.evals = 0  # evaluations the job has owed so far (the first also scores the start weights)
+        self.next_eval_tokens = eval_every  # the periodic evaluation after this many tokens
+        self.final_eval = False  # the evaluation of the result is owed
+
+    @property
+    def done(self) -> bool:
+        return self.tokens_done >= self.budget and self.eval_debt_ms <= 1e-9
+
+
+class EvalTask:
+    """A version the aggregator asked this replica to score: `ms_left` of work, paced to `deadline_s`."""
+
+    __slots__ = ("round_id", "ms_total", "ms_left", "asked_s", "deadline_s", "on_done")
+
+    def __init__(
+        self,
+        round_id: int,
+        ms: float,
+        asked_s: float,
+        deadline_s: float,
+        on_done: Callable[[SimReplica, EvalTask, float], None],
+    ) -> None:
+        self.round_id = round_id
+        self.ms_total = self.ms_left = ms
+        self.asked_s = asked_s
+        self.deadline_s = deadline_s
+        self.on_done = on_done
+
+    def behind(self, at_s: float) -> bool:
+        return behind_schedule(1.0 - self.ms_left / self.ms_total, at_s, self.asked_s, self.deadline_s)
 
 
 FinishFn = Callable[["Req"], None]
@@ -157,11 +201,22 @@ class SimReplica:
         self.by_sid: dict[str, Req] = {}
         self.kv_reserved = 0
         self.idle = True
-        # The iteration in progress: (items, end of its inference step, end of its training stretch).
-        self.pending: tuple[list[tuple[Req, int]], float, float] | None = None
+        # The iteration in progress: (items, end of its inference step, end of its evaluation pieces, end
+        # of its training stretch, whether its evaluation catches up on its pace).
+        self.pending: tuple[list[tuple[Req, int]], float, float, float, bool] | None = None
         self.gen = 0  # bumped when an arrival cuts the iteration short (its old end event is stale)
         micro_ms = self.train_cost.ms(engine.train_micro_tokens)
         self.piece_ms = micro_ms / max(1, engine.train_pieces_per_micro_step)
+        # One evaluation's cost (None: not modelled), and its pieces.
+        self.eval_ms_each: float | None = None
+        self.eval_piece_ms = 0.0
+        if engine.eval_tokens:
+            self.eval_ms_each = cost.eval_ms(engine.eval_tokens, engine.eval_batch_tokens)
+        if self.eval_ms_each:
+            batches = -(-engine.eval_tokens // max(1, engine.eval_batch_tokens)) if engine.eval_tokens else 1
+            self.eval_piece_ms = self.eval_ms_each / (batches * max(1, engine.eval_pieces_per_batch))
+        self.eval_every_tokens = engine.publish_every_steps * engine.train_batch_tokens
+        self.evals: deque[EvalTask] = deque()
         self.iteration = 0
         self.share: float | None = None
         self.share_expires_s: float | None = None
@@ -175,6 +230,8 @@ class SimReplica:
         self._infer_ms = 0.0
         self._train_ms = 0.0
         self._pending_ms = (0.0, 0.0)
+        # Busy time by kind of work (ms): inference, training, evaluation (a job's own and the gate's).
+        self.busy_ms = {"inference": 0.0, "training": 0.0, "evaluation": 0.0}
         self._last_telemetry_s = 0.0
         self.ft_tokens_total = 0
         self.iterations_total = 0
@@ -196,14 +253,23 @@ class SimReplica:
         p = self.pending
         if p is None:
             return None
-        items, t_inf, t_end = p
+        items, t_inf, t_ev, t_end, catch_up = p
         if now >= t_end or t_end <= t_inf:
             return None
-        pieces = max(0, math.ceil((now - t_inf) / (self.piece_ms / 1e3) - 1e-9))
-        new_end = min(t_end, t_inf + pieces * self.piece_ms / 1e3)
+        if now < t_ev:  # evaluation pieces: at least one ran or runs; catching up on its pace, all of them
+            if catch_up:
+                return None
+            piece_s = self.eval_piece_ms / 1e3
+            pieces = max(1, math.ceil((now - t_inf) / piece_s - 1e-9)) if piece_s > 0 else 0
+            new_ev = min(t_ev, t_inf + pieces * piece_s)
+            new_end = new_ev  # training does not start after news
+        else:
+            new_ev = t_ev
+            pieces = max(0, math.ceil((now - t_ev) / (self.piece_ms / 1e3) - 1e-9))
+            new_end = min(t_end, t_ev + pieces * self.piece_ms / 1e3)
         if new_end >= t_end:
             return None
-        self.pending = (items, t_inf, new_end)
+        self.pending = (items, t_inf, new_ev, new_end, catch_up)
         self.gen += 1
         return new_end
 
@@ -241,8 +307,17 @@ class SimReplica:
         if self.job is not None and self.job.active:
             self._finish_job(now)
         self.job = Job(
-            adapter, round_id, base_version, budget, deadline_s - self.engine.round_deadline_margin_s
+            adapter,
+            round_id,
+            base_version,
+            budget,
+            deadline_s - self.engine.round_deadline_margin_s,
+            self.eval_every_tokens,
         )
+
+    def add_eval(self, task: EvalTask) -> None:
+        """The aggregator asks this replica to score a version (the cluster wakes the replica)."""
+        self.evals.append(task)
 
     def _finish_job(self, now: float) -> None:
         job = self.job
@@ -326,9 +401,11 @@ class SimReplica:
                 inf_ms = self.prefill_fixed_ms
             inf_ms += prefill_ms
             inf_ms *= 1.0 + self.lora_frac * len(adapters)
-        train_ms = 0.0
+        train_ms = eval_ms = 0.0
+        catch_up = False
         job = self.job
-        if job is not None and job.active:
+        has_job = job is not None and job.active
+        if has_job or self.evals:
             share, _ = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
             guard_ms = self.engine.ft_guard_frac * min(
                 self.ttft_slo_ms or self.engine.default_ttft_slo_ms, self.engine.default_ttft_slo_ms
@@ -336,37 +413,79 @@ class SimReplica:
             inp = CoSchedInput(
                 now_s=now,
                 share=share,
-                has_job=True,
+                has_job=has_job,
                 running=len(running),
                 waiting=len(self.waiting),
                 inference_tokens=plan.tokens,
                 token_budget=self.batch_cfg.max_batch_tokens,
                 step_ms=inf_ms,
-                deadlines_s=self._deadlines(now) if share > 0 else (),
+                deadlines_s=self._deadlines(now) if (share > 0 and has_job) or self.evals else (),
                 train=self.train_cost,
                 micro_tokens=self.engine.train_micro_tokens,
                 batch_tokens=self.engine.train_batch_tokens,
                 iteration=self.iteration,
                 max_train_ms=guard_ms,
             )
-            # As the engine: the co-scheduler's time budget, spent in whole pieces (at least one when
-            # idle), never past what the job's token budget still needs.
-            budget = getattr(self.cosched, "budget_ms", None)
-            budget_ms = budget(inp) if budget is not None else self.train_cost.ms(self.cosched.decide(inp))
-            pieces = int(min(budget_ms, 60_000.0) / self.piece_ms + 1e-9)
-            if inp.idle and budget_ms > 0:
-                pieces = max(1, pieces)
-            train_ms = min(pieces * self.piece_ms, self._ms_to_finish(job))
+            if self.evals:
+                eval_ms, catch_up = self._eval_stretch(inp, guard_ms, now + inf_ms / 1e3)
+            if job is not None and has_job:
+                # As the engine: the co-scheduler's time budget, spent in whole pieces (at least one when
+                # idle and no evaluation is pending), never past what the job still needs; evaluation
+                # pieces count against the same window.
+                budget = getattr(self.cosched, "budget_ms", None)
+                budget_ms = (
+                    budget(inp) if budget is not None else self.train_cost.ms(self.cosched.decide(inp))
+                )
+                window_ms = min(budget_ms, 60_000.0)
+                if inp.idle and budget_ms > 0 and not self.evals:
+                    window_ms = max(window_ms, self.piece_ms)
+                pieces = int(max(0.0, window_ms - eval_ms) / self.piece_ms + 1e-9)
+                train_ms = min(pieces * self.piece_ms, self._ms_to_finish(job))
         self.iteration += 1
-        if not items and train_ms <= 0:
+        if not items and train_ms <= 0 and eval_ms <= 0:
             self.idle = True
             return None
         self.iterations_total += 1
         t_inf = now + inf_ms / 1e3
-        self.pending = (items, t_inf, t_inf + train_ms / 1e3)
+        t_ev = t_inf + eval_ms / 1e3
+        self.pending = (items, t_inf, t_ev, t_ev + train_ms / 1e3, catch_up)
         self._pending_ms = (inf_ms, train_ms)
         self.idle = False
-        return t_inf + train_ms / 1e3
+        return t_ev + train_ms / 1e3
+
+    def _eval_stretch(self, inp: CoSchedInput, guard_ms: float, t_inf: float) -> tuple[float, bool]:
+        """Evaluation time after this step (ms), and whether it is catching up on its pace: the engine's
+        `_eval_work`: the slack rule's budget, at least one piece, and more while the first task is behind
+        the even pace to its deadline, up to the guard."""
+        piece = self.eval_piece_ms
+        left = sum(t.ms_left for t in self.evals)
+        if piece <= 0 or left <= 0:
+            return 0.0, False
+        margin_ms = getattr(self.cosched, "margin_ms", 10.0)
+        budget = background_budget_ms(inp, margin_ms, self.engine.ft_slack_frac)
+        n = max(1, int(min(budget, 60_000.0) / piece + 1e-9))
+        task = self.evals[0]
+        limit = int(guard_ms / piece + 1e-9)
+        catch_up = False
+        while n < limit and n * piece < left:
+            done_ms = n * piece
+            progress = 1.0 - max(0.0, task.ms_left - done_ms) / task.ms_total
+            if not behind_schedule(progress, t_inf + done_ms / 1e3, task.asked_s, task.deadline_s):
+                break
+            n += 1
+            catch_up = True
+        return min(n * piece, left), catch_up
+
+    def _spend_evals(self, ms: float, t: float) -> None:
+        left = ms
+        while self.evals and left > 1e-9:
+            task = self.evals[0]
+            take = min(task.ms_left, left)
+            task.ms_left -= take
+            left -= take
+            if task.ms_left <= 1e-6:
+                self.evals.popleft()
+                task.on_done(self, task, t)
 
     def _micro_ms(self, job: Job) -> tuple[int, float]:
         """(tokens, ms) of the job's micro-step in progress (the last one may be short of the budget)."""
@@ -374,37 +493,86 @@ class SimReplica:
         return tokens, self.train_cost.ms(tokens)
 
     def _ms_to_finish(self, job: Job) -> float:
-        """Training time until the job's token budget is done, whole pieces."""
+        """Work until the job is done (its token budget and the evaluations it owes), whole pieces."""
         left = job.budget - job.tokens_done
-        if left <= 0:
+        ms = 0.0
+        if left > 0:
+            micro = self.engine.train_micro_tokens
+            full, rest = divmod(left, micro)
+            ms = full * self.train_cost.ms(micro) + self.train_cost.ms(rest)
+        ms += job.eval_debt_ms + self._future_evals(job) * (self.eval_ms_each or 0.0) - job.progress_ms
+        if ms <= 0:
             return 0.0
-        micro = self.engine.train_micro_tokens
-        full, rest = divmod(left, micro)
-        ms = full * self.train_cost.ms(micro) + self.train_cost.ms(rest) - job.progress_ms
-        return math.ceil(max(0.0, ms) / self.piece_ms - 1e-9) * self.piece_ms
+        return math.ceil(ms / self.piece_ms - 1e-9) * self.piece_ms
 
-    def _train(self, job: Job, ms: float, t_end: float) -> int:
-        """Spend `ms` of training on the job's micro-steps; tokens of those it completed."""
+    def _future_evals(self, job: Job) -> int:
+        """Evaluations the job will still owe: the periodic ones before its budget is done, the final one,
+        and the start weights' with the first of them."""
+        if self.eval_ms_each is None or job.final_eval:
+            return 0
+        periodic = 0
+        at = job.next_eval_tokens
+        while at < job.budget:
+            periodic += 1
+            at += self.eval_every_tokens
+        return periodic + 1 + (1 if job.evals == 0 else 0)
+
+    def _owe_evals(self, job: Job) -> None:
+        """After a micro-step: the evaluation it makes due (the final one once the budget is done, else a
+        periodic one past its tokens), with the start weights' before the job's first."""
+        if self.eval_ms_each is None:
+            return
+        n = 0
+        if job.tokens_done >= job.budget:
+            if not job.final_eval:
+                job.final_eval = True
+                n = 1
+        elif job.tokens_done >= job.next_eval_tokens:
+            n = 1
+            while job.next_eval_tokens <= job.tokens_done:
+                job.next_eval_tokens += self.eval_every_tokens
+        if n:
+            n += 1 if job.evals == 0 else 0
+            job.evals += n
+            job.eval_debt_ms += n * self.eval_ms_each
+
+    def _train(self, job: Job, ms: float) -> tuple[int, float]:
+        """Spend `ms` on the job: the evaluations it owes first, then its micro-steps; (tokens of the
+        micro-steps it completed, ms of evaluation)."""
         done = 0
+        eval_ms = 0.0
         job.progress_ms += ms
-        while job.active and job.tokens_done < job.budget:
+        while job.active:
+            if job.eval_debt_ms > 1e-9:
+                pay = min(job.eval_debt_ms, job.progress_ms)
+                job.eval_debt_ms -= pay
+                job.progress_ms -= pay
+                eval_ms += pay
+                if job.eval_debt_ms > 1e-9:
+                    break
+            if job.tokens_done >= job.budget:
+                break
             tokens, step_ms = self._micro_ms(job)
             if job.progress_ms + 1e-6 < step_ms:
                 break
             job.progress_ms -= step_ms
             job.tokens_done += tokens
             done += tokens
-        if job.tokens_done >= job.budget:
+            self._owe_evals(job)
+        if job.done:
             job.progress_ms = 0.0
-        return done
+        return done, eval_ms
 
     def _complete(self) -> None:
         assert self.pending is not None
-        items, t_inf, t_end = self.pending
+        items, t_inf, t_ev, t_end, _ = self.pending
         self.pending = None
-        train_ms = max(0.0, (t_end - t_inf) * 1e3)  # an arrival may have cut the stretch short
+        eval_ms = max(0.0, (t_ev - t_inf) * 1e3)
+        train_ms = max(0.0, (t_end - t_ev) * 1e3)  # an arrival may have cut the stretch short
         self._infer_ms += self._pending_ms[0]
         self._train_ms += train_ms
+        self.busy_ms["inference"] += self._pending_ms[0]
+        self.busy_ms["evaluation"] += eval_ms
         for req, n in items:
             if req.computed < req.prompt_len:
                 req.computed += n
@@ -423,13 +591,17 @@ class SimReplica:
                 self._gen_tokens += 1
                 if req.generated >= req.out_len:
                     self._finish(req, t_inf, "ok")
+        if eval_ms > 0:
+            self._spend_evals(eval_ms, t_ev)
         job = self.job
         if train_ms > 0 and job is not None and job.active:
             self.cosched.charge(train_ms)
-            train_tokens = self._train(job, train_ms, t_end)
+            train_tokens, job_eval_ms = self._train(job, train_ms)
+            self.busy_ms["training"] += train_ms - job_eval_ms
+            self.busy_ms["evaluation"] += job_eval_ms
             self._ft_tokens += train_tokens
             self.ft_tokens_total += train_tokens
-            if job.tokens_done >= job.budget:
+            if job.done:
                 self._finish_job(t_end)
 
     # --- telemetry ------------------------------------------------------------------------------------

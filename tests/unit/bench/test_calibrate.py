@@ -17,6 +17,7 @@ TIMINGS = {
     "train": {32: [100.0, 110.0, 200.0], 128: [292.0, 302.0, 400.0]},
     "context": {32: [30.0, 40.0, 41.0], 128: [40.0, 44.0, 50.0], 512: [78.4, 82.0, 90.0]},
     "chunk": {0: [80.0, 90.0, 95.0], 256: [96.384, 100.0, 130.0]},
+    "eval": {64: [20.0, 25.0, 30.0], 256: [44.0, 50.0, 90.0]},
 }
 SIZES = CostSizes(decode_contexts=(32, 512), context_batch=16, chunk_tokens=64, chunk_start=256)
 
@@ -43,7 +44,14 @@ def test_cost_model_from_timings_by_statistic() -> None:
     # 16.384 ms slower after 256 earlier tokens.
     assert fast.decode_ms_per_context_token == pytest.approx(48.4 / 480 / 16)
     assert fast.prefill_ms_per_token_per_context_token == pytest.approx(16.384 / 64 / 256)
+    # Evaluation: 24 ms more for 192 more tokens; an evaluation of 600 tokens in batches of 256 is
+    # three batches.
+    assert fast.eval_ms_per_token == pytest.approx(0.125) and fast.eval_fixed_ms == pytest.approx(12.0)
+    assert fast.eval_ms(600, 256) == pytest.approx(3 * 12.0 + 600 * 0.125) and fast.eval_ms(0, 256) == 0
+    older = costs_from_timings({k: v for k, v in TIMINGS.items() if k != "eval"}, SIZES).cost
+    assert older.eval_ms_per_token is None and older.eval_ms(600, 256) is None  # a file without it
     typical = costs_from_timings(TIMINGS, replace(SIZES, statistic="median"))
+    assert typical.eval_ms == {64: 25.0, 256: 50.0}
     assert typical.cost.decode_step_ms == {1: 12.0, 16: 44.0} and typical.statistic == "median"
     assert typical.timings_ms["decode"][1] == [10.0, 12.0, 30.0]  # every timing is kept
     assert typical.decode_ms_by_context == {32: 40.0, 128: 44.0, 512: 82.0}
@@ -69,6 +77,8 @@ def test_sizes_are_checked() -> None:
     assert sz.prompts_needed == 24 and sz.prompt_tokens_needed == 256 + 64  # the chunk after 256 tokens
     assert sz.contexts == [64, 128]
     assert CostSizes().prompt_tokens_needed == 512
+    with pytest.raises(ValueError, match="two sizes"):
+        CostSizes(eval_tokens=(64,))
 
 
 def test_scaled_costs_scale_every_step_time_and_keep_fractions() -> None:
@@ -79,6 +89,7 @@ def test_scaled_costs_scale_every_step_time_and_keep_fractions() -> None:
     assert slow.prefill_ms(100) == pytest.approx(1.5 * cost.prefill_ms(100))
     assert slow.prefill_chunk_ms(64, 300) == pytest.approx(1.5 * cost.prefill_chunk_ms(64, 300))
     assert slow.train_ms(64) == pytest.approx(1.5 * cost.train_ms(64))
+    assert slow.eval_ms(600, 256) == pytest.approx(1.5 * (cost.eval_ms(600, 256) or 0.0))
     assert slow.lora_overhead_frac_per_adapter == cost.lora_overhead_frac_per_adapter
     assert slow.max_batch == cost.max_batch and slow.decode_context_tokens == cost.decode_context_tokens
     with pytest.raises(ValueError, match="> 0"):

@@ -242,7 +242,13 @@ def test_speed_probe_is_on_by_default_and_reported_in_the_header() -> None:
     assert not config_from_args(build_parser().parse_args(["--no-speed-probe"])).speed_probe
     assert _probe_note({"calibration": {"path": "x"}}) == "" and _probe_note({"calibration": None}) == ""
     note = _probe_note({"calibration": {"speed_probe": {"factor": 1.234}}})
-    assert "1.23x the calibration's" in note
+    assert "1.23x the calibration's" in note and "after" not in note
+    # With --probe-after, the second probe's figure is said beside the first.
+    assert not HeadlineConfig().speed_probe_after
+    assert config_from_args(build_parser().parse_args(["--probe-after"])).speed_probe_after
+    probes = {"speed_probe": {"factor": 1.234}, "speed_probe_after": {"factor": 1.5}}
+    both = _probe_note({"calibration": probes})
+    assert "1.23x the calibration's in a probe before the runs" in both and "1.50x in one after them" in both
 
 
 def test_missing_traces_exit_2_with_one_clear_line(tmp_path: Path) -> None:

@@ -6,8 +6,11 @@ from collm_common.calibration import Calibration, CostModel, QualityCurve
 
 
 def calibration_for_tests(
-    lora_overhead: float = 0.0, domains: tuple[str, ...] = ("med", "bank")
+    lora_overhead: float = 0.0,
+    domains: tuple[str, ...] = ("med", "bank"),
+    eval_cost: tuple[float, float] | None = None,
 ) -> Calibration:
+    """`eval_cost`: (fixed ms per batch, ms per token) of evaluations; None: a file without them."""
     return Calibration(
         model="test",
         device="cpu",
@@ -21,6 +24,8 @@ def calibration_for_tests(
             lora_overhead_frac_per_adapter=lora_overhead,
             train_fixed_ms=20.0,
             train_ms_per_token=1.0,
+            eval_fixed_ms=eval_cost[0] if eval_cost else 0.0,
+            eval_ms_per_token=eval_cost[1] if eval_cost else None,
             max_batch=16,
         ),
         quality=[

@@ -225,3 +225,97 @@ def test_training_runs_in_pieces_that_yield_to_an_arrival_and_carry_over() -> No
     assert rep.ft_tokens_total == 0 and rep.job is not None and rep.job.progress_ms == pytest.approx(74.0)
     rep.step(0.222)  # 74 + 148 ms: the micro-step completed, 74 ms of the next one carried over
     assert rep.ft_tokens_total == 128 and rep.job.progress_ms == pytest.approx(74.0)
+
+
+def eval_replica(
+    engine: EngineSpec, cosched: object, done: list[object], ttft_ms: float = 2000.0, tpot_ms: float = 250.0
+) -> object:
+    from collm_sim.replica import SimReplica
+
+    cost = calibration_for_tests(eval_cost=(10.0, 0.5)).cost
+    return SimReplica(
+        "r0", cost, engine, cosched, "med", 100, {}, ttft_ms, tpot_ms, 60.0,  # type: ignore[arg-type]
+        done.append, lambda _r, job, _t: done.append(job),
+    )  # fmt: skip
+
+
+def test_a_round_job_spends_its_own_evaluations_within_its_training_time() -> None:
+    """As the engine's job: the start weights and the live copy every `publish_every_steps` optimizer
+    steps are scored, and the result after the last micro-step; the job is done (its update sent) only
+    then, and the co-scheduler's training time pays for it."""
+    from collm_replica.cosched import LeftoverCoScheduler
+
+    engine = EngineSpec(
+        train_micro_tokens=128, train_pieces_per_micro_step=4, train_batch_tokens=128, publish_every_steps=1,
+        eval_tokens=100, eval_batch_tokens=100, eval_pieces_per_batch=2,
+    )  # fmt: skip
+    done: list[object] = []
+    rep = eval_replica(engine, LeftoverCoScheduler(), done)
+    assert rep.eval_ms_each == pytest.approx(60.0)  # type: ignore[attr-defined]  # 10 + 100 x 0.5 ms
+    rep.start_job("med", 1, 1, budget=256, deadline_s=1e9, now=0.0)  # type: ignore[attr-defined]
+    # Two micro-steps of 148 ms, three evaluations of 60 ms (the start weights and the periodic one after
+    # the first 128 tokens, the result after the last): 476 ms, 13 whole pieces of 37 ms.
+    assert rep._ms_to_finish(rep.job) == pytest.approx(13 * 37.0)  # type: ignore[attr-defined]
+    t = 0.0
+    while (nxt := rep.step(t)) is not None:  # type: ignore[attr-defined]
+        t = nxt
+    (job,) = done
+    assert job.tokens_done == 256 and job.evals == 3 and job.done  # type: ignore[attr-defined]
+    assert t == pytest.approx(0.481)
+    assert rep.busy_ms["evaluation"] == pytest.approx(180.0)  # type: ignore[attr-defined]
+    assert rep.busy_ms["training"] == pytest.approx(481.0 - 180.0)  # type: ignore[attr-defined]
+    # A calibration without the evaluation cost models none: the micro-steps alone.
+    from collm_sim.replica import SimReplica
+
+    plain = SimReplica(
+        "r1", calibration_for_tests().cost, engine, LeftoverCoScheduler(), "med", 100, {}, 2000.0, 250.0,
+        60.0, done.append, lambda _r, job, _t: done.append(job),
+    )  # fmt: skip
+    plain.start_job("med", 1, 1, budget=256, deadline_s=1e9, now=0.0)
+    assert plain.eval_ms_each is None and plain._ms_to_finish(plain.job) == pytest.approx(296.0)  # type: ignore[arg-type]
+
+
+def test_a_gate_evaluation_takes_the_idle_time_and_one_piece_per_iteration_under_load() -> None:
+    from collm_replica.cosched import SloAwareCoScheduler
+    from collm_sim.replica import EvalTask, Req
+
+    engine = EngineSpec(eval_tokens=100, eval_batch_tokens=100, eval_pieces_per_batch=2)  # 2 x 30 ms
+    reported: list[tuple[int, float]] = []
+
+    def report(_r: object, task: EvalTask, t: float) -> None:
+        reported.append((task.round_id, t))
+
+    idle = eval_replica(engine, SloAwareCoScheduler(), [])
+    idle.add_eval(EvalTask(7, 60.0, 0.0, 60.0, report))  # type: ignore[attr-defined]
+    assert idle.step(0.0) == pytest.approx(0.060)  # type: ignore[attr-defined]  # within the guard
+    assert idle.step(0.060) is None and reported == [(7, pytest.approx(0.060))]  # type: ignore[attr-defined]
+    assert idle.busy_ms["evaluation"] == pytest.approx(60.0)  # type: ignore[attr-defined]
+    # A request with no slack (TTFT SLO 150 ms, its 100-token prefill takes 110): the evaluation still
+    # progresses by one piece per iteration, after the inference step.
+    busy = eval_replica(engine, SloAwareCoScheduler(), [], ttft_ms=150.0, tpot_ms=25.0)
+    busy.add_eval(EvalTask(8, 60.0, 0.0, 60.0, report))  # type: ignore[attr-defined]
+    busy.enqueue(Req(0, 0.0, 100, 5, "med"), 0.0)  # type: ignore[attr-defined]
+    assert busy.step(0.0) == pytest.approx(0.110 + 0.030)  # type: ignore[attr-defined]
+    assert busy.step(0.140) == pytest.approx(0.140 + 0.020 + 0.030)  # type: ignore[attr-defined]
+    assert busy.step(0.190) == pytest.approx(0.210)  # type: ignore[attr-defined]  # decode only
+    assert reported[-1] == (8, pytest.approx(0.190))  # reported when its last piece ended
+
+
+def test_rounds_wait_for_their_evaluators_and_evaluations_cost_replica_time() -> None:
+    cfg = SimConfig(replicas=4, policy="leftover", workload=synthetic(rate=2.0, duration=100.0),
+                    core={"slow_interval_s": 30.0, "round_deadline_s": 20.0})  # fmt: skip
+    res = simulate(cfg, calibration_for_tests(eval_cost=(10.0, 0.5)))
+    assert res.sim["evaluations_modelled"] and res.sim["rounds"]["published"] >= 4
+    busy = res.sim["busy_s_by_replica"]
+    # Every replica trains and scores its own domain's rounds: each evaluation of 4096 tokens in 8
+    # batches costs 8 x 10 + 4096 x 0.5 ms.
+    assert all(b["evaluation"] >= 2 * (80 + 2048) / 1e3 for b in busy.values())
+    plain = simulate(cfg, calibration_for_tests())
+    assert not plain.sim["evaluations_modelled"]
+    assert all(b["evaluation"] == 0 for b in plain.sim["busy_s_by_replica"].values())
+    # Evaluations longer than the aggregator waits: rounds publish at its timeout, none is lost.
+    slow = simulate(
+        replace(cfg, eval_timeout_s=5.0, workload=synthetic(rate=0.5, duration=100.0)),
+        calibration_for_tests(eval_cost=(10.0, 5.0)),  # 20 s per evaluation
+    )
+    assert slow.sim["rounds"]["published"] >= 2

@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="use the calibration's step costs as they are (default: scaled by a probe of the engine now)",
     )
     g.add_argument(
+        "--probe-after",
+        action="store_true",
+        help="probe the engine's speed again after the runs and say it beside the first probe",
+    )
+    g.add_argument(
         "--render",
         type=Path,
         default=None,
@@ -203,6 +208,8 @@ def config_from_args(args: argparse.Namespace) -> HeadlineConfig:
         changes["live"] = False
     if args.no_speed_probe:
         changes["speed_probe"] = False
+    if args.probe_after:
+        changes["speed_probe_after"] = True
     return dataclasses.replace(base, **changes)
 
 
@@ -257,6 +264,7 @@ class Headline:
         self.say(f"{self.results['command']}\n[headline] results in {self.root}")
         self.datasets: dict[str, Path] = {}
         self.builder: Any = None
+        self.unscaled_cal: Calibration | None = None  # the calibration as measured, when a probe scaled it
         if cfg.live:
             self.datasets = setup.prepare_data(cfg, self.root / "data")
             self.builder = setup.prompt_builder(cfg, setup.token_counter(cfg.model))
@@ -267,8 +275,9 @@ class Headline:
         self.base_losses: dict[str, float] | None = None
         self.say(f"setup (traces, data, tokenizer): {time.monotonic() - self.t_start:.1f} s")
 
-    def probe_speed(self) -> None:
-        """Scale the calibration's step costs to the engine's speed on this machine now (`probe_speed`)."""
+    def probe_speed(self, after: bool = False) -> None:
+        """Scale the calibration's step costs to the engine's speed on this machine now (`probe_speed`);
+        `after` the runs, only measure and record it, so the table says whether the speed moved."""
         from collm_bench.calibrate import probe_speed
         from collm_common.data import load_dataset
 
@@ -279,16 +288,26 @@ class Headline:
         if not text:
             self.say("speed probe: no local data to cut prompts from; the calibration's costs as they are")
             return
+        reference = self.unscaled_cal if after else self.cal
+        assert reference is not None
         probe = probe_speed(
             self.cfg.model,
-            self.cal,
+            reference,
             text,
             processes=self.cfg.replicas,
             cache_dir=ReplicaSettings().model_cache_dir,
         )
+        ratios = ", ".join(f"{k} {r:.2f}" for k, r in probe.ratios.items())
+        if after:
+            self.results["calibration"]["speed_probe_after"] = probe.as_dict()
+            self.say(
+                f"speed probe after the runs ({probe.wall_s:.0f} s): step times {probe.factor:.2f}x the "
+                f"calibration's (median of {ratios})"
+            )
+            return
+        self.unscaled_cal = self.cal
         self.cal = self.cal.scaled(probe.factor)
         self.results["calibration"]["speed_probe"] = probe.as_dict()
-        ratios = ", ".join(f"{k} {r:.2f}" for k, r in probe.ratios.items())
         self.say(
             f"speed probe ({probe.wall_s:.0f} s, {self.cfg.replicas} engines at once): step times "
             f"{probe.factor:.2f}x the calibration's (median of {ratios}); its costs are scaled by that"
@@ -306,6 +325,8 @@ class Headline:
     def run(self) -> int:
         for source in self.sources:
             self.run_trace(source)
+        if self.cfg.speed_probe_after and self.unscaled_cal is not None:
+            self.probe_speed(after=True)
         return self.finish()
 
     def run_trace(self, source: TraceSource) -> None:
@@ -401,6 +422,7 @@ class Headline:
                 "ft_tokens": s["sim"]["ft_tokens"],
                 "rounds": s["sim"]["rounds"],
                 "quality_gain_model": s["sim"]["quality_gain_mix"],
+                "busy_s_by_replica": s["sim"].get("busy_s_by_replica"),
             }
             entry["sim"] = compact(s["summary"], extra)
         if not cfg.live:
@@ -445,14 +467,10 @@ class Headline:
         )
         busy = res.get("busy_s_by_replica") or {}
         if busy:
-            self.say(
-                "    busy s (inference / training / evaluation): "
-                + ", ".join(
-                    f"{r} "
-                    + " / ".join(f"{b.get(w, 0.0):.0f}" for w in ("inference", "training", "evaluation"))
-                    for r, b in sorted(busy.items())
-                )
-            )
+            self.say("    busy s (inference / training / evaluation): " + busy_line(busy))
+        simulated = (entry.get("sim") or {}).get("busy_s_by_replica") or {}
+        if simulated:
+            self.say("    simulated (whole run):                      " + busy_line(simulated))
         return entry
 
     def compare_block(self, block: dict[str, Any]) -> None:
@@ -480,9 +498,11 @@ def _probe_note(results: dict[str, Any]) -> str:
     probe = (results.get("calibration") or {}).get("speed_probe")
     if not probe:
         return ""
+    after = (results.get("calibration") or {}).get("speed_probe_after")
+    then = f" and {after['factor']:.2f}x in one after them" if after else ""
     return (
         f"; the engine's step times {probe['factor']:.2f}x the calibration's in a probe before the runs, "
-        "its costs scaled by that"
+        f"its costs scaled by that{then}"
     )
 
 
@@ -520,6 +540,13 @@ def render(path: Path, out: TextIO) -> int:
     path.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
     write_outputs(results, path.parent, None, out)
     return 0
+
+
+def busy_line(busy: dict[str, dict[str, float]]) -> str:
+    """`r0 81 / 2 / 6, r1 ...`: seconds of inference, training and evaluation per replica."""
+    kinds = ("inference", "training", "evaluation")
+    rows = sorted(busy.items())
+    return ", ".join(f"{r} " + " / ".join(f"{b.get(w, 0.0):.0f}" for w in kinds) for r, b in rows)
 
 
 def _samples_per_replica(datasets: dict[str, Path], cfg: HeadlineConfig) -> int:

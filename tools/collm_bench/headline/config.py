@@ -89,6 +89,9 @@ class HeadlineConfig:
     # Before live runs, time the engine on this machine now and scale the calibration's step costs by
     # how much slower or faster it runs than when the calibration was measured (rates, SLOs, predictions).
     speed_probe: bool = True
+    # Probe again after the runs (about half a minute more; off by default so that the default run fits
+    # its quarter of an hour): whether the machine's speed moved while they ran.
+    speed_probe_after: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

@@ -8,6 +8,8 @@ What is made equal, and how:
   (`tests/unit/bench/test_headline.py` checks this);
 * replicas: replica i holds domain i mod len(domains), as live; engine and gateway sizes are the
   services' setting defaults on both sides;
+* evaluations: the live stack's cap on the held-out tokens of every evaluation (`eval_max_tokens`)
+  is the simulated evaluation's size (the datasets' held-out examples exceed it);
 * policy: the coordinator core with the live coordinator's cadences (`slow_interval_s`,
   `round_deadline_s`, `warmup_s`), the policy's replica co-scheduler, and for `separate` the shared
   gateway's draw on the coordinator's weights (what the live stack does: one gateway for both sides);
@@ -78,7 +80,7 @@ def sim_config(
     policy: str,
     samples_per_replica: int,
 ) -> Any:  # collm_sim.config.SimConfig
-    from collm_sim.config import SimConfig
+    from collm_sim.config import EngineSpec, SimConfig
 
     return SimConfig(
         replicas=cfg.replicas,
@@ -92,6 +94,8 @@ def sim_config(
         samples_per_replica=samples_per_replica,
         domains=tuple(sorted(cfg.domains)),
         request_timeout_s=cfg.request_timeout_s,
+        # The live replicas and aggregator score at most this many held-out tokens per evaluation.
+        engine=EngineSpec(eval_tokens=cfg.eval_max_tokens),
         separate_routing="weights",
         seed=cfg.seed,
     )
@@ -124,6 +128,8 @@ def simulate_run(
         "trained_tokens_by_domain",
         "tokens_past_measured_by_domain",
         "mean_total_share",
+        "busy_s_by_replica",
+        "evaluations_modelled",
         "wall_s",
     )
     return {
