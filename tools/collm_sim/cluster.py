@@ -129,7 +129,7 @@ class Simulation:
                 rid,
                 calibration.cost,
                 eng,
-                make_coscheduler(cos_name, eng.fixed_every_iterations),
+                make_coscheduler(cos_name, eng.fixed_every_iterations, slack_frac=eng.ft_slack_frac),
                 self.domains[i % len(self.domains)],
                 cfg.samples_per_replica,
                 self.versions,

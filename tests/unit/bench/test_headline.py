@@ -383,3 +383,22 @@ def test_simulated_only_run_dedupes_equal_rates_and_renders_again(tmp_path: Path
     again = io.StringIO()
     assert main(["--render", str(root / "results.json")], again, io.StringIO()) == 0
     assert (root / "table.md").read_text() == table
+
+
+def test_cpu_seconds_of_the_stack_processes() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from collm_bench.headline.live import cpu_seconds
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # noqa: S603
+    try:
+        sum(i * i for i in range(200_000))  # some CPU time of this process
+        # 2**22 + 1 is past Linux's largest pid: a process that is not there.
+        got = cpu_seconds({"load generator": os.getpid(), "sleeper": child.pid, "gone": 2**22 + 1})
+    finally:
+        child.kill()
+        child.wait()
+    assert got["load generator"] > 0 and "sleeper" in got and got["sleeper"] >= 0
+    assert "gone" not in got

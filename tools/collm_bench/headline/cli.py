@@ -445,6 +445,7 @@ class Headline:
             "ft_tokens",
             "ft_limits_by_replica",
             "busy_s_by_replica",
+            "cpu_s_by_process",
             "rounds",
             "stack_ready_s",
             "wall_s",
@@ -468,6 +469,11 @@ class Headline:
         busy = res.get("busy_s_by_replica") or {}
         if busy:
             self.say("    busy s (inference / training / evaluation): " + busy_line(busy))
+        cpu = res.get("cpu_s_by_process") or {}
+        if cpu:
+            self.say(
+                "    cpu s during the replay: " + ", ".join(f"{n} {s:.0f}" for n, s in sorted(cpu.items()))
+            )
         simulated = (entry.get("sim") or {}).get("busy_s_by_replica") or {}
         if simulated:
             self.say("    simulated (whole run):                      " + busy_line(simulated))

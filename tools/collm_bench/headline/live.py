@@ -33,13 +33,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import psutil
 
 from collm_bench.client import ClientOptions, endpoint_url
 from collm_bench.goodput import summarize
@@ -390,6 +392,8 @@ async def _drive(
             ignore_eos=True,
             request_timeout_s=cfg.request_timeout_s,
         )
+        cpu_pids = {**stack.pids(), "load generator": os.getpid()}
+        cpu_before = cpu_seconds(cpu_pids)
         replay_start = obs.now()
         result = await run_plan(
             plan,
@@ -400,6 +404,7 @@ async def _drive(
             duration_s=cfg.duration_s,
         )
         replay_end = obs.now()
+        cpu_after = cpu_seconds(cpu_pids)
         # The replay's arrivals end at the plan's last scheduled time; what follows is the drain.
         replay_s = time.monotonic() - phases.t
         arrivals_s = min(replay_s, plan[-1].scheduled_s if plan else 0.0)
@@ -444,6 +449,8 @@ async def _drive(
         "ft_limits_by_replica": delta,
         # Per replica, seconds of the replay its engine spent on inference, training and evaluation.
         "busy_s_by_replica": busy,
+        # Per process of the stack (and this one, the load generator), CPU seconds during the replay.
+        "cpu_s_by_process": {n: round(cpu_after[n] - cpu_before[n], 2) for n in cpu_after if n in cpu_before},
         "rounds": obs.round_counts(replay_start, replay_end),
         "round_log": sorted(obs.rounds.values(), key=lambda r: r["round_id"]),
         "base_losses": base,
@@ -458,6 +465,25 @@ async def _drive(
         "interrupted": result.interrupted,
         "coordinator_status": status.model_dump(mode="json") if status is not None else None,
     }
+
+
+def cpu_seconds(pids: Mapping[str, int]) -> dict[str, float]:
+    """User plus system CPU seconds each process (with its children) has used so far; a process that has
+    gone is left out."""
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            proc = psutil.Process(pid)
+            procs = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+        total = 0.0
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        out[name] = total
+    return out
 
 
 def current_gain(table: QualityTable, current: dict[str, int | None]) -> float | None:
