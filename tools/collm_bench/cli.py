@@ -5,6 +5,7 @@
     python -m collm_bench summarize bench/results/run1/requests.jsonl --slo-ttft-ms 1000
     python -m collm_bench traces conv
     python -m collm_bench headline       # every policy on the live stack (collm_bench.headline)
+    python -m collm_bench headline-repeat --repeats 3 ...   # the same N times: medians and ranges
 """
 
 from __future__ import annotations
@@ -518,6 +519,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         from collm_bench.headline.cli import main as headline_main
 
         return headline_main(argv[1:], out, err)
+    if argv[:1] == ["headline-repeat"]:
+        # The headline comparison repeated, with medians and ranges (collm_bench.headline.repeat).
+        from collm_bench.headline.repeat import main as repeat_main
+
+        return repeat_main(argv[1:], out, err)
     args = build_parser().parse_args(argv)
     commands = {"loadgen": cmd_loadgen, "summarize": cmd_summarize, "traces": cmd_traces}
     try:

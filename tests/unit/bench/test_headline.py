@@ -390,7 +390,7 @@ def test_cpu_seconds_of_the_stack_processes() -> None:
     import subprocess
     import sys
 
-    from collm_bench.headline.live import cpu_seconds
+    from collm_bench.headline.live import cpu_seconds, machine_cpu_delta, own_cpu_seconds
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # noqa: S603
     try:
@@ -402,3 +402,10 @@ def test_cpu_seconds_of_the_stack_processes() -> None:
         child.wait()
     assert got["load generator"] > 0 and "sleeper" in got and got["sleeper"] >= 0
     assert "gone" not in got
+    assert 0 < own_cpu_seconds() <= got["load generator"] + 1.0  # this process alone, not its children
+    import psutil
+
+    before = psutil.cpu_times()
+    sum(i * i for i in range(200_000))
+    delta = machine_cpu_delta(before, psutil.cpu_times())
+    assert set(delta) == {"busy", "idle", "steal"} and delta["busy"] >= 0 and delta["steal"] >= 0

@@ -446,6 +446,7 @@ class Headline:
             "ft_limits_by_replica",
             "busy_s_by_replica",
             "cpu_s_by_process",
+            "machine_cpu_s",
             "rounds",
             "stack_ready_s",
             "wall_s",
@@ -471,8 +472,12 @@ class Headline:
             self.say("    busy s (inference / training / evaluation): " + busy_line(busy))
         cpu = res.get("cpu_s_by_process") or {}
         if cpu:
+            machine = res.get("machine_cpu_s") or {}
+            whole = ", ".join(f"{k} {v:.0f}" for k, v in machine.items())
             self.say(
-                "    cpu s during the replay: " + ", ".join(f"{n} {s:.0f}" for n, s in sorted(cpu.items()))
+                "    cpu s during the replay: "
+                + ", ".join(f"{n} {s:.0f}" for n, s in sorted(cpu.items()))
+                + (f"; the machine: {whole}" if whole else "")
             )
         simulated = (entry.get("sim") or {}).get("busy_s_by_replica") or {}
         if simulated:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -392,8 +391,9 @@ async def _drive(
             ignore_eos=True,
             request_timeout_s=cfg.request_timeout_s,
         )
-        cpu_pids = {**stack.pids(), "load generator": os.getpid()}
-        cpu_before = cpu_seconds(cpu_pids)
+        cpu_pids = {**stack.pids(), **{srv.name: srv.proc.pid for srv in stack.servers}}
+        cpu_before = {**cpu_seconds(cpu_pids), "load generator": own_cpu_seconds()}
+        machine_before = psutil.cpu_times()
         replay_start = obs.now()
         result = await run_plan(
             plan,
@@ -404,7 +404,8 @@ async def _drive(
             duration_s=cfg.duration_s,
         )
         replay_end = obs.now()
-        cpu_after = cpu_seconds(cpu_pids)
+        cpu_after = {**cpu_seconds(cpu_pids), "load generator": own_cpu_seconds()}
+        machine_after = psutil.cpu_times()
         # The replay's arrivals end at the plan's last scheduled time; what follows is the drain.
         replay_s = time.monotonic() - phases.t
         arrivals_s = min(replay_s, plan[-1].scheduled_s if plan else 0.0)
@@ -449,8 +450,10 @@ async def _drive(
         "ft_limits_by_replica": delta,
         # Per replica, seconds of the replay its engine spent on inference, training and evaluation.
         "busy_s_by_replica": busy,
-        # Per process of the stack (and this one, the load generator), CPU seconds during the replay.
+        # Per process of the stack (and this one, the load generator), CPU seconds during the replay, and
+        # the whole machine's (all cores: busy, idle, and stolen by the hypervisor).
         "cpu_s_by_process": {n: round(cpu_after[n] - cpu_before[n], 2) for n in cpu_after if n in cpu_before},
+        "machine_cpu_s": machine_cpu_delta(machine_before, machine_after),
         "rounds": obs.round_counts(replay_start, replay_end),
         "round_log": sorted(obs.rounds.values(), key=lambda r: r["round_id"]),
         "base_losses": base,
@@ -465,6 +468,21 @@ async def _drive(
         "interrupted": result.interrupted,
         "coordinator_status": status.model_dump(mode="json") if status is not None else None,
     }
+
+
+def own_cpu_seconds() -> float:
+    """This process's user plus system CPU seconds (its threads; not its children, the stack)."""
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
+def machine_cpu_delta(before: Any, after: Any) -> dict[str, float]:
+    """Seconds of CPU (summed over the machine's cores) between two `psutil.cpu_times()`: busy (not idle,
+    not waiting for I/O), idle, and stolen (a virtual machine's cores running someone else)."""
+    total = sum(after) - sum(before)
+    idle = (after.idle - before.idle) + (getattr(after, "iowait", 0.0) - getattr(before, "iowait", 0.0))
+    steal = getattr(after, "steal", 0.0) - getattr(before, "steal", 0.0)
+    return {"busy": round(total - idle - steal, 2), "idle": round(idle, 2), "steal": round(steal, 2)}
 
 
 def cpu_seconds(pids: Mapping[str, int]) -> dict[str, float]:
