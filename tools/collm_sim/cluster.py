@@ -44,6 +44,7 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -378,7 +379,9 @@ class Simulation:
         holders = {rid for rid, rep in self.replicas.items() if rep.domain == rnd.adapter}
         return sorted(holders | set(rnd.participants))
 
-    def _ask_eval(self, rnd: SimRound, rid: str, t: float, on_done: Any) -> None:
+    def _ask_eval(
+        self, rnd: SimRound, rid: str, t: float, on_done: Callable[[SimReplica, EvalTask, float], None]
+    ) -> None:
         rep = self.replicas[rid]
         ms = rep.eval_ms_each
         if not ms:
