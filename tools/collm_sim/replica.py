@@ -148,9 +148,6 @@ class EvalTask:
         self.deadline_s = deadline_s
         self.on_done = on_done
 
-    def behind(self, at_s: float) -> bool:
-        return behind_schedule(1.0 - self.ms_left / self.ms_total, at_s, self.asked_s, self.deadline_s)
-
 
 FinishFn = Callable[["Req"], None]
 JobDoneFn = Callable[["SimReplica", Job, float], None]
@@ -510,11 +507,8 @@ class SimReplica:
         and the start weights' with the first of them."""
         if self.eval_ms_each is None or job.final_eval:
             return 0
-        periodic = 0
-        at = job.next_eval_tokens
-        while at < job.budget:
-            periodic += 1
-            at += self.eval_every_tokens
+        # Periodic boundaries at next_eval_tokens, + every, ... strictly below the budget.
+        periodic = max(0, -(-(job.budget - job.next_eval_tokens) // self.eval_every_tokens))
         return periodic + 1 + (1 if job.evals == 0 else 0)
 
     def _owe_evals(self, job: Job) -> None:
