@@ -29,9 +29,17 @@ RESULTS = ROOT / "bench" / "results"
 SHARED_DATA = ROOT.parent / "shared" / "data" / "domains"
 
 
+def matmul_dtype() -> str:
+    """The products' precision of the benchmarks' engines: the replica's setting (`COLLM_MATMUL_DTYPE`)."""
+    return ReplicaSettings().matmul_dtype
+
+
 def command_line() -> str:
-    return "flock /tmp/collm-heavy.lock .venv/bin/python " + " ".join(
-        [str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]]
+    env = "" if matmul_dtype() == "float32" else f"COLLM_MATMUL_DTYPE={matmul_dtype()} "
+    return (
+        env
+        + "flock /tmp/collm-heavy.lock .venv/bin/python "
+        + " ".join([str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
     )
 
 
@@ -40,11 +48,15 @@ def load_smollm2(threads: int = 1) -> LoadedModel:
     quick check of the scripts, not a measurement)."""
     torch.set_num_threads(threads)
     spec = os.environ.get("COLLM_BENCH_MODEL", "smollm2")
-    return load_model(spec, device="cpu", cache_dir=ReplicaSettings().model_cache_dir)
+    return load_model(
+        spec, device="cpu", cache_dir=ReplicaSettings().model_cache_dir, matmul_dtype=matmul_dtype()
+    )
 
 
 def save_result(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if matmul_dtype() != "float32":  # results in another precision do not replace the fp32 ones
+        name = f"{name}_{matmul_dtype()}"
     path = RESULTS / f"engine_{name}.json"
     doc = {
         "benchmark": name,
@@ -53,6 +65,7 @@ def save_result(name: str, data: dict[str, Any]) -> Path:
         "machine": {
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "matmul_dtype": matmul_dtype(),
             "python": platform.python_version(),
         },
         **data,

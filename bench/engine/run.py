@@ -31,6 +31,7 @@ from common import (  # noqa: E402
     domain_examples,
     greedy,
     load_smollm2,
+    matmul_dtype,
     peak_rss_mb,
     percentile,
     random_adapter,
@@ -74,6 +75,8 @@ def plot(path: Path, draw: Any) -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
         draw(ax)
         fig.tight_layout()
+        if matmul_dtype() != "float32":  # beside the fp32 figure, as `save_result` does
+            path = path.with_name(f"{path.stem}_{matmul_dtype()}{path.suffix}")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         print(f"wrote {path.relative_to(ROOT)}")
@@ -588,7 +591,8 @@ def bench_memory(args: argparse.Namespace) -> None:
         ds.add(e, 0.1)
     cfg = EngineConfig(
         batch=CFG16,
-        max_resident_adapters=8,
+        # the 8 served adapters stay resident beside the versions the training job publishes
+        max_resident_adapters=9,
         ft_share_default=1.0,
         job=JobConfig(micro_tokens=64, batch_tokens=256, max_seq_len=128, eval_max_examples=8),
         eval_matmul_dtype=args.eval_dtype,
@@ -662,8 +666,11 @@ def bench_calibrate(args: argparse.Namespace) -> None:
                 on_point=lambda n, loss, d=domain: print(f"{d}: {n} training tokens -> eval loss {loss:.4f}"),
             )
         )
-    cal = calibration(loaded.name, costs.cost, curves, command_line())
-    out = ROOT / "bench" / "calibration" / f"{spec if spec == 'smollm2' else served_name(spec)}.json"
+    cal = calibration(loaded.name, costs.cost, curves, command_line(), loaded.matmul_precision)
+    stem = spec if spec == "smollm2" else served_name(spec)
+    if loaded.matmul_precision != "float32":  # beside the fp32 calibration, not over it
+        stem = f"{stem}_{loaded.matmul_precision}"
+    out = ROOT / "bench" / "calibration" / f"{stem}.json"
     cal.save(out)
     print(f"wrote {out.relative_to(ROOT)}")
     save_result("calibration", {**costs.as_dict(), "calibration": cal.model_dump(mode="json")})
@@ -717,6 +724,12 @@ def main() -> None:
             print(f"\n=== {name} ===", flush=True)
             subprocess.run([sys.executable, __file__, name], check=False)
         return
+    if args.cmd in ("batching", "multilora") and matmul_dtype() != "float32":
+        # their baselines run Hugging Face's forward and merge into the base weights, which need the
+        # model's own fp32 projections; a bf16-held model has none
+        ap.error(
+            f"{args.cmd} compares with Hugging Face's fp32 forward: run it with COLLM_MATMUL_DTYPE=float32"
+        )
     threading.current_thread().name = "bench"
     {
         "batching": bench_batching,

@@ -124,6 +124,8 @@ class QualityCurve(BaseModel):
 class Calibration(BaseModel):
     model: str
     device: str
+    # Precision of the engines' matrix products (the replica's `COLLM_MATMUL_DTYPE`) when measured.
+    matmul_dtype: str = "float32"
     torch_threads: int
     measured_unix_s: float
     command: str

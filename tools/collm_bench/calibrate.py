@@ -340,7 +340,7 @@ def _time_with_adapter(
     if "eval" not in kinds:
         return
     fast = eval_dtype("auto", loaded.device, loaded.dtype)
-    if fast is not None:
+    if fast is not None and not ex.fast_all:
         ex.enable_fast_eval(fast)
     pad = int(loaded.tokenizer.pad_token_id or 0)
 
@@ -358,6 +358,7 @@ READY = "ready"
 def _time_in_child(
     spec: str,
     cache_dir: Path | None,
+    matmul_dtype: str,
     threads: int,
     prompts: list[list[int]],
     sz: CostSizes,
@@ -368,7 +369,7 @@ def _time_in_child(
     """One more engine of `measure_costs_together` (a spawned process): load, say so, wait for all, time."""
     try:
         torch.set_num_threads(threads)
-        loaded = load_model(spec, device="cpu", cache_dir=cache_dir)
+        loaded = load_model(spec, device="cpu", cache_dir=cache_dir, matmul_dtype=matmul_dtype)
         results.put(READY)
         barrier.wait()
         results.put(cost_timings(loaded, prompts, sz, kinds))
@@ -437,7 +438,10 @@ def timings_together(
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(processes)
     results = ctx.Queue()
-    args = (spec, cache_dir, torch.get_num_threads(), [list(p) for p in prompts], sz, barrier, results, kinds)
+    args = (
+        spec, cache_dir, loaded.matmul_precision, torch.get_num_threads(), [list(p) for p in prompts], sz,
+        barrier, results, kinds,
+    )  # fmt: skip
     children = [ctx.Process(target=_time_in_child, args=args, daemon=True) for _ in range(processes - 1)]
     for c in children:
         c.start()
@@ -545,11 +549,19 @@ def measure_quality(
     return QualityCurve(domain=domain, base_loss=base_loss, points=points)
 
 
-def calibration(model: str, cost: CostModel, curves: Sequence[QualityCurve], command: str) -> Calibration:
-    """The calibration file's content, stamped with this process's device, threads and time."""
+def calibration(
+    model: str,
+    cost: CostModel,
+    curves: Sequence[QualityCurve],
+    command: str,
+    matmul_dtype: str = "float32",
+) -> Calibration:
+    """The calibration file's content, stamped with this process's device, threads and time, and the
+    precision of the measured engines' products."""
     return Calibration(
         model=model,
         device="cpu",
+        matmul_dtype=matmul_dtype,
         torch_threads=torch.get_num_threads(),
         measured_unix_s=time.time(),
         command=command,
@@ -623,12 +635,13 @@ def probe_speed(
     sz: CostSizes = PROBE_SIZES,
 ) -> SpeedProbe:
     """Time `sz` with `processes` engines at once and `reference`'s torch threads per engine, as
-    `calibrate --processes N` measured it, and compare with `reference` (about half a minute)."""
+    `calibrate --processes N` measured it, in its products' precision, and compare with `reference`
+    (about half a minute)."""
     t0 = time.monotonic()
     threads = torch.get_num_threads()
     torch.set_num_threads(reference.torch_threads)
     try:
-        loaded = load_model(spec, device="cpu", cache_dir=cache_dir)
+        loaded = load_model(spec, device="cpu", cache_dir=cache_dir, matmul_dtype=reference.matmul_dtype)
         prompts = prompts_from_text(loaded.tokenizer, text, sz.prompts_needed, sz.prompt_tokens_needed)
         raw = timings_together(loaded, spec, prompts, sz, processes, cache_dir, kinds=PROBE_KINDS)
     finally:

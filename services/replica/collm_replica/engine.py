@@ -332,7 +332,7 @@ class Engine:
         )
         self.executor.bank = self.bank
         fast = eval_dtype(self.cfg.eval_matmul_dtype, loaded.device, loaded.dtype)
-        if fast is not None:
+        if fast is not None and not self.executor.fast_all:
             self.executor.enable_fast_eval(fast)
         self.cosched = coscheduler or make_coscheduler(
             self.cfg.coscheduler, self.cfg.fixed_every_iterations, slack_frac=self.cfg.train_slack_frac

@@ -119,6 +119,10 @@ class Executor:
         # (`enable_fast_eval`); empty: evaluation runs in the model's dtype like everything else.
         self._fast: dict[tuple[int, str], torch.Tensor] = {}
         self._fast_head: torch.Tensor | None = None
+        # Every pass multiplies in `loaded.matmul_dtype`, not only evaluation passes (`hold_projections_in`).
+        self.fast_all = False
+        if loaded.matmul_dtype is not None:
+            self.hold_projections_in(loaded.matmul_dtype)
 
     # --- evaluation precision -------------------------------------------------------------------------
     def enable_fast_eval(self, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -127,7 +131,7 @@ class Executor:
         fp32 one. Only the products change precision: their inputs are cast per call and their outputs come
         back in the model's dtype, so the residual stream, norms, attention, the LoRA delta and the loss
         stay in the model's dtype. Costs a copy of the projections and LM head (about 270 MB for
-        SmolLM2-135M in bf16). Inference and training never use it."""
+        SmolLM2-135M in bf16). Inference and training never use it (see `hold_projections_in`)."""
         if dtype == self.dtype:
             return
         fast = {}
@@ -138,6 +142,24 @@ class Executor:
                 fast[(i, name)] = lin.weight.detach().to(dtype).contiguous()
         self._fast = fast
         self._fast_head = self.model.lm_head.weight.detach().to(dtype).contiguous()
+
+    def hold_projections_in(self, dtype: torch.dtype) -> None:
+        """Every pass (inference, training, evaluation) multiplies in `dtype`: the base projections are
+        converted in place (the model's fp32 copies are dropped: about 210 MB less for SmolLM2-135M in
+        bf16) and the LM head, tied to the embedding, gets a `dtype` copy. Activations, norms, attention,
+        the LoRA delta, gradients and the loss stay in the model's dtype, as with `enable_fast_eval`. The
+        model then serves only through executors (an HF `model(...)` call would mix dtypes)."""
+        fast = {}
+        for i, layer in enumerate(self.layers):
+            for name, path in MODULE_PATHS.items():
+                parent, attr = path.split(".")
+                lin = getattr(getattr(layer, parent), attr)
+                if lin.weight.dtype != dtype:  # another executor of the same model may have done it
+                    lin.weight = torch.nn.Parameter(lin.weight.detach().to(dtype).contiguous(), False)
+                fast[(i, name)] = lin.weight
+        self._fast = fast
+        self._fast_head = self.model.lm_head.weight.detach().to(dtype).contiguous()
+        self.fast_all = True
 
     @property
     def eval_precision(self) -> str:
@@ -167,7 +189,7 @@ class Executor:
         lora: LoraFn | None,
         fast: bool = False,
     ) -> torch.Tensor:
-        w = self._fast.get((layer, name)) if fast else None
+        w = self._fast.get((layer, name)) if fast or self.fast_all else None
         out = lin(x) if w is None else self._fast_linear(lin, w, x)
         return lora(layer, name, x, out) if lora is not None else out
 
@@ -295,7 +317,11 @@ class Executor:
         for it, (s, e) in zip(items, ranges, strict=True):
             rows.append((s, e) if it.all_logits else (e - 1, e))
         idx = torch.cat([torch.arange(s, e, device=dev) for s, e in rows])
-        logits = self.model.lm_head(self.inner.norm(x[idx])).float()
+        h = self.inner.norm(x[idx])
+        head = self._fast_head if self.fast_all else None
+        logits = (
+            self.model.lm_head(h) if head is None else self._fast_linear(self.model.lm_head, head, h)
+        ).float()
         result = []
         off = 0
         for it, (s, e) in zip(items, rows, strict=True):
@@ -412,7 +438,8 @@ class LayerPass:
     ) -> None:
         self.ex = ex
         self.train = train
-        self.fast = fast and not train  # the low-precision copies serve no-grad passes only
+        # The low-precision copies serve no-grad passes, and every pass when the model was loaded so.
+        self.fast = ex.fast_all or (fast and not train)
         self.loss_scale = loss_scale
         self.head_rows = max(1, head_rows)
         b, length = input_ids.shape

@@ -956,7 +956,7 @@ async def serve(ctx: ServiceContext[ReplicaSettings]) -> None:
     torch.set_num_threads(s.torch_threads)
     loaded = await asyncio.to_thread(
         load_model, s.model, device=s.device, cache_dir=s.model_cache_dir, tiny_seed=s.tiny_seed,
-        max_model_len=s.max_model_len,
+        max_model_len=s.max_model_len, matmul_dtype=s.matmul_dtype,
     )  # fmt: skip
     bus = await ctx.stack.enter_async_context(await Bus.connect(s, f"collm-replica-{s.replica_id}"))
     store = AdapterStore.from_url(s.redis_url, s.redis_prefix)

@@ -127,6 +127,15 @@ class ReplicaSettings(CommonSettings):
         "eval_max_examples; at least one example; None: examples only). Bounds the work of the promotion "
         "gate on this replica; a request may ask for fewer.",
     )
+    matmul_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Precision of the base model's matrix products in every pass (inference, training, "
+        "evaluation): `bfloat16` holds the projections in bf16 instead of fp32 and a bf16 copy of the LM "
+        "head (about 150 MB less in all for SmolLM2) and multiplies with them while activations, norms, attention, the LoRA delta, gradients, optimizer state and "
+        "the loss stay in the model's dtype; on CPUs with native bf16 products (AVX512-BF16, AMX) serving "
+        "and training run up to about twice as fast, and outputs differ from fp32 ones by bf16 rounding. "
+        "`float32`: the model's own dtype (bf16 on CUDA either way).",
+    )
     eval_matmul_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
         description="Precision of the base model's matrix products in held-out evaluations (the federated "
@@ -134,7 +143,8 @@ class ReplicaSettings(CommonSettings):
         "270 MB for SmolLM2) and evaluates several times faster on CPUs with AMX; activations, norms, "
         "attention, LoRA and the loss stay in the model's dtype, and the eval-set digest records the "
         "precision. `auto`: bfloat16 on a CPU with AMX running the model in fp32, else the model's dtype; "
-        "`float32`: the model's dtype. Inference and training never use the copy.",
+        "`float32`: the model's dtype. Inference and training use the copy only with `matmul_dtype` "
+        "bfloat16, which makes evaluations bf16 too.",
     )
     round_deadline_margin_s: float = Field(
         3.0, ge=0, description="A round's training stops this long before its deadline to send the update."

@@ -120,3 +120,17 @@ def test_speed_probe_compares_each_timing_with_the_calibrations_prediction() -> 
     odd = replace(same, measured_ms={**same.measured_ms, "train 32": 10 * same.measured_ms["train 32"]})
     assert odd.factor == pytest.approx(1.0)
     assert odd.as_dict()["ratios"]["train 32"] == pytest.approx(10.0)
+
+
+def test_a_calibration_records_its_products_precision_and_older_files_read_as_fp32(tmp_path) -> None:
+    from collm_bench.calibrate import calibration
+    from collm_common.calibration import Calibration
+
+    cost = costs_from_timings(TIMINGS, SIZES).cost
+    bf = calibration("smollm2", cost, [], "cmd", matmul_dtype="bfloat16")
+    bf.save(tmp_path / "bf.json")
+    assert Calibration.load(tmp_path / "bf.json").matmul_dtype == "bfloat16"
+    assert calibration("smollm2", cost, [], "cmd").matmul_dtype == "float32"
+    old = bf.model_dump(mode="json")
+    del old["matmul_dtype"]  # written before the field existed
+    assert Calibration.model_validate(old).matmul_dtype == "float32"

@@ -16,7 +16,7 @@ from collm_replica.batching import BatchConfig
 from collm_replica.cosched import NoTraining, SloAwareCoScheduler
 from collm_replica.engine import Engine, EngineConfig, EngineRefusal, EngineRequest, NotResident
 from collm_replica.lora_bank import LiveLora
-from collm_replica.models import LoadedModel
+from collm_replica.models import LoadedModel, load_model
 from collm_replica.training import JobConfig, JobSpec
 from tests.unit.replica.helpers import Collector, greedy, random_adapter, submit_all
 
@@ -237,9 +237,14 @@ def dataset(n: int = 24) -> LocalDataset:
     return ds
 
 
-def test_training_changes_live_not_served(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_training_changes_live_not_served(tiny: LoadedModel, matmul_dtype: str) -> None:
     cfg = EngineConfig(job=JobConfig(micro_tokens=32, batch_tokens=32, publish_every_steps=1000))
+    if matmul_dtype != "float32":  # every pass multiplies in bf16: the same guarantees hold
+        tiny = load_model("tiny", device="cpu", tiny_seed=0, matmul_dtype=matmul_dtype)
+        assert tiny.matmul_dtype is not None
     eng = Engine(tiny, cfg, SloAwareCoScheduler(), dataset=dataset())
+    assert eng.executor.fast_all is (matmul_dtype != "float32")
     w = random_adapter(tiny, 1)
     eng.start()
     eng.install_version("med@v1", w).result(10)

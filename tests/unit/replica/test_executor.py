@@ -303,3 +303,46 @@ def test_evaluation_progress_counts_tokens_of_batches_and_layers(tiny: LoadedMod
     assert all(b >= a for a, b in zip(seen, seen[1:], strict=False))
     # After the first batch's forward and head: its 60 of 80 tokens.
     assert 60 / 80 in seen
+
+
+def test_bf16_products_serve_and_train_close_to_fp32_in_every_pass(tiny: LoadedModel) -> None:
+    bf = load_model("tiny", device="cpu", tiny_seed=0, matmul_dtype="bfloat16")
+    assert bf.matmul_precision == "bfloat16" and tiny.matmul_precision == "float32"
+    ex, ref_ex = Executor(bf), Executor(tiny)
+    assert ex.fast_all and not ref_ex.fast_all and ex.eval_precision == "bfloat16-matmul"
+    # Inference: the products run in bf16 (logits differ) and stay close to fp32's.
+    (mine,) = ex.forward([ForwardItem(PROMPT, 0, ex.new_kv(64), all_logits=True)])
+    (ref,) = ref_ex.forward([ForwardItem(PROMPT, 0, ref_ex.new_kv(64), all_logits=True)])
+    assert mine.dtype == torch.float32 and not torch.equal(mine, ref)
+    assert float((mine - ref).abs().max()) < 0.05 * float(ref.abs().max())  # bf16 keeps ~3 digits
+    assert float((mine.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
+    # Training: the loss and the LoRA gradients close to fp32's; the LoRA, its gradients and the base
+    # weights stay fp32, and the base weights get no gradient.
+    ids = torch.tensor([PROMPT, PROMPT[:6] + [0] * 5])
+    mask = torch.tensor([[1] * 11, [1] * 6 + [0] * 5])
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    grads = []
+    for e in (ex, ref_ex):
+        live = LiveLora.from_weights(random_adapter(tiny, 4), e.n_layers, e.shapes)
+        p = LayerPass(e, ids, mask, labels, live, train=True)
+        assert p.fast is e.fast_all
+        with torch.enable_grad():
+            p.run_all()
+        grads.append((p.loss_sum, torch.cat([q.grad.flatten() for q in live.parameters()])))
+        assert all(q.dtype == torch.float32 and q.grad.dtype == torch.float32 for q in live.parameters())
+    (loss_bf, g_bf), (loss_fp, g_fp) = grads
+    assert loss_bf != loss_fp and abs(loss_bf - loss_fp) < 2e-2 * abs(loss_fp)
+    assert float(torch.nn.functional.cosine_similarity(g_bf, g_fp, dim=0)) > 0.99
+    assert all(q.grad is None for q in bf.model.parameters())
+    # The projections are held in bf16 in place of their fp32 weights; the rest of the model stays fp32.
+    proj = {id(w) for w in ex._fast.values()}
+    assert len(proj) == 7 * ex.n_layers and all(w.dtype == torch.bfloat16 for w in ex._fast.values())
+    assert all(q.dtype == torch.float32 for q in bf.model.parameters() if id(q) not in proj)
+
+
+def test_load_model_rejects_an_unknown_matmul_dtype() -> None:
+    from collm_replica.models import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="matmul dtype"):
+        load_model("tiny", matmul_dtype="float16")

@@ -238,6 +238,13 @@ class Headline:
                     f"collm-bench headline: warning: the calibration measured {self.cal.model}, the stack "
                     f"runs {served_name(cfg.model)}: simulated rates and predictions are for the former\n"
                 )
+            stack_dtype = ReplicaSettings().matmul_dtype  # the replicas inherit this environment
+            if self.cal.matmul_dtype != stack_dtype:
+                err.write(
+                    f"collm-bench headline: warning: the calibration measured {self.cal.matmul_dtype} "
+                    f"products, the stack's replicas run {stack_dtype} (COLLM_MATMUL_DTYPE): the speed "
+                    "probe, simulated rates and predictions are for the former\n"
+                )
         if self.cal is None and (cfg.needs_search() or cfg.simulate):
             raise SetupError("the rate search and the simulator need a calibration (--calibration FILE)")
         if not cfg.live and self.cal is None:
