@@ -66,6 +66,7 @@ from collm_sim.plugins import (
     ReplicaSnapshot,
     RoutingConfig,
     WeightsSnapshot,
+    choose_evaluators,
     make_coscheduler,
     rank_replicas,
 )
@@ -376,8 +377,8 @@ class Simulation:
     def _evaluators(self, rnd: SimRound) -> list[str]:
         if not self.evals_modelled:
             return []
-        holders = {rid for rid, rep in self.replicas.items() if rep.domain == rnd.adapter}
-        return sorted(holders | set(rnd.participants))
+        holders = [rid for rid, rep in self.replicas.items() if rep.domain == rnd.adapter]
+        return sorted(choose_evaluators(rnd.participants, holders, self.cfg.eval_max_replicas))
 
     def _ask_eval(
         self, rnd: SimRound, rid: str, t: float, on_done: Callable[[SimReplica, EvalTask, float], None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from collm_aggregator.settings import AggregatorSettings
 from collm_gateway.settings import GatewaySettings
 from collm_replica.settings import ReplicaSettings
 from collm_sim.workload import WorkloadSpec
@@ -93,6 +94,8 @@ class SimConfig:
     publish_delay_s: float = 2.0
     # How long the aggregator waits for an evaluator's report (AggregatorSettings.eval_timeout_s).
     eval_timeout_s: float = 60.0
+    # Replicas that score each round's versions at most (the aggregator's setting; None: all).
+    eval_max_replicas: int | None = AggregatorSettings.model_fields["eval_max_replicas"].default
     # separate: "serving_cluster" (least-loaded over the serving replicas, as its own gateway would) or
     # "weights" (the shared gateway's weighted draw on the coordinator's weights).
     separate_routing: str = "serving_cluster"

@@ -5,6 +5,7 @@ The simulator does not model these decisions: it calls the very code the service
 * coordinator: `collm_coordinator.core.CoordinatorCore` (both loops, every policy);
 * gateway routing: `collm_gateway.routing.rank_replicas` (weighted draw on fresh coordinator weights,
   least-loaded otherwise, stale replicas never ranked);
+* aggregator: `collm_aggregator.planner.choose_evaluators` (which replicas score a round's versions);
 * replica: `collm_replica.batching.plan_iteration` (continuous batching with chunked prefill) and the
   co-schedulers of `collm_replica.cosched` (`slo`, `fixed`, `leftover`), with `effective_share` for the
   coordinator's share and its TTL.
@@ -16,6 +17,7 @@ the fixed-ratio baseline the fixed one (Loquetier), the leftover baseline the le
 
 from __future__ import annotations
 
+from collm_aggregator.planner import choose_evaluators
 from collm_coordinator.core import CoordinatorCore, CoreConfig
 from collm_gateway.routing import ReplicaSnapshot, RoutingConfig, WeightsSnapshot, rank_replicas
 from collm_replica.batching import BatchConfig, SeqView, plan_iteration
@@ -48,6 +50,7 @@ __all__ = [
     "WeightsSnapshot",
     "background_budget_ms",
     "behind_schedule",
+    "choose_evaluators",
     "effective_share",
     "make_coscheduler",
     "plan_iteration",

@@ -10,7 +10,7 @@ version in the store yet (replicas create v1 themselves), is skipped with a reas
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -66,6 +66,24 @@ def eligible(
             continue
         out.append(r.replica_id)
     return sorted(out)
+
+
+def choose_evaluators(
+    participants: Sequence[str],
+    holders: Sequence[str],
+    max_evaluators: int | None,
+    exclude: Collection[str] = (),
+) -> list[str]:
+    """The replicas that score a round's versions for the promotion gate: its participants (they hold
+    the domain's data) and then the other replicas holding it, none of `exclude` (a participant whose
+    update the round refused), at most `max_evaluators` (None: all), in name order within each group so
+    the same replicas judge successive rounds (each reuses its score of the version it judged as the next
+    round's current one). Every evaluation scores up to `eval_max_tokens` held-out tokens on its replica
+    while that replica serves, so the cap keeps the gate's work per round fixed as the cluster grows
+    instead of growing with every holder."""
+    first = sorted(set(participants) - set(exclude))
+    ordered = first + sorted(set(holders) - set(participants) - set(exclude))
+    return ordered if max_evaluators is None else ordered[: max(1, max_evaluators)]
 
 
 def quorum_for(n: int, fraction: float) -> int:

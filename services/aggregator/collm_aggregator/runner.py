@@ -31,7 +31,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -119,7 +119,7 @@ class RoundDeps:
     settings: AggregatorSettings
     clock: Clock
     strategy: Strategy
-    eval_replicas: Callable[[str, Sequence[str]], Awaitable[list[str]]]
+    eval_replicas: Callable[[str, Sequence[str], Collection[str]], Awaitable[list[str]]]
     on_final: Callable[[int], None] = lambda _rid: None
     lead: PublishLead = field(default_factory=PublishLead)
 
@@ -648,11 +648,7 @@ class RoundRunner:
     async def _evaluators(self) -> list[str]:
         # A replica whose update this round refused does not judge the candidate either.
         refused = {e.replica_id for e in self.machine.all_rejections}
-        return [
-            r
-            for r in await self.deps.eval_replicas(self.plan.adapter, self.machine.participants)
-            if r not in refused
-        ]
+        return await self.deps.eval_replicas(self.plan.adapter, self.machine.participants, refused)
 
     async def _ask(self, rid: str, req: EvaluateCandidate) -> EvalReport | None:
         s = self.deps.settings

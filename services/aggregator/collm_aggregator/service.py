@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,15 @@ from safetensors import SafetensorError
 from collm_aggregator import metrics
 from collm_aggregator.imports import import_status, reference_shapes
 from collm_aggregator.lead import PublishLead
-from collm_aggregator.planner import PlanConfig, PlanDraft, ReplicaView, Skip, default_plans, eligible
+from collm_aggregator.planner import (
+    PlanConfig,
+    PlanDraft,
+    ReplicaView,
+    Skip,
+    choose_evaluators,
+    default_plans,
+    eligible,
+)
 from collm_aggregator.runner import RoundDeps, RoundRunner
 from collm_aggregator.settings import AggregatorSettings
 from collm_aggregator.strategies import make_strategy
@@ -219,13 +227,16 @@ class Aggregator:
             return [d for d in meta.get("domains", "").split(",") if d]
         return []
 
-    async def eval_replicas(self, adapter: str, participants: Sequence[str]) -> list[str]:
-        """Participants plus every live replica with local data for the adapter's domains."""
+    async def eval_replicas(
+        self, adapter: str, participants: Sequence[str], exclude: Collection[str] = ()
+    ) -> list[str]:
+        """Participants, then live replicas with local data for the adapter's domains, none of `exclude`,
+        at most `eval_max_replicas` (`choose_evaluators`)."""
         domains = await self.adapter_domains(adapter)
         live = eligible(
             list(self.replicas.values()), domains, self.clock.now(), self.settings.telemetry_stale_s
         )
-        return sorted(set(live) | set(participants))
+        return sorted(choose_evaluators(participants, live, self.settings.eval_max_replicas, exclude))
 
     # --- opening rounds ----------------------------------------------------------------------------------
     async def open_round(self, plan: RoundPlan, _headers: Mapping[str, str]) -> RoundOutcome:

@@ -82,6 +82,13 @@ class AggregatorSettings(CommonSettings):
         description="Held-out tokens per domain each replica scores per version at most (at least one "
         "example; None: examples only). With eval_max_examples, bounds the promotion gate's work.",
     )
+    eval_max_replicas: int | None = Field(
+        4,
+        ge=1,
+        description="Replicas that score each round's versions at most: the participants first, then other "
+        "replicas holding the adapter's domain data (None: every one). Each evaluation is work on a serving "
+        "replica, so the cap keeps the gate's cost per round fixed as the cluster grows.",
+    )
     eval_prescore_current: bool = Field(
         True,
         description="Score the current version while participants train (at the round's opening) and only "

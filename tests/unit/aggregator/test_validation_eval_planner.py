@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from collm_aggregator.evaluation import LossEntry, promotion_gate, summarize
-from collm_aggregator.planner import PlanConfig, PlanDraft, ReplicaView, Skip, default_plans, quorum_for
+from collm_aggregator.planner import (
+    PlanConfig,
+    PlanDraft,
+    ReplicaView,
+    Skip,
+    choose_evaluators,
+    default_plans,
+    quorum_for,
+)
 from collm_aggregator.validation import (
     BASE_MODEL,
     KEYS,
@@ -126,6 +134,30 @@ def test_built_in_plan_skips_with_reasons() -> None:
     assert "no current version" in reasons["a"]
     assert "still running" in reasons["b"]
     assert "0 replica(s)" in reasons["c"]
+
+
+def test_evaluators_are_the_participants_then_other_holders_up_to_the_cap() -> None:
+    holders = [f"r{i:02d}" for i in range(32)]
+    # Participants first (even one that holds no data here), then holders in name order.
+    assert choose_evaluators(["r20", "x9"], holders, 4) == ["r20", "x9", "r00", "r01"]
+    assert choose_evaluators(["r20", "x9"], holders, None) == [
+        "r20",
+        "x9",
+        *[h for h in holders if h != "r20"],
+    ]
+    # More participants than the cap: the first by name; the same replicas round after round.
+    parts = ["r07", "r03", "r05", "r01", "r02"]
+    assert choose_evaluators(parts, holders, 4) == ["r01", "r02", "r03", "r05"]
+    assert choose_evaluators(list(reversed(parts)), list(reversed(holders)), 4) == [
+        "r01",
+        "r02",
+        "r03",
+        "r05",
+    ]
+    # A participant whose update was refused neither judges nor takes a place under the cap.
+    assert choose_evaluators(["a", "evil", "b"], ["c", "d", "evil"], 3, exclude={"evil"}) == ["a", "b", "c"]
+    assert choose_evaluators([], ["b", "a"], 4) == ["a", "b"]
+    assert choose_evaluators([], [], 4) == []
 
 
 def test_quorum_for() -> None:

@@ -313,6 +313,15 @@ def test_rounds_wait_for_their_evaluators_and_evaluations_cost_replica_time() ->
     plain = simulate(cfg, calibration_for_tests())
     assert not plain.sim["evaluations_modelled"]
     assert all(b["evaluation"] == 0 for b in plain.sim["busy_s_by_replica"].values())
+    # The aggregator's cap on evaluators: with one, only the first of each domain's two holders (r0, r1)
+    # scores the rounds' versions; the others (r2, r3) still score their own jobs' progress.
+    capped = simulate(replace(cfg, eval_max_replicas=1), calibration_for_tests(eval_cost=(10.0, 0.5)))
+    eval_s = {r: b["evaluation"] for r, b in capped.sim["busy_s_by_replica"].items()}
+    assert capped.sim["rounds"]["published"] >= 4
+    for r in ("r0", "r1"):
+        assert eval_s[r] == pytest.approx(busy[r]["evaluation"])
+    for r in ("r2", "r3"):  # one evaluation of the gate per round of its domain less
+        assert eval_s[r] < busy[r]["evaluation"] - 2 * (80 + 2048) / 1e3
     # Evaluations longer than the aggregator waits: rounds publish at its timeout, none is lost.
     slow = simulate(
         replace(cfg, eval_timeout_s=5.0, workload=synthetic(rate=0.5, duration=100.0)),
