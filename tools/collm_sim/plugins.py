@@ -8,7 +8,8 @@ The simulator does not model these decisions: it calls the very code the service
 * aggregator: `collm_aggregator.planner.choose_evaluators` (which replicas score a round's versions);
 * replica: `collm_replica.batching.plan_iteration` (continuous batching with chunked prefill) and the
   co-schedulers of `collm_replica.cosched` (`slo`, `fixed`, `leftover`), with `effective_share` for the
-  coordinator's share and its TTL.
+  coordinator's share and its TTL, and the engine's inputs to them: each request's deadline
+  (`request_deadlines`) and the guard for the next arrival (`arrival_guard_s`).
 
 Which co-scheduler a replica runs follows the policy under test, as the live benchmark configures the
 replicas (`COLLM_COSCHEDULER`): the two-timescale policy and the static split use the SLO-aware one,
@@ -24,11 +25,15 @@ from collm_replica.batching import BatchConfig, SeqView, plan_iteration
 from collm_replica.cosched import (
     CoSchedInput,
     CoScheduler,
+    ReqTiming,
+    StepModel,
     TrainCost,
+    arrival_guard_s,
     background_budget_ms,
     behind_schedule,
     effective_share,
     make_coscheduler,
+    request_deadlines,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow
 
@@ -44,10 +49,13 @@ __all__ = [
     "FinishedSample",
     "LatencyWindow",
     "ReplicaSnapshot",
+    "ReqTiming",
     "RoutingConfig",
     "SeqView",
+    "StepModel",
     "TrainCost",
     "WeightsSnapshot",
+    "arrival_guard_s",
     "background_budget_ms",
     "behind_schedule",
     "choose_evaluators",
@@ -55,4 +63,5 @@ __all__ = [
     "make_coscheduler",
     "plan_iteration",
     "rank_replicas",
+    "request_deadlines",
 ]

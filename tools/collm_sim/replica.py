@@ -5,8 +5,10 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
 1. drop waiting requests past their deadline;
 2. `batching.plan_iteration` picks decode tokens and prefill chunks (and admits FCFS);
 3. the replica's co-scheduler (`collm_replica.cosched`) decides the training time after the step
-   (`budget_ms`), given the coordinator's share (with its TTL: `effective_share`), the requests'
-   deadlines and the guard (`ft_guard_frac` of the TTFT SLO);
+   (`budget_ms`), given the coordinator's share (with its TTL: `effective_share`), each request's
+   deadline as it will be after the step (`request_deadlines`, on the SLOs less `ft_slo_reserve_frac`)
+   and the guard (`ft_guard_frac` of the TTFT SLO and, while serving, what the next arrivals could
+   absorb: `arrival_guard_s`), exactly as the engine's `_decide_background` builds them;
 4. the inference step costs `decode_step_ms(decodes)`, plus `decode_ms_per_context_token` per token of
    the decoding sequences' contexts beyond `decode_context_tokens` each (`CostModel.decode_ms`), plus
    `prefill_ms_per_token` per prefill token and `prefill_ms_per_token_per_context_token` per prefill
@@ -50,12 +52,16 @@ from collm_sim.plugins import (
     CoScheduler,
     FinishedSample,
     LatencyWindow,
+    ReqTiming,
     SeqView,
+    StepModel,
     TrainCost,
+    arrival_guard_s,
     background_budget_ms,
     behind_schedule,
     effective_share,
     plan_iteration,
+    request_deadlines,
 )
 
 
@@ -221,6 +227,8 @@ class SimReplica:
         self.window = LatencyWindow(engine.slo_window_s)
         # Counters of the current telemetry interval, and totals.
         self._arrivals = 0
+        self._recent_arrivals: deque[float] = deque()
+        self._prompt_tokens_ewma = 64.0
         self._gen_tokens = 0
         self._prefill_tokens = 0
         self._ft_tokens = 0
@@ -241,6 +249,9 @@ class SimReplica:
         req.replica = self.replica_id
         self.waiting.append(req)
         self._arrivals += 1
+        # As the engine at each arrival: the window of recent arrivals and the next prompt's length guess.
+        self._recent_arrivals.append(now)
+        self._prompt_tokens_ewma = 0.9 * self._prompt_tokens_ewma + 0.1 * req.prompt_len
         return True
 
     def interrupt(self, now: float) -> float | None:
@@ -334,28 +345,50 @@ class SimReplica:
             self._complete()
         return self._start(now)
 
-    def _deadlines(self, now: float) -> tuple[float, ...]:
-        """The earliest next-token deadline (the engine's `_deadlines`, reduced to its minimum, which is
-        all the SLO-aware co-scheduler reads)."""
-        per_s = self.prefill_per_token_ms / 1e3
-        fixed_s = self.decode_ms[1] / 1e3
-        keep = 1.0 - self.engine.ft_slo_reserve_frac  # the engine's reserve within each SLO
+    def _timings(
+        self, now: float, items: list[tuple[Req, int]]
+    ) -> tuple[list[ReqTiming], list[ReqTiming], StepModel]:
+        """The running and waiting requests as they will be after this step (`items`), and the step
+        model: the engine's `_timings`, on the SLOs less the reserve (`ft_slo_reserve_frac`)."""
+        keep = 1.0 - self.engine.ft_slo_reserve_frac
         ttft_s, tpot_s = keep * self.ttft_slo_s, keep * self.tpot_slo_s
-        best = float("inf")
-        for s in self.running:
-            if s.t_first is None:
-                d = s.arrival_s + ttft_s - (s.prompt_len - s.computed) * per_s
-            else:
-                d = s.t_first + s.generated * tpot_s
-            if d < best:
-                best = d
-        ahead = 0
-        for s in self.waiting:
-            ahead += s.prompt_len
-            d = s.arrival_s + ttft_s - fixed_s - ahead * per_s
-            if d < best:
-                best = d
-        return () if best == float("inf") else (best,)
+        n_tokens = {req.sid: n for req, n in items}
+        running = []
+        for r in self.running:
+            n = n_tokens.get(r.sid, 0)
+            prompt_left = max(0, r.prompt_len - r.computed - n)
+            produces = 1 if n and prompt_left == 0 else 0  # a token comes out of this step
+            first = r.t_first if r.t_first is not None else (now if produces else None)
+            running.append(
+                ReqTiming(
+                    r.arrival_s, ttft_s, tpot_s, first, r.generated + produces, prompt_left,
+                    r.out_len - r.generated - produces,
+                )
+            )  # fmt: skip
+        waiting = [
+            ReqTiming(r.arrival_s, ttft_s, tpot_s, prompt_left=r.prompt_len, tokens_left=r.out_len)
+            for r in self.waiting
+        ]
+        b = self.batch_cfg
+        model = StepModel(
+            decode_step_s=self.decode_ms[max(1, len(self.running))] / 1e3,
+            prefill_s_per_token=self.prefill_per_token_ms / 1e3,
+            max_batch=b.max_batch,
+            max_batch_tokens=b.max_batch_tokens,
+            prefill_chunk_tokens=b.prefill_chunk_tokens,
+        )
+        return running, waiting, model
+
+    def _likely_arrivals(self, now: float, within_s: float) -> int:
+        """The engine's `_likely_arrivals`: arrivals to expect within `within_s` at the rate of the last
+        SLO window, at least 1 and at most 4."""
+        recent = self._recent_arrivals
+        while recent and recent[0] < now - self.engine.slo_window_s:
+            recent.popleft()
+        if len(recent) < 2:
+            return 1
+        span_s = max(recent[-1] - recent[0], within_s)
+        return max(1, min(4, math.ceil(len(recent) / span_s * within_s)))
 
     def _start(self, now: float) -> float | None:
         self._expire(now)
@@ -404,9 +437,29 @@ class SimReplica:
         has_job = job is not None and job.active
         if has_job or self.evals:
             share, _ = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
-            guard_ms = self.engine.ft_guard_frac * min(
+            min_ttft_ms = min(
                 self.ttft_slo_ms or self.engine.default_ttft_slo_ms, self.engine.default_ttft_slo_ms
             )
+            guard_ms = self.engine.ft_guard_frac * min_ttft_ms
+            deadlines: tuple[float, ...] = ()
+            if (share > 0 and has_job) or self.evals:
+                r_t, w_t, model = self._timings(now, items)
+                deadlines = request_deadlines(r_t, w_t, model)
+                if running:  # as the engine: no longer than the next arrivals could absorb
+                    keep = 1.0 - self.engine.ft_slo_reserve_frac
+                    guard_ms = min(
+                        guard_ms,
+                        1e3
+                        * arrival_guard_s(
+                            r_t,
+                            w_t,
+                            model,
+                            inf_ms / 1e3,
+                            keep * min_ttft_ms / 1e3,
+                            round(self._prompt_tokens_ewma),
+                            self._likely_arrivals(now, min_ttft_ms / 1e3),
+                        ),
+                    )
             inp = CoSchedInput(
                 now_s=now,
                 share=share,
@@ -416,7 +469,7 @@ class SimReplica:
                 inference_tokens=plan.tokens,
                 token_budget=self.batch_cfg.max_batch_tokens,
                 step_ms=inf_ms,
-                deadlines_s=self._deadlines(now) if (share > 0 and has_job) or self.evals else (),
+                deadlines_s=deadlines,
                 train=self.train_cost,
                 micro_tokens=self.engine.train_micro_tokens,
                 batch_tokens=self.engine.train_batch_tokens,
