@@ -12,8 +12,9 @@
 `matmul_dtype` sets the precision of the base model's matrix products (`MATMUL_DTYPES`): `float32`, the
 model's own; `bfloat16`, the executor holds the projections in bf16 (in place of their fp32 weights) and a
 bf16 copy of the LM head, and every pass (inference, training, evaluation) multiplies with them while
-activations, norms, attention, the LoRA delta, gradients and the loss stay in the model's dtype. On CPUs with native bf16 products (AVX512-BF16, AMX) that is several times
-faster than fp32; on a model already in bf16 (CUDA) it changes nothing.
+activations, norms, attention, the LoRA delta, gradients and the loss stay in the model's dtype. On
+CPUs with native bf16 products (AVX512-BF16, AMX) serving and training run about twice as fast as in
+fp32; on a model already in bf16 (CUDA) it changes nothing.
 
 A GGUF load takes tens of seconds; when a cache directory is set, the de-quantised model is saved there as
 a Hugging Face directory (keyed by the GGUF file's size and mtime) and later starts load that instead.

@@ -131,10 +131,11 @@ class ReplicaSettings(CommonSettings):
         "float32",
         description="Precision of the base model's matrix products in every pass (inference, training, "
         "evaluation): `bfloat16` holds the projections in bf16 instead of fp32 and a bf16 copy of the LM "
-        "head (about 150 MB less in all for SmolLM2) and multiplies with them while activations, norms, attention, the LoRA delta, gradients, optimizer state and "
-        "the loss stay in the model's dtype; on CPUs with native bf16 products (AVX512-BF16, AMX) serving "
-        "and training run up to about twice as fast, and outputs differ from fp32 ones by bf16 rounding. "
-        "`float32`: the model's own dtype (bf16 on CUDA either way).",
+        "head (about 150 MB less in all for SmolLM2) and multiplies with them while activations, norms, "
+        "attention, the LoRA delta, gradients, optimizer state and the loss stay in the model's dtype; "
+        "on CPUs with native bf16 products (AVX512-BF16, AMX) serving and training run about twice as "
+        "fast, and outputs differ from fp32 ones by bf16 rounding. `float32`: the model's own dtype "
+        "(bf16 on CUDA either way).",
     )
     eval_matmul_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
