@@ -76,10 +76,11 @@ async def one_request(
     timeout_s: float = 35.0,
     index: int = 0,
     prompt: str = "Tell me something about faults.",
-    live: dict[int, str | None] | None = None,
+    live: dict[int, tuple[str | None, float]] | None = None,
 ) -> Outcome:
     """One chat completion, classified (module docstring). A stream whose answer has started (HTTP 200
-    received) sits in `live` (index -> the replica serving it) until it ends."""
+    received) sits in `live` (index -> the replica serving it and when its answer started, monotonic)
+    until it ends."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": f"{prompt} ({index})"}],
@@ -100,7 +101,7 @@ async def one_request(
             async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
                 replica = resp.headers.get("x-collm-replica")
                 if live is not None and stream and resp.status_code == 200:
-                    live[index] = replica
+                    live[index] = (replica, time.monotonic())
                 try:
                     raw = (await resp.aread()).decode(errors="replace")
                 finally:
@@ -163,7 +164,7 @@ async def run_load(
     timeout_s: float = 35.0,
     stop: asyncio.Event | None = None,
     on_outcome: Callable[[Outcome], None] | None = None,
-    live: dict[int, str | None] | None = None,
+    live: dict[int, tuple[str | None, float]] | None = None,
 ) -> list[Outcome]:
     """Closed-loop load: `concurrency` workers, each sending its next request when the last one ends
     (`live`: the streams in progress, see `one_request`)."""

@@ -34,6 +34,9 @@ from .harness import (
 from .probe import Outcome, one_request, run_load
 from .report import FaultReport
 
+# A stream whose answer began this recently has most of its tokens still to come (256 of them here).
+FRESH_STREAM_S = 0.05
+
 
 # --- 1. a replica is SIGKILLed under load ----------------------------------------------------------------
 async def replica_kill(
@@ -53,7 +56,7 @@ async def replica_kill(
     await fs.ensure_healthy()
     retries0 = await gateway_retries(fs)
     kill_at: list[float] = []
-    live: dict[int, str | None] = {}
+    live: dict[int, tuple[str | None, float]] = {}
 
     served_ok: dict[str, int] = {}
 
@@ -64,10 +67,15 @@ async def replica_kill(
     async def killer() -> None:
         await asyncio.sleep(kill_at_s)
         # Kill once the victim has served a request (the load runs on both replicas: a slow replica may
-        # need longer than `kill_at_s` for its first), while it is streaming (so that the mid-stream
-        # path is exercised every time).
+        # need longer than `kill_at_s` for its first), while a stream on it has just begun (so that the
+        # mid-stream path is exercised every time: a stream seen near its end may finish before the kill).
         await wait_for(lambda: served_ok.get(victim, 0) > 0, 20, f"a request served by {victim}", 0.01)
-        await wait_for(lambda: victim in live.values(), 20, f"a stream in progress on {victim}", 0.01)
+
+        def fresh_stream() -> bool:
+            now = time.monotonic()
+            return any(r == victim and now - t < FRESH_STREAM_S for r, t in list(live.values()))
+
+        await wait_for(fresh_stream, 20, f"a stream just begun on {victim}", 0.005)
         kill_at.append(time.monotonic())
         report.details["victim_exit_code"] = await asyncio.to_thread(fs.s.kill, f"replica-{victim}")
 
