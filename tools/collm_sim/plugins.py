@@ -32,8 +32,10 @@ from collm_replica.cosched import (
     background_budget_ms,
     behind_schedule,
     effective_share,
+    likely_arrivals,
     make_coscheduler,
     request_deadlines,
+    running_timing,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow
 
@@ -60,8 +62,10 @@ __all__ = [
     "behind_schedule",
     "choose_evaluators",
     "effective_share",
+    "likely_arrivals",
     "make_coscheduler",
     "plan_iteration",
     "rank_replicas",
     "request_deadlines",
+    "running_timing",
 ]

@@ -60,8 +60,10 @@ from collm_sim.plugins import (
     background_budget_ms,
     behind_schedule,
     effective_share,
+    likely_arrivals,
     plan_iteration,
     request_deadlines,
+    running_timing,
 )
 
 
@@ -355,14 +357,10 @@ class SimReplica:
         n_tokens = {req.sid: n for req, n in items}
         running = []
         for r in self.running:
-            n = n_tokens.get(r.sid, 0)
-            prompt_left = max(0, r.prompt_len - r.computed - n)
-            produces = 1 if n and prompt_left == 0 else 0  # a token comes out of this step
-            first = r.t_first if r.t_first is not None else (now if produces else None)
             running.append(
-                ReqTiming(
-                    r.arrival_s, ttft_s, tpot_s, first, r.generated + produces, prompt_left,
-                    r.out_len - r.generated - produces,
+                running_timing(
+                    now, r.arrival_s, ttft_s, tpot_s, r.t_first, r.prompt_len, r.computed, r.generated,
+                    r.out_len, n_tokens.get(r.sid, 0),
                 )
             )  # fmt: skip
         waiting = [
@@ -385,10 +383,9 @@ class SimReplica:
         recent = self._recent_arrivals
         while recent and recent[0] < now - self.engine.slo_window_s:
             recent.popleft()
-        if len(recent) < 2:
+        if not recent:
             return 1
-        span_s = max(recent[-1] - recent[0], within_s)
-        return max(1, min(4, math.ceil(len(recent) / span_s * within_s)))
+        return likely_arrivals(len(recent), recent[0], recent[-1], within_s)
 
     def _start(self, now: float) -> float | None:
         self._expire(now)

@@ -27,6 +27,7 @@ fine-tuning (a federated evaluation on the publication's critical path).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -106,6 +107,39 @@ class ReqTiming:
     next_index: int = 0
     prompt_left: int = 0  # prompt tokens still to prefill after this step
     tokens_left: int = 0  # output tokens it may still produce after this step (max_tokens bound)
+
+
+def running_timing(
+    now_s: float,
+    arrival_s: float,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+    first_s: float | None,
+    prompt_len: int,
+    computed: int,
+    generated: int,
+    max_tokens: int,
+    step_tokens: int,
+) -> ReqTiming:
+    """A running request as it will be after a step that gives it `step_tokens` (prefill or its next
+    decode token), the step starting at `now_s`: a token comes out of the step when it leaves no prompt
+    to prefill, and a first token then counts from the step's start."""
+    prompt_left = max(0, prompt_len - computed - step_tokens)
+    produces = 1 if step_tokens and prompt_left == 0 else 0
+    first = first_s if first_s is not None else (now_s if produces else None)
+    return ReqTiming(
+        arrival_s, ttft_slo_s, tpot_slo_s, first, generated + produces, prompt_left,
+        max_tokens - generated - produces,
+    )  # fmt: skip
+
+
+def likely_arrivals(count: int, first_s: float, last_s: float, within_s: float) -> int:
+    """Arrivals to expect within `within_s` at the rate of `count` recent ones (the first at `first_s`,
+    the last at `last_s`), rounded up (a burst of that many must find room), at least 1 and at most 4."""
+    if count < 2:
+        return 1
+    span_s = max(last_s - first_s, within_s)
+    return max(1, min(4, math.ceil(count / span_s * within_s)))
 
 
 @dataclass(frozen=True)

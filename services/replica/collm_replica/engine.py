@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import queue
 import re
 import threading
@@ -57,8 +56,10 @@ from collm_replica.cosched import (
     background_budget_ms,
     behind_schedule,
     effective_share,
+    likely_arrivals,
     make_coscheduler,
     request_deadlines,
+    running_timing,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow, PieceCosts, StepCosts
 from collm_replica.executor import Executor, ForwardItem, SeqKV
@@ -887,19 +888,18 @@ class Engine:
         keep = 1.0 - self.cfg.train_slo_reserve_frac
         running = []
         for s in self.running:
-            n = n_tokens.get(s.req.request_id, 0)
-            prompt_left = max(0, s.prompt_len - s.computed - n)
-            produces = 1 if n and prompt_left == 0 else 0  # a token comes out of this step
-            first = s.t_first if s.t_first is not None else (now if produces else None)
             running.append(
-                ReqTiming(
-                    arrival_s=s.t_arrival,
-                    ttft_slo_s=keep * s.ttft_slo,
-                    tpot_slo_s=keep * s.tpot_slo,
-                    first_s=first,
-                    next_index=len(s.output) + produces,
-                    prompt_left=prompt_left,
-                    tokens_left=s.req.max_tokens - len(s.output) - produces,
+                running_timing(
+                    now,
+                    s.t_arrival,
+                    keep * s.ttft_slo,
+                    keep * s.tpot_slo,
+                    s.t_first,
+                    s.prompt_len,
+                    s.computed,
+                    len(s.output),
+                    s.req.max_tokens,
+                    n_tokens.get(s.req.request_id, 0),
                 )
             )
         waiting = [
@@ -935,10 +935,9 @@ class Engine:
         """Arrivals to expect within `within_s` at the rate of the last SLO window, rounded up (a burst of
         that many must find room), at least 1 and at most 4."""
         recent = self._recent_slos  # one entry per arrival of the window (pruned by `_min_ttft_slo_ms`)
-        if len(recent) < 2:
+        if not recent:
             return 1
-        span_s = max(recent[-1][0] - recent[0][0], within_s)
-        return max(1, min(4, math.ceil(len(recent) / span_s * within_s)))
+        return likely_arrivals(len(recent), recent[0][0], recent[-1][0], within_s)
 
     def _active_jobs(self) -> list[TrainingJob]:
         return [j for j in self.jobs.values() if j.active]

@@ -17,8 +17,10 @@ from collm_replica.cosched import (
     arrival_guard_s,
     behind_schedule,
     effective_share,
+    likely_arrivals,
     make_coscheduler,
     request_deadlines,
+    running_timing,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, StepCosts, percentile
 from collm_replica.lru import VersionLru
@@ -396,3 +398,28 @@ def test_deadline_paced_work_is_behind_when_done_lags_the_elapsed_share() -> Non
     # A deadline already gone (or none left): behind until done.
     assert behind_schedule(0.2, now_s=5.0, start_s=5.0, deadline_s=4.0)
     assert behind_schedule(0.2, now_s=5.0, start_s=0.0, deadline_s=10.0, finish_frac=0.5)
+
+
+def test_running_timing_is_the_request_after_the_step() -> None:
+    # Its last prefill chunk: the step emits the first token, counted from the step's start.
+    last_chunk = running_timing(10.0, 9.0, 2.0, 0.2, None, 100, 60, 0, 8, 40)
+    assert last_chunk == ReqTiming(9.0, 2.0, 0.2, 10.0, 1, 0, 7)
+    # A chunk that leaves prompt to prefill emits nothing.
+    assert running_timing(10.0, 9.0, 2.0, 0.2, None, 100, 0, 0, 8, 40) == ReqTiming(
+        9.0, 2.0, 0.2, None, 0, 60, 8
+    )
+    # Decoding: one more token; not scheduled this step: as it is.
+    assert running_timing(10.0, 9.0, 2.0, 0.2, 9.5, 100, 100, 3, 8, 1) == ReqTiming(
+        9.0, 2.0, 0.2, 9.5, 4, 0, 4
+    )
+    assert running_timing(10.0, 9.0, 2.0, 0.2, 9.5, 100, 100, 3, 8, 0) == ReqTiming(
+        9.0, 2.0, 0.2, 9.5, 3, 0, 5
+    )
+
+
+def test_likely_arrivals_follow_the_recent_rate_within_bounds() -> None:
+    assert likely_arrivals(0, 0.0, 0.0, 2.0) == likely_arrivals(1, 5.0, 5.0, 2.0) == 1
+    assert likely_arrivals(10, 0.0, 10.0, 2.0) == 2  # 1 per s over 2 s
+    assert likely_arrivals(11, 0.0, 10.0, 2.0) == 3  # rounded up
+    assert likely_arrivals(100, 0.0, 10.0, 2.0) == 4  # at most 4
+    assert likely_arrivals(3, 0.0, 0.1, 2.0) == 3  # a burst: the span is at least the window asked about
