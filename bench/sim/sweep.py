@@ -40,12 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from collm_sim.plugins import REFERENCES
+
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("collm", "separate", "fixed_ratio", "leftover")
 BASELINES = ("separate", "fixed_ratio", "leftover")
 CO_LOCATED = ("fixed_ratio", "leftover")
-# Reference series (not a policy): name -> (coordinator policy, replica co-scheduler override).
-REFERENCES = {"serving_only": ("collm", "off")}
 SERIES = (*POLICIES, *REFERENCES)
 # Goal -> the analysis key of what serving only reaches against the same baseline (its practical ceiling).
 SERVING_ONLY = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -94,23 +95,46 @@ class CostModel(BaseModel):
     def scaled(self, factor: float) -> CostModel:
         """Every step cost (prefill, decode, their context terms, training, evaluation) times `factor`;
         the LoRA overhead, a fraction, is kept: the same engine on a machine `factor` times slower."""
-        if not factor > 0:
-            raise ValueError(f"a cost factor must be > 0, not {factor}")
-        per_context = self.prefill_ms_per_token_per_context_token
+        return self.scaled_by_kind(prefill=factor, decode={1: factor}, train=factor, evaluation=factor)
+
+    def scaled_by_kind(
+        self, prefill: float, decode: Mapping[int, float], train: float, evaluation: float | None = None
+    ) -> CostModel:
+        """Each kind of step at its own factor, as a speed probe measures them: prefill (with its context
+        term), a decode step by batch size (`decode`: factors at some batch sizes, linear between them and
+        held beyond; the context term takes the largest batch's), training, and evaluation (a no-grad
+        forward over many tokens: prefill's factor unless given). The LoRA overhead, a fraction, is kept."""
+        evaluation = prefill if evaluation is None else evaluation
+        if not decode or not all(f > 0 for f in (prefill, train, evaluation, *decode.values())):
+            raise ValueError("every cost factor must be > 0")
         per_eval_token = self.eval_ms_per_token
+        per_context = self.prefill_ms_per_token_per_context_token
         return self.model_copy(
             update={
-                "prefill_fixed_ms": self.prefill_fixed_ms * factor,
-                "prefill_ms_per_token": self.prefill_ms_per_token * factor,
-                "decode_step_ms": {b: ms * factor for b, ms in self.decode_step_ms.items()},
-                "decode_ms_per_context_token": self.decode_ms_per_context_token * factor,
-                "prefill_ms_per_token_per_context_token": per_context * factor,
-                "train_fixed_ms": self.train_fixed_ms * factor,
-                "train_ms_per_token": self.train_ms_per_token * factor,
-                "eval_fixed_ms": self.eval_fixed_ms * factor,
-                "eval_ms_per_token": None if per_eval_token is None else per_eval_token * factor,
+                "prefill_fixed_ms": self.prefill_fixed_ms * prefill,
+                "prefill_ms_per_token": self.prefill_ms_per_token * prefill,
+                "prefill_ms_per_token_per_context_token": per_context * prefill,
+                "decode_step_ms": {b: ms * interpolate(decode, b) for b, ms in self.decode_step_ms.items()},
+                "decode_ms_per_context_token": self.decode_ms_per_context_token * decode[max(decode)],
+                "train_fixed_ms": self.train_fixed_ms * train,
+                "train_ms_per_token": self.train_ms_per_token * train,
+                "eval_fixed_ms": self.eval_fixed_ms * evaluation,
+                "eval_ms_per_token": None if per_eval_token is None else per_eval_token * evaluation,
             }
         )
+
+
+def interpolate(points: Mapping[int, float], x: int) -> float:
+    """The value at `x` of the line through `points` (by key), held at the end values beyond them."""
+    keys = sorted(points)
+    if x <= keys[0]:
+        return points[keys[0]]
+    if x >= keys[-1]:
+        return points[keys[-1]]
+    i = bisect.bisect_left(keys, x)
+    a, b = keys[i - 1], keys[i]
+    t = (x - a) / (b - a)
+    return points[a] * (1 - t) + points[b] * t
 
 
 class QualityCurve(BaseModel):
@@ -144,3 +168,9 @@ class Calibration(BaseModel):
     def scaled(self, factor: float) -> Calibration:
         """This calibration with every step cost times `factor` (`CostModel.scaled`); quality unchanged."""
         return self.model_copy(update={"cost": self.cost.scaled(factor)})
+
+    def scaled_by_kind(
+        self, prefill: float, decode: Mapping[int, float], train: float, evaluation: float | None = None
+    ) -> Calibration:
+        """This calibration with each kind of step at its own factor (`CostModel.scaled_by_kind`)."""
+        return self.model_copy(update={"cost": self.cost.scaled_by_kind(prefill, decode, train, evaluation)})

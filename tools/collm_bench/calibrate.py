@@ -598,9 +598,24 @@ class SpeedProbe:
     def factor(self) -> float:
         return statistics.median(self.ratios.values())
 
+    def kind_factors(self) -> dict[str, Any]:
+        """The factors of `Calibration.scaled_by_kind`: prefill and training the mean of their sizes'
+        ratios, decode its ratio by batch size (each size's timing is already the median of its
+        repetitions, so one odd timing does not move them)."""
+        by_kind: dict[str, dict[int, float]] = {}
+        for key, r in self.ratios.items():
+            kind, size = key.split()
+            by_kind.setdefault(kind, {})[int(size)] = r
+        return {
+            "prefill": statistics.mean(by_kind["prefill"].values()),
+            "decode": by_kind["decode"],
+            "train": statistics.mean(by_kind["train"].values()),
+        }
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "factor": self.factor,
+            "kind_factors": self.kind_factors(),
             "ratios": self.ratios,
             "measured_ms": self.measured_ms,
             "reference_ms": self.reference_ms,

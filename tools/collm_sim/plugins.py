@@ -40,9 +40,22 @@ from collm_replica.cosched import (
 from collm_replica.costs import FinishedSample, LatencyWindow
 
 COSCHEDULER_FOR_POLICY = {"collm": "slo", "separate": "slo", "fixed_ratio": "fixed", "leftover": "leftover"}
+# Reference series run beside the policies (not a policy): name -> (the coordinator's policy, the replicas'
+# co-scheduler). `serving_only` is collm's coordinator and routing with fine-tuning off on every replica:
+# what the cluster serves when it trains nothing, the practical ceiling of a co-located policy's goodput.
+REFERENCES = {"serving_only": ("collm", "off")}
+
+
+def series_setup(series: str) -> tuple[str, str]:
+    """(coordinator policy, replica co-scheduler) of a policy or a reference series."""
+    if series in REFERENCES:
+        return REFERENCES[series]
+    return series, COSCHEDULER_FOR_POLICY[series]
+
 
 __all__ = [
     "COSCHEDULER_FOR_POLICY",
+    "REFERENCES",
     "BatchConfig",
     "CoSchedInput",
     "CoScheduler",
@@ -68,4 +81,5 @@ __all__ = [
     "rank_replicas",
     "request_deadlines",
     "running_timing",
+    "series_setup",
 ]

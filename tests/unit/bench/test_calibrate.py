@@ -96,6 +96,27 @@ def test_scaled_costs_scale_every_step_time_and_keep_fractions() -> None:
         cost.scaled(0.0)
 
 
+def test_costs_scaled_by_kind_follow_each_kinds_factor() -> None:
+    cost = costs_from_timings(TIMINGS, SIZES).cost
+    k = cost.scaled_by_kind(prefill=0.8, decode={1: 1.0, 16: 1.3}, train=1.2)
+    assert k.prefill_ms(100) == pytest.approx(0.8 * cost.prefill_ms(100))
+    assert k.prefill_chunk_ms(64, 300) == pytest.approx(0.8 * cost.prefill_chunk_ms(64, 300))
+    assert k.eval_ms(600, 256) == pytest.approx(0.8 * (cost.eval_ms(600, 256) or 0.0))  # as prefill
+    assert k.train_ms(64) == pytest.approx(1.2 * cost.train_ms(64))
+    # Decode: each measured batch size at its factor, linear between them, held beyond.
+    steps, scaled = cost.decode_step_ms, k.decode_step_ms
+    assert all(scaled[b] == pytest.approx(steps[b] * (1.0 + 0.3 * min(15, b - 1) / 15)) for b in steps)
+    assert k.decode_ms_per_context_token == pytest.approx(1.3 * cost.decode_ms_per_context_token)
+    assert cost.scaled_by_kind(2.0, {1: 2.0}, 1.0, evaluation=3.0).eval_ms(600, 256) == pytest.approx(
+        3.0 * (cost.eval_ms(600, 256) or 0.0)
+    )
+    # One factor for every kind is `scaled`.
+    assert cost.scaled_by_kind(1.5, {1: 1.5, 16: 1.5}, 1.5) == cost.scaled(1.5)
+    for bad in ({"prefill": 0.0}, {"decode": {}}, {"decode": {1: -1.0}}):
+        with pytest.raises(ValueError, match="> 0"):
+            cost.scaled_by_kind(**({"prefill": 1.0, "decode": {1: 1.0}, "train": 1.0} | bad))  # type: ignore[arg-type]
+
+
 def test_speed_probe_compares_each_timing_with_the_calibrations_prediction() -> None:
     m = costs_from_timings(TIMINGS, SIZES)  # the fastest of each size ("min")
     same = compare_speed(TIMINGS, m.cost, SIZES)
@@ -120,6 +141,13 @@ def test_speed_probe_compares_each_timing_with_the_calibrations_prediction() -> 
     odd = replace(same, measured_ms={**same.measured_ms, "train 32": 10 * same.measured_ms["train 32"]})
     assert odd.factor == pytest.approx(1.0)
     assert odd.as_dict()["ratios"]["train 32"] == pytest.approx(10.0)
+    # By kind: prefill and training the mean of their sizes, decode by batch size.
+    kinds = typical.kind_factors()
+    r = typical.ratios
+    assert kinds["decode"] == {1: r["decode 1"], 16: r["decode 16"]}
+    assert kinds["prefill"] == pytest.approx((r["prefill 32"] + r["prefill 128"]) / 2)
+    assert kinds["train"] == pytest.approx((r["train 32"] + r["train 128"]) / 2)
+    assert typical.as_dict()["kind_factors"] == kinds
 
 
 def test_a_calibration_records_its_products_precision_and_older_files_read_as_fp32(tmp_path) -> None:

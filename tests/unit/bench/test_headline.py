@@ -16,7 +16,7 @@ from collm_bench.headline import setup
 from collm_bench.headline.cli import _probe_note, build_parser, config_from_args, main, parse_rates
 from collm_bench.headline.config import HeadlineConfig
 from collm_bench.headline.live import Observer, Phases, parse_counter, stack_config
-from collm_bench.headline.predict import drain_cut, simulate_run, workload_spec
+from collm_bench.headline.predict import cost_band, drain_cut, sim_config, simulate_run, workload_spec
 from collm_bench.headline.rates import BestBaseline, grid_counts, search_rate
 from collm_bench.headline.table import compact, compare, markdown
 from collm_bench.records import RequestRecord
@@ -206,6 +206,56 @@ def test_compare_ratios_goals_and_simulator_error() -> None:
     assert "goodput 3.00, 1.50, 1.80" in text and "rate given on the command line" in text
 
 
+def test_serving_only_is_a_ceiling_beside_the_goals_not_a_baseline() -> None:
+    live = {
+        "collm": fig(0.9, 0.95, 0.10, 0.05),
+        "separate": fig(0.3, 0.40, 0.20, 0.10),
+        "fixed_ratio": fig(0.6, 0.70, 0.05, 0.02),
+        "serving_only": fig(1.2, 0.99, None, None),
+    }
+    c = compare(live, None)
+    assert c["best_baseline"] == "fixed_ratio" and "serving_only" not in c["goodput_ratio"]
+    assert c["goals"]["goodput_vs_best_colocated"]["ceiling"] == pytest.approx(2.0)
+    assert c["goals"]["goodput_vs_separate"]["ceiling"] == pytest.approx(4.0)
+    assert "ceiling" not in c["goals"]["quality_end_vs_best_baseline"]
+    assert c["collm_vs_ceiling"] == pytest.approx(0.75)
+    block = {"rate_rps": 0.5, "compare": c, "given": True, "runs": {p: {"live": live[p]} for p in live}}
+    text = markdown({"traces": [{"label": "azure conv", "rates": {"heavy": block}}]})
+    assert "| serving_only | 1.200 |" in text and "collm / serving only (fine-tuning off): 0.75" in text
+    assert "goodput_vs_best_colocated 1.50 (>= 1.3: met; serving only 2.00)" in text
+    # Without the reference run, nothing is said of a ceiling.
+    assert "collm_vs_ceiling" not in compare({p: live[p] for p in ("collm", "fixed_ratio")}, None)
+
+
+def test_serving_only_simulates_collm_with_fine_tuning_off(tmp_path: Path) -> None:
+    cfg = trace_cfg(tmp_path, duration_s=20.0)
+    source = setup.resolve_sources(cfg)[0]
+    sc = sim_config(cfg, source, 1.0, Slo(5000.0, 500.0), "serving_only", 100)
+    assert sc.policy == "collm" and sc.coscheduler == "off"
+    assert sim_config(cfg, source, 1.0, Slo(5000.0, 500.0), "fixed_ratio", 100).coscheduler == "fixed"
+    assert HeadlineConfig(policies=("collm", "serving_only")).policies[-1] == "serving_only"
+
+
+def test_the_simulated_range_brackets_the_probe_and_says_whether_it_holds_the_live_figure() -> None:
+    assert cost_band([1.07, 0.85, 1.22, 0.94]) == (0.85, 1.22)
+    with pytest.raises(ValueError):
+        cost_band([])
+    live = {"collm": fig(0.9, 0.95, 0.1, 0.05), "fixed_ratio": fig(0.5, 0.4, 0.05, 0.02)}
+    sim = {p: dict(f) for p, f in live.items()}
+    sim["collm"]["goodput_range"] = {"cost_factors": [0.85, 1.22], "range_rps": [0.8, 1.1]}
+    sim["fixed_ratio"]["goodput_range"] = {"cost_factors": [0.85, 1.22], "range_rps": [0.55, 0.9]}
+    c = compare(live, sim)
+    assert c["sim_range_covers"] == {"collm": True, "fixed_ratio": False}
+    block = {
+        "rate_rps": 1.0,
+        "compare": c,
+        "given": True,
+        "runs": {p: {"live": live[p], "sim": sim[p]} for p in live},
+    }
+    text = markdown({"traces": [{"label": "azure conv", "rates": {"heavy": block}}]})
+    assert "| 0.900 (+0%; 0.800-1.100) |" in text and "ratio): collm of 2" in text
+
+
 def test_compact_takes_the_summary_figures() -> None:
     records = [rec(0, "ok", 1.0), rec(1, "error", 2.0)]
     c = compact(summarize(records, timeline_bin_s=1.0), {"ft_tokens": 7})
@@ -248,7 +298,12 @@ def test_speed_probe_is_on_by_default_and_reported_in_the_header() -> None:
     assert config_from_args(build_parser().parse_args(["--probe-after"])).speed_probe_after
     probes = {"speed_probe": {"factor": 1.234}, "speed_probe_after": {"factor": 1.5}}
     both = _probe_note({"calibration": probes})
-    assert "1.23x the calibration's in a probe before the runs" in both and "1.50x in one after them" in both
+    assert "1.23x the calibration's (median) in a probe before the runs" in both
+    assert "1.50x in one after them" in both and "scaled by that" in both
+    # Costs scaled by kind say so, with each kind's factor (as results.json holds them: batch keys in text).
+    kinds = {"prefill": 0.8, "decode": {"16": 1.05, "1": 0.98}, "train": 0.78}
+    by_kind = _probe_note({"calibration": {"speed_probe": {"factor": 0.79, "kind_factors": kinds}}})
+    assert "scaled by kind: prefill 0.80, decode at batch 1 / 16 0.98 / 1.05, training 0.78" in by_kind
 
 
 def test_missing_traces_exit_2_with_one_clear_line(tmp_path: Path) -> None:
@@ -260,13 +315,16 @@ def test_missing_traces_exit_2_with_one_clear_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("policy", "cosched"),
-    [("collm", "slo"), ("separate", "slo"), ("fixed_ratio", "fixed"), ("leftover", "leftover")],
-)
+    [("collm", "slo"), ("separate", "slo"), ("fixed_ratio", "fixed"), ("leftover", "leftover"),
+     ("serving_only", "off")],
+)  # fmt: skip
 def test_each_policy_gets_its_coordinator_and_co_scheduler(tmp_path: Path, policy: str, cosched: str) -> None:
     cfg = HeadlineConfig(replicas=3)
     data = {r: tmp_path / r for r in cfg.replica_ids()}
     sc = stack_config(cfg, policy, data, tmp_path)
-    assert sc.coordinator_policy == policy and sc.model == "smollm2"
+    # The reference run is collm's coordinator with fine-tuning off on every replica.
+    assert sc.coordinator_policy == ("collm" if policy == "serving_only" else policy)
+    assert sc.model == "smollm2"
     assert [(r.replica_id, r.data_dir, r.env["COLLM_COSCHEDULER"]) for r in sc.replicas] == [
         (r, str(tmp_path / r), cosched) for r in ("r0", "r1", "r2")
     ]

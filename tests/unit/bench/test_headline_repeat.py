@@ -41,3 +41,18 @@ def test_ratios_are_paired_within_a_repetition_then_summarised() -> None:
     assert "| collm | 0.900 (0.600-1.000) |" in md
     assert "goodput_rps collm/fixed_ratio: 2.00 (1.00-3.00); each repetition: 2.00, 1.00, 3.00" in md
     assert "each repetition: 2.00, -, 0.50" in md
+    assert not any("serving_only" in name for name in b["ratios"])
+
+
+def test_the_reference_run_gives_the_ceiling_of_each_ratio() -> None:
+    reps = [results(1.0, 0.5, 0.004, 0.002), results(0.6, 0.6, 0.003, 0.001)]
+    for rep, ceiling in zip(reps, (1.5, 0.9), strict=True):
+        runs = rep["traces"][0]["rates"]["heavy"]["runs"]
+        runs["serving_only"] = {"live": {"goodput_rps": ceiling, "attainment": 0.9, "quality_gain_end": None}}
+    b = summarize_repeats(reps)["blocks"]["azure conv, heavy 1.633 req/s"]
+    assert b["ratios"]["goodput_rps serving_only/fixed_ratio"]["values"] == pytest.approx([3.0, 1.5])
+    assert b["ratios"]["goodput_rps collm/serving_only"]["values"] == pytest.approx([1.0 / 1.5, 0.6 / 0.9])
+    # No quality gain without training: that ratio is not a number.
+    assert b["ratios"]["quality_gain_end collm/serving_only"]["n"] == 0
+    md = markdown_repeats(summarize_repeats(reps))
+    assert md.index("| fixed_ratio |") < md.index("| serving_only |")

@@ -32,7 +32,7 @@ from . import setup
 from .config import BASELINES, RATE_LABELS, HeadlineConfig, tiny_preset
 from .live import LiveRunError, run_live
 from .plot import plot
-from .predict import simulate_run
+from .predict import cost_band, simulate_run
 from .rates import BestBaseline, capacity_estimate_rps, grid_counts, search_rate
 from .setup import SetupError, TraceSource
 from .table import compact, compare, markdown
@@ -313,11 +313,15 @@ class Headline:
             )
             return
         self.unscaled_cal = self.cal
-        self.cal = self.cal.scaled(probe.factor)
+        kinds = probe.kind_factors()
+        self.cal = self.cal.scaled_by_kind(**kinds)
         self.results["calibration"]["speed_probe"] = probe.as_dict()
+        decode = ", ".join(f"{b} {f:.2f}" for b, f in sorted(kinds["decode"].items()))
         self.say(
             f"speed probe ({probe.wall_s:.0f} s, {self.cfg.replicas} engines at once): step times "
-            f"{probe.factor:.2f}x the calibration's (median of {ratios}); its costs are scaled by that"
+            f"{probe.factor:.2f}x the calibration's (median of {ratios}); its costs are scaled by kind: "
+            f"prefill {kinds['prefill']:.2f}, decode by batch {decode}, training {kinds['train']:.2f} "
+            "(evaluation as prefill)"
         )
 
     def say(self, line: str) -> None:
@@ -349,14 +353,19 @@ class Headline:
         }
         self.results["traces"].append(tr)
         self.say(f"{label}: SLO TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms")
-        cache: dict[tuple[str, int], dict[str, Any]] = {}
+        cache: dict[tuple[str, int, float | None], dict[str, Any]] = {}
 
-        def sim(policy: str, n: int) -> dict[str, Any]:
-            if (policy, n) not in cache:
-                assert self.cal is not None
+        def sim(policy: str, n: int, factor: float | None = None) -> dict[str, Any]:
+            """The simulated run; with `factor`, on the calibration as measured with its costs times that
+            (the speed probe's range) instead of the probe's median."""
+            if (policy, n, factor) not in cache:
+                cal = self.cal if factor is None else self.unscaled_cal
+                assert cal is not None
+                if factor is not None:
+                    cal = cal.scaled(factor)
                 rate = n / cfg.duration_s
-                cache[policy, n] = simulate_run(cfg, self.cal, source, rate, slo, policy, self.samples)
-            return cache[policy, n]
+                cache[policy, n, factor] = simulate_run(cfg, cal, source, rate, slo, policy, self.samples)
+            return cache[policy, n, factor]
 
         t_search = time.monotonic()
         choices = self.search(source, sim)
@@ -432,6 +441,20 @@ class Headline:
                 "busy_s_by_replica": s["sim"].get("busy_s_by_replica"),
             }
             entry["sim"] = compact(s["summary"], extra)
+            probe = (self.results.get("calibration") or {}).get("speed_probe")
+            if probe and self.unscaled_cal is not None:
+                # The prediction's spread: each step kind ran at its own ratio to the calibration in the
+                # probe, and the costs follow their median; at the lowest and the highest ratio instead:
+                factors = cost_band(probe["ratios"].values())
+                ends = [sim(policy, block["n_requests"], f)["summary"]["goodput_rps"] for f in factors]
+                entry["sim"]["goodput_range"] = {
+                    "cost_factors": list(factors),
+                    "goodput_rps": ends,
+                    "range_rps": [
+                        min(*ends, s["summary"]["goodput_rps"]),
+                        max(*ends, s["summary"]["goodput_rps"]),
+                    ],
+                }
         if not cfg.live:
             return entry
         run_dir = self.root / f"{source.name}-{lab}-{policy}"
@@ -518,9 +541,20 @@ def _probe_note(results: dict[str, Any]) -> str:
         return ""
     after = (results.get("calibration") or {}).get("speed_probe_after")
     then = f" and {after['factor']:.2f}x in one after them" if after else ""
+    kinds = probe.get("kind_factors")
+    how = "by that"  # results of the benchmark before costs were scaled by kind
+    if kinds:
+        decode = " / ".join(
+            f"{float(f):.2f}" for _, f in sorted(kinds["decode"].items(), key=lambda x: int(x[0]))
+        )
+        batches = " / ".join(str(b) for b in sorted(int(b) for b in kinds["decode"]))
+        how = (
+            f"by kind: prefill {kinds['prefill']:.2f}, decode at batch {batches} {decode}, "
+            f"training {kinds['train']:.2f}"
+        )
     return (
-        f"; the engine's step times {probe['factor']:.2f}x the calibration's in a probe before the runs, "
-        f"its costs scaled by that{then}"
+        f"; the engine's step times {probe['factor']:.2f}x the calibration's (median) in a probe before the "
+        f"runs, its costs scaled {how}{then}"
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from collm_coordinator.core.config import POLICIES
+from collm_sim.plugins import REFERENCES
 
 _REPO = Path(__file__).resolve().parents[3]
 DEFAULT_DATA_DIR = _REPO.parent / "shared" / "data"
@@ -21,6 +22,9 @@ DEFAULT_CALIBRATION = _REPO / "bench" / "calibration" / "smollm2.json"
 DEFAULT_OUT = _REPO / "bench" / "results" / "headline"
 BASELINES = ("separate", "fixed_ratio", "leftover")
 CO_LOCATED = ("fixed_ratio", "leftover")
+# What `policies` may name: the coordinator's policies and the reference runs beside them (`serving_only`:
+# collm with fine-tuning off, the practical ceiling of what a co-located policy can serve; not a default).
+SERIES = (*POLICIES, *REFERENCES)
 RATE_LABELS = ("light", "heavy")
 # Rates of the search grid, as fractions of the cluster capacity estimated from the calibration.
 RATE_GRID_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.4, 1.7, 2.0)
@@ -98,9 +102,9 @@ class HeadlineConfig:
             raise ValueError("replicas must be >= 1")
         if not self.domains:
             raise ValueError("at least one domain")
-        bad = [p for p in self.policies if p not in POLICIES]
+        bad = [p for p in self.policies if p not in SERIES]
         if bad or not self.policies:
-            raise ValueError(f"policies must be among {', '.join(POLICIES)} (got {list(self.policies)})")
+            raise ValueError(f"policies must be among {', '.join(SERIES)} (got {list(self.policies)})")
         if not self.traces:
             raise ValueError("at least one trace")
         if not self.duration_s > 0 or self.drain_s < 0:

@@ -65,7 +65,7 @@ from collm_common.wire.rounds import EvalReport, EvaluateCandidate, RoundOutcome
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
 from collm_ops.servers import free_port
-from collm_sim.plugins import COSCHEDULER_FOR_POLICY
+from collm_sim.plugins import series_setup
 
 from .config import HeadlineConfig
 
@@ -119,7 +119,7 @@ def stack_config(
         "COLLM_EVAL_MAX_EXAMPLES": str(cfg.eval_max_examples),
         "COLLM_EVAL_MAX_TOKENS": str(cfg.eval_max_tokens),
     }
-    cos = COSCHEDULER_FOR_POLICY[policy]
+    coord_policy, cos = series_setup(policy)
     replicas = [
         ReplicaSpec(rid, data_dir=str(replica_data[rid]), env={"COLLM_COSCHEDULER": cos})
         for rid in cfg.replica_ids()
@@ -131,7 +131,7 @@ def stack_config(
         model=cfg.model,
         gateway_port=gateway_port,
         replicas=replicas,
-        coordinator_policy=policy,
+        coordinator_policy=coord_policy,
         torch_threads=cfg.torch_threads,
         service_env={
             "coordinator": coordinator,
@@ -373,8 +373,8 @@ async def _drive(
         await bus.subscribe(subjects.round_events_all(), RoundOutcome, obs.on_round)
         await bus.subscribe(subjects.coordinator_decisions(), CoordinatorDecisions, obs.on_decision)
         seen = await coordinator_policy(bus)
-        if seen != policy:
-            raise LiveRunError(f"the coordinator runs policy {seen!r}, not {policy!r}")
+        if seen != series_setup(policy)[0]:
+            raise LiveRunError(f"the coordinator runs policy {seen!r}, not {series_setup(policy)[0]!r}")
         phases.mark("connect")
         t_prep = obs.now()
         await create_adapters(bus, store, cfg)
@@ -442,7 +442,7 @@ async def _drive(
     return {
         "policy": policy,
         "coordinator_policy": seen,
-        "coscheduler": COSCHEDULER_FOR_POLICY[policy],
+        "coscheduler": series_setup(policy)[1],
         "summary": summary,
         "ft_tokens": sum(ft.values()),
         "ft_tokens_by_replica": ft,

@@ -7,7 +7,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-COLORS = {"collm": "tab:red", "separate": "tab:blue", "fixed_ratio": "tab:green", "leftover": "tab:orange"}
+from .config import REFERENCES
+
+COLORS = {
+    "collm": "tab:red",
+    "separate": "tab:blue",
+    "fixed_ratio": "tab:green",
+    "leftover": "tab:orange",
+    "serving_only": "grey",  # the reference run: fine-tuning off
+}
 
 
 def plot(results: Mapping[str, Any], path: Path) -> Path | None:
@@ -33,7 +41,8 @@ def plot(results: Mapping[str, Any], path: Path) -> Path | None:
                 continue
             tl = lv["timeline"]
             color = COLORS.get(policy)
-            ax_g.plot(tl["t_s"], tl["goodput_rps"], drawstyle="steps-post", color=color, label=policy)
+            style = {"color": color, "linestyle": "--" if policy in REFERENCES else "-", "label": policy}
+            ax_g.plot(tl["t_s"], tl["goodput_rps"], drawstyle="steps-post", **style)
             qs = [(t, q) for t, q in zip(tl["t_s"], tl["mean_quality_gain"], strict=False) if q is not None]
             if qs:
                 ax_q.plot([t for t, _ in qs], [q for _, q in qs], marker=".", color=color, label=policy)

@@ -20,7 +20,7 @@ What is made equal, and how:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from collm_bench.goodput import summarize
@@ -81,10 +81,13 @@ def sim_config(
     samples_per_replica: int,
 ) -> Any:  # collm_sim.config.SimConfig
     from collm_sim.config import EngineSpec, SimConfig
+    from collm_sim.plugins import series_setup
 
+    coordinator_policy, coscheduler = series_setup(policy)
     return SimConfig(
         replicas=cfg.replicas,
-        policy=policy,
+        policy=coordinator_policy,
+        coscheduler=coscheduler,
         workload=workload_spec(cfg, source, rate_rps, slo),
         core={
             "slow_interval_s": cfg.slow_interval_s,
@@ -99,6 +102,15 @@ def sim_config(
         separate_routing="weights",
         seed=cfg.seed,
     )
+
+
+def cost_band(probe_ratios: Iterable[float]) -> tuple[float, float]:
+    """The lowest and the highest of the speed probe's ratios (measured / calibrated step time, one per
+    kind and size): the factors the calibration's costs are scaled by to bracket its median (pure)."""
+    ratios = sorted(probe_ratios)
+    if not ratios or ratios[0] <= 0:
+        raise ValueError("the probe's ratios must be > 0")
+    return ratios[0], ratios[-1]
 
 
 def simulate_run(

@@ -23,9 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from collm_coordinator.core.config import POLICIES
-
-from .config import HeadlineConfig
+from .config import BASELINES, REFERENCES, SERIES, HeadlineConfig
 
 FIGURES = ("goodput_rps", "attainment", "quality_gain_end", "ft_tokens")
 
@@ -64,6 +62,12 @@ def summarize_repeats(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                         mine, theirs = c.get(f), lv.get(f)
                         ratio = mine / theirs if mine is not None and theirs else None
                         b["ratios"].setdefault(f"{f} collm/{p}", []).append(ratio)
+                # A reference run's goodput over each baseline's: the ceiling of collm's ratio to it.
+                for ref in (r for r in REFERENCES if r in live):
+                    for p in (x for x in BASELINES if x in live):
+                        mine, theirs = live[ref].get("goodput_rps"), live[p].get("goodput_rps")
+                        ratio = mine / theirs if mine is not None and theirs else None
+                        b["ratios"].setdefault(f"goodput_rps {ref}/{p}", []).append(ratio)
     out: dict[str, Any] = {"repeats": len(results), "blocks": {}}
     for key, b in blocks.items():
         out["blocks"][key] = {
@@ -89,7 +93,7 @@ def markdown_repeats(summary: Mapping[str, Any]) -> str:
             "| policy | goodput (req/s) | SLO attainment | quality gain end (nats) | ft tokens |",
             "|---|---|---|---|---|",
         ]
-        for p, figs in sorted(b["policies"].items(), key=lambda kv: POLICIES.index(kv[0])):
+        for p, figs in sorted(b["policies"].items(), key=lambda kv: SERIES.index(kv[0])):
             lines.append(
                 f"| {p} | {_fmt(figs['goodput_rps'])} | {_fmt(figs['attainment'])} | "
                 f"{_fmt(figs['quality_gain_end'], 4)} | {_fmt(figs['ft_tokens'], 0)} |"

@@ -11,6 +11,10 @@ baseline with the most served quality gain); the best co-located baseline the be
 and leftover. Goals (issue 6): collm goodput >= 3x separate and
 >= 1.3x the best co-located baseline, with served quality gain >= 0.9x the best baseline's; the
 simulator's goodput within 25% of the live one for every policy.
+
+A reference run (`serving_only`: collm with fine-tuning off), when asked for, is no baseline: it is
+the practical ceiling of what a co-located policy can serve, so beside each goodput goal stands what
+serving only reaches against the same baseline (`ceiling`), and collm's goodput as a fraction of it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .config import BASELINES, CO_LOCATED
+from .config import BASELINES, CO_LOCATED, REFERENCES
 
 GOALS = {
     "goodput_vs_separate": 3.0,
@@ -100,6 +104,13 @@ def compare(
         k: {"goal": g, "reached": reached[k], "met": reached[k] is not None and reached[k] >= g}
         for k, g in GOALS.items()
     }
+    ceiling = next((live[r] for r in REFERENCES if r in live), None)
+    if ceiling is not None:
+        against = {"goodput_vs_separate": "separate", "goodput_vs_best_colocated": best_co}
+        for k, b in against.items():
+            if b in live:
+                out["goals"][k]["ceiling"] = ratio(ceiling["goodput_rps"], live[b]["goodput_rps"])
+        out["collm_vs_ceiling"] = ratio(c["goodput_rps"], ceiling["goodput_rps"]) if c else None
     if sim:
         err = {}
         for p, s in sim.items():
@@ -111,6 +122,13 @@ def compare(
         out["sim_error"] = err
         known = [abs(e) for e in err.values() if e is not None]
         out["sim_within_tolerance"] = bool(known) and all(e <= SIM_TOLERANCE for e in known)
+        # Whether the live goodput lies within the simulator's range over the speed probe's ratios.
+        out["sim_range_covers"] = {
+            p: lo <= live[p]["goodput_rps"] <= hi
+            for p, s in sim.items()
+            if p in live and live[p]["goodput_rps"] is not None and "goodput_range" in s
+            for lo, hi in [s["goodput_range"]["range_rps"]]
+        }
         sc = sim.get("collm")
         out["sim_goodput_ratio"] = {
             b: ratio(sc["goodput_rps"], sim[b]["goodput_rps"]) for b in BASELINES if sc and b in sim
@@ -131,7 +149,7 @@ def _pair(a: float | None, b: float | None, scale: float = 1.0, spec: str = ".0f
 
 
 HEADER = (
-    "| trace | rate (req/s) | policy | goodput (req/s) | sim goodput (err) | SLO attainment "
+    "| trace | rate (req/s) | policy | goodput (req/s) | sim goodput (err; range) | SLO attainment "
     "| TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ft tokens | rounds published / ended "
     "| quality gain end / mean (nats) |"
 )
@@ -141,7 +159,13 @@ def _row(trace: str, rate: str, policy: str, lv: Mapping[str, Any] | None, sm: A
     sim = "-"
     if sm is not None:
         pct = None if err is None else err * 100
-        sim = f"{_n(sm['goodput_rps'])} ({_n(pct, '+.0f')}%)" if lv is not None else _n(sm["goodput_rps"])
+        span = sm.get("goodput_range", {}).get("range_rps")
+        within = f"; {_n(span[0])}-{_n(span[1])}" if span else ""
+        sim = (
+            f"{_n(sm['goodput_rps'])} ({_n(pct, '+.0f')}%{within})"
+            if lv is not None
+            else _n(sm["goodput_rps"])
+        )
     if lv is None:
         att = _n(sm["attainment"]) if sm else "-"
         ft = _n(sm.get("ft_tokens"), ".0f") if sm else "-"
@@ -168,8 +192,11 @@ def _ratios_note(where: str, cmp_: Mapping[str, Any]) -> str:
     def three(d: Mapping[str, Any]) -> str:
         return ", ".join(_n(d.get(b), ".2f") for b in BASELINES)
 
+    def ceiling(v: Mapping[str, Any]) -> str:
+        return f"; serving only {_n(v['ceiling'], '.2f')}" if "ceiling" in v else ""
+
     goals = "; ".join(
-        f"{k} {_n(v['reached'], '.2f')} (>= {v['goal']}: {'met' if v['met'] else 'missed'})"
+        f"{k} {_n(v['reached'], '.2f')} (>= {v['goal']}: {'met' if v['met'] else 'missed'}{ceiling(v)})"
         for k, v in cmp_["goals"].items()
     )
     text = (
@@ -178,9 +205,18 @@ def _ratios_note(where: str, cmp_: Mapping[str, Any]) -> str:
         f"(best baseline by goodput: {cmp_.get('best_baseline')}; by quality: "
         f"{cmp_.get('best_quality_baseline')}). Goals: {goals}"
     )
+    if "collm_vs_ceiling" in cmp_:
+        text += f". collm / serving only (fine-tuning off): {_n(cmp_['collm_vs_ceiling'], '.2f')}"
     if "sim_error" in cmp_:
         ok = "yes" if cmp_.get("sim_within_tolerance") else "no"
         text += f". Simulator within {SIM_TOLERANCE:.0%} of the live goodput for every policy: {ok}"
+        covers = cmp_.get("sim_range_covers") or {}
+        if covers:
+            inside = [p for p, c in covers.items() if c]
+            text += (
+                f"; the live goodput within the simulated range (costs at the probe's lowest and highest "
+                f"ratio): {', '.join(inside) or 'none'} of {len(covers)}"
+            )
     return text
 
 
