@@ -356,8 +356,8 @@ class Headline:
         cache: dict[tuple[str, int, float | None], dict[str, Any]] = {}
 
         def sim(policy: str, n: int, factor: float | None = None) -> dict[str, Any]:
-            """The simulated run; with `factor`, on the calibration as measured with its costs times that
-            (the speed probe's range) instead of the probe's median."""
+            """The simulated run; with `factor`, on the calibration as measured with every cost times that
+            (an end of the speed probe's range) instead of scaled by kind."""
             if (policy, n, factor) not in cache:
                 cal = self.cal if factor is None else self.unscaled_cal
                 assert cal is not None
@@ -443,8 +443,8 @@ class Headline:
             entry["sim"] = compact(s["summary"], extra)
             probe = (self.results.get("calibration") or {}).get("speed_probe")
             if probe and self.unscaled_cal is not None:
-                # The prediction's spread: each step kind ran at its own ratio to the calibration in the
-                # probe, and the costs follow their median; at the lowest and the highest ratio instead:
+                # The prediction's spread: every cost at the probe's lowest and at its highest ratio to the
+                # calibration instead of each kind's own factor.
                 factors = cost_band(probe["ratios"].values())
                 ends = [sim(policy, block["n_requests"], f)["summary"]["goodput_rps"] for f in factors]
                 entry["sim"]["goodput_range"] = {

@@ -373,8 +373,9 @@ async def _drive(
         await bus.subscribe(subjects.round_events_all(), RoundOutcome, obs.on_round)
         await bus.subscribe(subjects.coordinator_decisions(), CoordinatorDecisions, obs.on_decision)
         seen = await coordinator_policy(bus)
-        if seen != series_setup(policy)[0]:
-            raise LiveRunError(f"the coordinator runs policy {seen!r}, not {series_setup(policy)[0]!r}")
+        expected = series_setup(policy)[0]
+        if seen != expected:
+            raise LiveRunError(f"the coordinator runs policy {seen!r}, not {expected!r}")
         phases.mark("connect")
         t_prep = obs.now()
         await create_adapters(bus, store, cfg)

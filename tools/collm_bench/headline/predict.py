@@ -106,7 +106,8 @@ def sim_config(
 
 def cost_band(probe_ratios: Iterable[float]) -> tuple[float, float]:
     """The lowest and the highest of the speed probe's ratios (measured / calibrated step time, one per
-    kind and size): the factors the calibration's costs are scaled by to bracket its median (pure)."""
+    kind and size): the factors every cost of the calibration is scaled by to bracket the prediction,
+    whose costs follow each kind's own ratios (pure)."""
     ratios = sorted(probe_ratios)
     if not ratios or ratios[0] <= 0:
         raise ValueError("the probe's ratios must be > 0")
