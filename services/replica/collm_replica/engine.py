@@ -385,6 +385,7 @@ class Engine:
         self.ft_loss: float | None = None
         self.errors_total = 0
         self.infer_ms_total = 0.0  # wall time of inference iterations (forward, sampling, streaming)
+        self.forward_ms_total = 0.0  # of which the model's forward passes
         self.train_ms_total = 0.0  # wall time of training pieces
         self.eval_ms_total = 0.0  # wall time of evaluation pieces (requests and jobs' own evaluations)
         self.longest_background_ms = 0.0  # longest stretch of background work between two iterations
@@ -1049,6 +1050,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.executor.forward(fitems)
         ms = (time.perf_counter() - t0) * 1e3
+        self.forward_ms_total += ms
         n_tokens = sum(len(f.token_ids) for f in fitems)
         self.step_costs.observe(len(fitems), n_tokens, prefill_tokens, ms)
         self.prefill_tokens_total += prefill_tokens

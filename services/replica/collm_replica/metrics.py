@@ -130,6 +130,7 @@ class TokenCounters(Protocol):
     ft_tokens_total: int
     train_limits: dict[str, int]
     infer_ms_total: float
+    forward_ms_total: float
     train_ms_total: float
     eval_ms_total: float
 
@@ -185,6 +186,15 @@ class EngineTokenCollector(Collector):
             ):
                 busy.add_metric([replica_id, work], float(ms) / 1e3)
         yield busy
+        forward = CounterMetricFamily(
+            "collm_replica_inference_forward_seconds",
+            "Of the inference iterations' wall time, the model's forward passes (the rest: planning, "
+            "sampling, detokenising, streaming the tokens)",
+            labels=LABELS,
+        )
+        for replica_id, engine in engines:
+            forward.add_metric([replica_id], float(engine().forward_ms_total) / 1e3)
+        yield forward
 
 
 ENGINE_TOKENS = EngineTokenCollector()

@@ -115,6 +115,7 @@ def test_replica_training_limits_are_read_from_the_engine_at_scrape() -> None:
         ft_tokens_total=7,
         train_limits={"share": 2},
         infer_ms_total=1500.0,
+        forward_ms_total=1200.0,
         train_ms_total=250.0,
         eval_ms_total=0.0,
     )
@@ -137,7 +138,14 @@ def test_replica_training_limits_are_read_from_the_engine_at_scrape() -> None:
             for s in fam.samples
             if s.labels.get("replica") == "limits-test" and s.name.endswith("_total")
         }
+        forward = [
+            s.value
+            for fam in families
+            if fam.name == "collm_replica_inference_forward_seconds"
+            for s in fam.samples
+            if s.labels.get("replica") == "limits-test" and s.name.endswith("_total")
+        ]
     finally:
         metrics.ENGINE_TOKENS.detach("limits-test")
-    assert got == {("share", 4.0), ("slack", 1.0)}
+    assert got == {("share", 4.0), ("slack", 1.0)} and forward == [1.2]
     assert busy == {"inference": 1.5, "training": 0.25, "evaluation": 0.5}

@@ -475,6 +475,7 @@ class Headline:
             "ft_tokens",
             "ft_limits_by_replica",
             "busy_s_by_replica",
+            "forward_s_by_replica",
             "cpu_s_by_process",
             "machine_cpu_s",
             "rounds",
@@ -500,6 +501,12 @@ class Headline:
         busy = res.get("busy_s_by_replica") or {}
         if busy:
             self.say("    busy s (inference / training / evaluation): " + busy_line(busy))
+            forward = res.get("forward_s_by_replica") or {}
+            if forward:
+                self.say(
+                    "    of the inference, in the model's forward passes: "
+                    + ", ".join(f"{r} {s:.0f} s" for r, s in sorted(forward.items()))
+                )
         cpu = res.get("cpu_s_by_process") or {}
         if cpu:
             machine = res.get("machine_cpu_s") or {}
