@@ -64,10 +64,7 @@ class CostModel(BaseModel):
             a, b = sizes[-2], sizes[-1]
             slope = (self.decode_step_ms[b] - self.decode_step_ms[a]) / (b - a)
             return self.decode_step_ms[b] + slope * (batch - b)
-        i = bisect.bisect_left(sizes, batch)
-        a, b = sizes[i - 1], sizes[i]
-        t = (batch - a) / (b - a)
-        return self.decode_step_ms[a] * (1 - t) + self.decode_step_ms[b] * t
+        return interpolate(self.decode_step_ms, batch)
 
     def prefill_ms(self, tokens: int) -> float:
         return self.prefill_fixed_ms + self.prefill_ms_per_token * tokens if tokens > 0 else 0.0

@@ -41,6 +41,11 @@ def _spread(xs: Sequence[float]) -> dict[str, float | int | None]:
     return {"n": len(vals), "median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
 
+def _paired(mine: float | None, theirs: float | None) -> float | None:
+    """One repetition's ratio; None when either figure is missing or the denominator is 0."""
+    return mine / theirs if mine is not None and theirs else None
+
+
 def summarize_repeats(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Per trace and rate: each policy's live figures and collm's paired ratios to each baseline, as
     median / min / max over the repetitions (pure; `results` are the repetitions' results.json)."""
@@ -59,15 +64,12 @@ def summarize_repeats(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                     if p == "collm" or c is None:
                         continue
                     for f in ("goodput_rps", "quality_gain_end"):
-                        mine, theirs = c.get(f), lv.get(f)
-                        ratio = mine / theirs if mine is not None and theirs else None
-                        b["ratios"].setdefault(f"{f} collm/{p}", []).append(ratio)
+                        b["ratios"].setdefault(f"{f} collm/{p}", []).append(_paired(c.get(f), lv.get(f)))
                 # A reference run's goodput over each baseline's: the ceiling of collm's ratio to it.
                 for ref in (r for r in REFERENCES if r in live):
                     for p in (x for x in BASELINES if x in live):
-                        mine, theirs = live[ref].get("goodput_rps"), live[p].get("goodput_rps")
-                        ratio = mine / theirs if mine is not None and theirs else None
-                        b["ratios"].setdefault(f"goodput_rps {ref}/{p}", []).append(ratio)
+                        pair = _paired(live[ref].get("goodput_rps"), live[p].get("goodput_rps"))
+                        b["ratios"].setdefault(f"goodput_rps {ref}/{p}", []).append(pair)
     out: dict[str, Any] = {"repeats": len(results), "blocks": {}}
     for key, b in blocks.items():
         out["blocks"][key] = {
