@@ -239,9 +239,18 @@ class SimReplica:
         self._pending_ms = (0.0, 0.0)
         # Busy time by kind of work (ms): inference, training, evaluation (a job's own and the gate's).
         self.busy_ms = {"inference": 0.0, "training": 0.0, "evaluation": 0.0}
+        # (end s, ms, tokens) of every inference step, so its work can be read up to a cut
+        # (`inference_until`).
+        self.inference_steps: list[tuple[float, float, int]] = []
         self._last_telemetry_s = 0.0
         self.ft_tokens_total = 0
         self.iterations_total = 0
+
+    def inference_until(self, cut_s: float) -> tuple[float, int]:
+        """(seconds, tokens) of the inference steps completed by `cut_s`, as a live replica's counters
+        read when the load generator stops at the cut (they count a step when it completes)."""
+        done = [(ms, n) for end_s, ms, n in self.inference_steps if end_s <= cut_s]
+        return sum(ms for ms, _ in done) / 1e3, sum(n for _, n in done)
 
     # --- requests ----------------------------------------------------------------------------------
     def enqueue(self, req: Req, now: float) -> bool:
@@ -616,6 +625,7 @@ class SimReplica:
         self._infer_ms += self._pending_ms[0]
         self._train_ms += train_ms
         self.busy_ms["inference"] += self._pending_ms[0]
+        self.inference_steps.append((t_inf, self._pending_ms[0], sum(n for _, n in items)))
         self.busy_ms["evaluation"] += eval_ms
         for req, n in items:
             if req.computed < req.prompt_len:

@@ -158,6 +158,19 @@ def test_simulate_run_is_deterministic_and_cut_at_the_drain(tmp_path: Path) -> N
     assert a["summary"]["counts"]["submitted"] == 60
     # A 0.5 s drain after the last arrival leaves the last requests unfinished at this rate.
     assert a["summary"]["counts"]["by_status"]["timeout"] > 0
+    # What the live counters could show at that cut: less inference than the whole simulated run, and
+    # the tokens of the steps done by then (a prompt's prefill and each output token after the first).
+    to_cut = a["sim"]["inference_by_replica_to_cut"]
+    whole = a["sim"]["busy_s_by_replica"]
+    assert set(to_cut) == set(whole)
+    assert sum(s for s, _ in to_cut.values()) < sum(w["inference"] for w in whole.values())
+    assert all(0 < n and 0 < s <= whole[r]["inference"] for r, (s, n) in to_cut.items())
+    longer = simulate_run(
+        dataclasses.replace(cfg, drain_s=600.0), cal, source, 3.0, Slo(5000.0, 500.0), "collm", 100
+    )
+    assert longer["summary"]["counts"]["by_status"].get("timeout", 0) == 0
+    for rid, (s, _n) in longer["sim"]["inference_by_replica_to_cut"].items():
+        assert s == pytest.approx(longer["sim"]["busy_s_by_replica"][rid]["inference"], abs=2e-3)
 
 
 # --- ratios, goals and the table -----------------------------------------------------------------------

@@ -34,6 +34,14 @@ from .live import LiveRunError, run_live
 from .plot import plot
 from .predict import cost_band, simulate_run
 from .rates import BestBaseline, capacity_estimate_rps, grid_counts, search_rate
+from .replay_fit import (
+    OFFSET_REQUESTS,
+    REPLAY_SERIES,
+    fit_cost_factor,
+    ms_per_token,
+    replay_start_s,
+    with_inference_factor,
+)
 from .setup import SetupError, TraceSource
 from .table import compact, compare, markdown
 
@@ -111,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-speed-probe",
         action="store_true",
         help="use the calibration's step costs as they are (default: scaled by a probe of the engine now)",
+    )
+    g.add_argument(
+        "--no-calibration-replay",
+        action="store_true",
+        help="no calibration replay (default: before each trace's runs, another slice of it is replayed "
+        "live with fine-tuning off, and the simulator's inference costs are fitted to it)",
     )
     g.add_argument(
         "--probe-after",
@@ -210,6 +224,8 @@ def config_from_args(args: argparse.Namespace) -> HeadlineConfig:
         changes["speed_probe"] = False
     if args.probe_after:
         changes["speed_probe_after"] = True
+    if args.no_calibration_replay:
+        changes["calibration_replay"] = False
     return dataclasses.replace(base, **changes)
 
 
@@ -354,15 +370,18 @@ class Headline:
         self.results["traces"].append(tr)
         self.say(f"{label}: SLO TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms")
         cache: dict[tuple[str, int, float | None], dict[str, Any]] = {}
+        replay_factor = 1.0  # this trace's inference cost factor from the calibration replay (`replay_fit`)
 
         def sim(policy: str, n: int, factor: float | None = None) -> dict[str, Any]:
             """The simulated run; with `factor`, on the calibration as measured with every cost times that
-            (an end of the speed probe's range) instead of scaled by kind."""
+            (an end of the speed probe's range) instead of scaled by kind; either with the replay's factor."""
             if (policy, n, factor) not in cache:
                 cal = self.cal if factor is None else self.unscaled_cal
                 assert cal is not None
                 if factor is not None:
                     cal = cal.scaled(factor)
+                if replay_factor != 1.0:
+                    cal = with_inference_factor(cal, replay_factor)
                 rate = n / cfg.duration_s
                 cache[policy, n, factor] = simulate_run(cfg, cal, source, rate, slo, policy, self.samples)
             return cache[policy, n, factor]
@@ -371,6 +390,18 @@ class Headline:
         choices = self.search(source, sim)
         if choices:
             self.say(f"rate search: {time.monotonic() - t_search:.1f} s ({len(cache)} simulations)")
+        if self.calibration_replay_wanted():
+            fitted = self.calibration_replay(source, slo, self._replay_rate(choices), tr)
+            if fitted is not None:
+                replay_factor = fitted
+                cache.clear()
+                t_search = time.monotonic()
+                choices = self.search(source, sim)
+                if choices:
+                    self.say(
+                        f"rate search again, inference costs x{replay_factor:.3f}: "
+                        f"{time.monotonic() - t_search:.1f} s ({len(cache)} simulations)"
+                    )
         for lab in cfg.rate_labels:
             rate = cfg.rates.get(lab, choices.get(lab, {}).get("rate_rps"))
             if rate is None:
@@ -396,6 +427,118 @@ class Headline:
                 self.save()
             self.compare_block(block)
             self.save()
+
+    def calibration_replay_wanted(self) -> bool:
+        """A calibration replay is of use: live runs, the simulator, and a calibration of this model."""
+        cfg = self.cfg
+        return (
+            cfg.calibration_replay
+            and cfg.live
+            and cfg.simulate
+            and self.cal is not None
+            and self.cal.model == served_name(cfg.model)
+        )
+
+    def _replay_rate(self, choices: dict[str, dict[str, Any]]) -> float | None:
+        """The calibration replay's rate: the light rate (searched or given), else the first one run."""
+        cfg = self.cfg
+        for lab in ("light", *cfg.rate_labels):
+            rate = cfg.rates.get(lab, choices.get(lab, {}).get("rate_rps"))
+            if rate is not None:
+                return float(rate)
+        return None
+
+    def calibration_replay(
+        self, source: TraceSource, slo: Any, rate: float | None, tr: dict[str, Any]
+    ) -> float | None:
+        """Replay another slice of `source` live at `rate` with fine-tuning off (`serving_only`) and fit
+        the simulator's inference costs to it (`replay_fit`); the factor, or None when it cannot be had."""
+        cfg = self.cfg
+        assert self.cal is not None
+        if rate is None:
+            return None
+        if source.synthetic:
+            replay_cfg = dataclasses.replace(cfg, seed=cfg.seed + 1)
+            where = f"synthetic arrivals, seed {cfg.seed + 1}"
+        else:
+            start = replay_start_s(source.requests, cfg.trace_start_s)
+            if start is None:
+                tr.setdefault("notes", []).append(
+                    f"no calibration replay: the trace has fewer than {OFFSET_REQUESTS} requests after "
+                    "the slice's start"
+                )
+                self.say(tr["notes"][-1])
+                return None
+            replay_cfg = dataclasses.replace(cfg, trace_start_s=start)
+            where = f"trace from {start:.1f} s, {OFFSET_REQUESTS} requests after the slice's start"
+        n = max(1, round(rate * cfg.duration_s))
+        rate = n / cfg.duration_s
+        self.say(f"{source.label(cfg)}: calibration replay, {where}, {rate:.3f} req/s, {REPLAY_SERIES} ...")
+        t0 = time.monotonic()
+        run_dir = self.root / f"{source.name}-calibration-replay"
+        plan = setup.build_plan(replay_cfg, source, rate, self.builder, slo)
+        try:
+            data = setup.replica_data(replay_cfg, self.datasets, run_dir)
+            res = run_live(replay_cfg, REPLAY_SERIES, plan, data, run_dir, self.err, self.base_losses)
+        except (LiveRunError, OSError) as exc:
+            tr["calibration_replay"] = {"error": str(exc)}
+            self.say(f"  calibration replay FAILED ({exc}): the probe's costs as they are")
+            return None
+        if res["base_losses_measured"]:
+            self.base_losses = dict(res["base_losses"])
+            self.results["base_losses"] = {"losses": self.base_losses, "measured_in": str(run_dir)}
+        busy = res.get("busy_s_by_replica") or {}
+        live_s = sum(b.get("inference", 0.0) for b in busy.values())
+        live_tokens = sum((res.get("inference_tokens_by_replica") or {}).values())
+        live_attainment = res["summary"].get("attainment")
+        record: dict[str, Any] = {
+            "policy": REPLAY_SERIES,
+            "trace_start_s": replay_cfg.trace_start_s,
+            "seed": replay_cfg.seed,
+            "rate_rps": rate,
+            "n_requests": n,
+            "live_attainment": live_attainment,
+            "live_inference_s": live_s,
+            "live_inference_tokens": live_tokens,
+            "live": compact(res["summary"], {"busy_s_by_replica": busy, "run_dir": str(run_dir)}),
+        }
+        tr["calibration_replay"] = record
+        if live_attainment is None:
+            self.say("  calibration replay: no attainment measured; the probe's costs as they are")
+            return None
+        sims: dict[float, dict[str, Any]] = {}
+
+        def attainment_at(f: float) -> float:
+            sims[f] = simulate_run(
+                replay_cfg, with_inference_factor(self.cal, f), source, rate, slo, REPLAY_SERIES, self.samples
+            )
+            return sims[f]["summary"]["attainment"] or 0.0
+
+        factor, trail = fit_cost_factor(live_attainment, attainment_at)
+        live_ms = ms_per_token([(live_s, live_tokens)])
+        sim_ms = {
+            f: ms_per_token(sims[f]["sim"]["inference_by_replica_to_cut"].values()) for f in (1.0, factor)
+        }
+        record |= {
+            "factor": factor,
+            "fit": [list(p) for p in trail],
+            # Diagnostic: inference time per token served, live and simulated (probe's costs, fitted).
+            "ms_per_token": {"live": live_ms, "sim_probe": sim_ms[1.0], "sim_fitted": sim_ms[factor]},
+            "wall_s": time.monotonic() - t0,
+        }
+        per_token = (
+            f"; inference per token served {live_ms:.2f} ms live, {sim_ms[1.0]:.2f} ms simulated"
+            if live_ms is not None and sim_ms[1.0] is not None
+            else ""
+        )
+        tr.setdefault("notes", []).append(
+            f"the simulator's prefill and decode costs x{factor:.3f}, the factor at which it attains what a "
+            f"live calibration replay did ({where}; {n} requests at {rate:.3f} req/s, {REPLAY_SERIES}): "
+            f"live {live_attainment:.3f}, simulated {trail[0][1]:.3f} at the probe's costs and "
+            f"{dict(trail)[factor]:.3f} at the fitted ones{per_token}"
+        )
+        self.say(tr["notes"][-1] + f" ({time.monotonic() - t0:.0f} s)")
+        return factor
 
     def search(self, source: TraceSource, sim: Any) -> dict[str, dict[str, Any]]:
         """The rates not given on the command line, found with the simulator (`rates`)."""

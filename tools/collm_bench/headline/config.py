@@ -96,6 +96,10 @@ class HeadlineConfig:
     # Probe again after the runs (about half a minute more; off by default so that the default run fits
     # its quarter of an hour): whether the machine's speed moved while they ran.
     speed_probe_after: bool = False
+    # Before each trace's runs, replay another slice of it live with fine-tuning off and scale the
+    # simulator's prefill and decode costs until it attains what the replay did (`replay_fit`): the rate
+    # search and the predictions then use an effective cost of the live stack, not only the probe's.
+    calibration_replay: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

@@ -246,8 +246,9 @@ def parse_counter(text: str, name: str, by: str = "replica") -> dict[str, float]
 async def read_ft_counters(stack: Stack) -> dict[str, dict[str, float]]:
     """Per replica: `ft_tokens` (its `collm_replica_ft_tokens_total`, tokens its co-executed fine-tuning
     processed), per limit the serving iterations whose training that limit bounded, and `busy_s_<work>`,
-    the seconds its engine spent on inference, training and evaluation, and `forward_s`, the seconds
-    of its inference iterations spent in the model's forward passes."""
+    the seconds its engine spent on inference, training and evaluation, `forward_s`, the seconds of its
+    inference iterations spent in the model's forward passes, and `inference_tokens`, the prompt tokens
+    it prefilled and the output tokens it generated."""
     out: dict[str, dict[str, float]] = {}
     urls = {n: u for n, u in stack.metrics_urls().items() if n.startswith("replica-")}
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
@@ -258,9 +259,13 @@ async def read_ft_counters(stack: Stack) -> dict[str, dict[str, float]]:
             limits = parse_counter(r.text, "collm_replica_ft_limit_iterations", by="limit")
             busy = parse_counter(r.text, "collm_replica_busy_seconds", by="work")
             forward = sum(parse_counter(r.text, "collm_replica_inference_forward_seconds").values())
+            served = sum(parse_counter(r.text, "collm_replica_prefill_tokens").values()) + sum(
+                parse_counter(r.text, "collm_replica_generated_tokens").values()
+            )
             out[name.removeprefix("replica-")] = {
                 "ft_tokens": tokens,
                 "forward_s": forward,
+                "inference_tokens": served,
                 **limits,
                 **{f"busy_s_{work}": s for work, s in busy.items()},
             }
@@ -440,6 +445,7 @@ async def _drive(
     }
     ft = {r: d.pop("ft_tokens", 0.0) for r, d in delta.items()}
     forward = {r: d.pop("forward_s", 0.0) for r, d in delta.items()}
+    served = {r: d.pop("inference_tokens", 0.0) for r, d in delta.items()}
     busy = {
         r: {k.removeprefix("busy_s_"): d.pop(k) for k in list(d) if k.startswith("busy_s_")}
         for r, d in delta.items()
@@ -458,6 +464,8 @@ async def _drive(
         # Per replica, seconds of that inference spent in the model's forward passes: the calibration
         # times only these, the rest of an iteration (sampling, detokenising, streaming) it leaves out.
         "forward_s_by_replica": forward,
+        # Per replica, prompt tokens prefilled and output tokens generated during the replay.
+        "inference_tokens_by_replica": served,
         # Per process of the stack (and this one, the load generator), CPU seconds during the replay, and
         # the whole machine's (all cores: busy, idle, and stolen by the hypervisor).
         "cpu_s_by_process": {n: round(cpu_after[n] - cpu_before[n], 2) for n in cpu_after if n in cpu_before},

@@ -145,9 +145,17 @@ def simulate_run(
         "evaluations_modelled",
         "wall_s",
     )
+    cut_s = last_arrival + cfg.drain_s
     return {
         "policy": policy,
         "rate_rps": rate_rps,
         "summary": summary,
-        "sim": {k: res.sim[k] for k in keep},
+        "sim": {k: res.sim[k] for k in keep}
+        | {
+            # What the live replicas' counters can show, (inference s, tokens) each: the load generator
+            # stops at the cut.
+            "inference_by_replica_to_cut": {
+                rid: rep.inference_until(cut_s) for rid, rep in simulation.replicas.items()
+            }
+        },
     }
