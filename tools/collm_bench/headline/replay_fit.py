@@ -13,9 +13,10 @@ whatever the simulator leaves out (the iteration's work outside the model, how t
 latency over requests) into the rate search and the predictions. The replay runs at the light rate that
 the probe-scaled simulator found, where the light rate's definition (the best baseline at >= 95%) has to
 hold live. Its time per token served is recorded beside (`collm_replica_prefill_tokens` and
-`_generated_tokens` against the inference seconds, up to the load generator's cut): on 2026-12-02 it
-was within 5% of the simulator's, while the simulator attained 0.30 where the replay attained 0.13, so
-what the simulator misses is not the cost of a token but which requests those tokens go to.
+`_generated_tokens` against the inference seconds, up to the load generator's cut): in five replays of
+2026-12-02 it was -5% to +13% off the simulator's at the probe's costs, while in the two that the live
+stack could not keep up with the simulator attained 0.30 and 0.63 where they attained 0.13 and 0.18: most
+of what the simulator misses is not the cost of a token but which requests those tokens go to.
 """
 
 from __future__ import annotations
