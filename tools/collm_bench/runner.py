@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, ParamSpec, TextIO, TypeVar
 
 import httpx
 import numpy as np
@@ -26,6 +27,9 @@ from collm_bench.client import ClientOptions, new_record, send_request
 from collm_bench.goodput import verdict
 from collm_bench.records import RequestRecord
 from collm_bench.workload import PlannedRequest
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -75,6 +79,27 @@ async def _report(progress: Progress, t0: float, interval_s: float, out: TextIO)
         out.flush()
 
 
+def _heap_frozen(
+    fn: Callable[_P, Awaitable[_T]],
+) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """`fn` with what the process held before the call frozen out of the collector meanwhile: in a
+    process with a large heap (a benchmark that also simulates, a long test session) a full collection
+    scans it all, stalls the event loop, and every send due meanwhile leaves late. No collection first:
+    that is the very stall (0.45 s or more in a fresh-clone test session), and the caller's clock
+    already runs; freezing moves the generations aside at no cost."""
+
+    @functools.wraps(fn)
+    async def frozen(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        gc.freeze()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    return frozen
+
+
+@_heap_frozen
 async def run_plan(
     plan: Sequence[PlannedRequest],
     opts: ClientOptions,
@@ -88,45 +113,8 @@ async def run_plan(
     transport: httpx.AsyncBaseTransport | None = None,
     duration_s: float | None = None,
 ) -> RunResult:
-    """Run `plan` open-loop against `opts.url`; return one record per request scheduled in the run.
-
-    What the process held before the run lives through it, so it is frozen out of the collector
-    meanwhile: in a process with a large heap (a benchmark that also simulates, a long test session) a
-    full collection scans it all, stalls the event loop, and every send due meanwhile leaves late. No
-    collection first: that is the very stall (0.45 s or more in a fresh-clone test session), and the
-    caller's clock already runs; freezing moves the generations aside at no cost."""
-    gc.freeze()
-    try:
-        return await _run_plan(
-            plan,
-            opts,
-            max_concurrency=max_concurrency,
-            drain_timeout_s=drain_timeout_s,
-            on_record=on_record,
-            progress_interval_s=progress_interval_s,
-            progress_out=progress_out,
-            stop=stop,
-            transport=transport,
-            duration_s=duration_s,
-        )
-    finally:
-        gc.unfreeze()
-
-
-async def _run_plan(
-    plan: Sequence[PlannedRequest],
-    opts: ClientOptions,
-    *,
-    max_concurrency: int | None = None,
-    drain_timeout_s: float | None = None,
-    on_record: Callable[[RequestRecord], None] | None = None,
-    progress_interval_s: float | None = 5.0,
-    progress_out: TextIO | None = None,
-    stop: asyncio.Event | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
-    duration_s: float | None = None,
-) -> RunResult:
-    """The run itself (`run_plan`)."""
+    """Run `plan` open-loop against `opts.url`; return one record per request scheduled in the run
+    (the heap frozen meanwhile: `_heap_frozen`)."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError("max_concurrency must be >= 1")
     drain = opts.request_timeout_s if drain_timeout_s is None else drain_timeout_s
