@@ -341,7 +341,12 @@ class Bus:
         timeout_s: float = 5.0,
         headers: dict[str, str] | None = None,
     ) -> T:
-        """One request, one reply. Raises BusError (error reply), NoResponders (503) or BusError 504."""
+        """One request, one reply. Raises BusError (error reply), NoResponders (503) or BusError 504.
+
+        "No responders" is asked once more after a round trip (`sync`) before it is believed: a service
+        that has just added its endpoint can be invisible to this connection for that long (seen in a
+        fresh-clone test run, after both connections had round-tripped). The first request reached
+        nobody, so sending it again cannot run it twice."""
         span_name = f"{subject} request"
         with tracing.tracer("collm.bus").start_as_current_span(
             span_name,
@@ -349,9 +354,15 @@ class Bus:
             attributes={"messaging.system": "nats", "messaging.destination.name": subject},
         ):
             try:
-                raw = await self.nc.request(
-                    subject, encode(msg), timeout=timeout_s, headers=tracing.inject(headers)
-                )
+                try:
+                    raw = await self.nc.request(
+                        subject, encode(msg), timeout=timeout_s, headers=tracing.inject(headers)
+                    )
+                except nats.errors.NoRespondersError:
+                    await self.sync()
+                    raw = await self.nc.request(
+                        subject, encode(msg), timeout=timeout_s, headers=tracing.inject(headers)
+                    )
             except nats.errors.NoRespondersError:
                 raise NoResponders(subject) from None
             except nats.errors.TimeoutError:
