@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -75,6 +75,24 @@ class CostModel(BaseModel):
         if tokens <= 0:
             return 0.0
         return tokens * (self.prefill_ms_per_token + self.prefill_ms_per_token_per_context_token * start_pos)
+
+    def step_ms(
+        self, decodes: int, decode_context_tokens: int, prefill: Iterable[tuple[int, int]], adapters: int
+    ) -> float:
+        """One inference step of the running batch: `decodes` decoding sequences holding
+        `decode_context_tokens` tokens of context in all (the decode table at the calibrated context, then
+        the context's own cost), prefill chunks of (tokens, earlier tokens) (each `prefill_chunk_ms`;
+        `prefill_fixed_ms` instead of a decode step when none decodes), times (1 + the LoRA overhead per
+        distinct adapter in the batch). The simulator's step and the step log's prediction."""
+        chunks = list(prefill)
+        if decodes > 0:
+            ms = max(0.0, self.decode_ms(decodes) + self.decode_context_ms(decodes, decode_context_tokens))
+        elif chunks:
+            ms = self.prefill_fixed_ms
+        else:
+            return 0.0
+        ms += sum(self.prefill_chunk_ms(n, start) for n, start in chunks)
+        return ms * (1.0 + self.lora_overhead_frac_per_adapter * adapters)
 
     def train_ms(self, tokens: int) -> float:
         return self.train_fixed_ms + self.train_ms_per_token * tokens if tokens > 0 else 0.0

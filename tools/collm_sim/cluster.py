@@ -15,7 +15,9 @@ Events and what they do:
 * telemetry (every `telemetry_interval_s`): every replica's snapshot reaches the gateway and the
   coordinator;
 * coordinator tick (when the core asks): `CoordinatorCore.on_tick`; weights go to the gateway, shares
-  to the replicas (with their TTL), round plans to the simulated aggregator;
+  to the replicas (with their TTL) when the coordinator service would send them (`share_command_due`:
+  changed, or half their TTL old; a share reaching a busy replica ends its training stretch at the next
+  piece, as a command does on the engine), round plans to the simulated aggregator;
 * round deadline / publication: the aggregator closes a round when every participant sent its update
   or at the deadline (aborted under quorum), and `publish_delay_s` after its evaluators scored the
   candidate (or `eval_timeout_s` after it asked them) publishes the next version, whose eval loss is
@@ -55,7 +57,13 @@ from collm_bench.quality import QualityTable
 from collm_bench.records import RequestRecord
 from collm_common.calibration import Calibration
 from collm_coordinator import convert
-from collm_coordinator.core import AdapterVersionView, RoundEvent, RoundPlanDecision, TickInputs
+from collm_coordinator.core import (
+    AdapterVersionView,
+    RoundEvent,
+    RoundPlanDecision,
+    TickInputs,
+    share_command_due,
+)
 from collm_coordinator.core.types import ReplicaObservation
 from collm_coordinator.priors import cost_prior, quality_prior
 from collm_sim.config import SimConfig
@@ -154,6 +162,7 @@ class Simulation:
         )
         self.weights: WeightsSnapshot | None = None
         self._weights_at = 0.0
+        self._shares_sent: dict[str, tuple[float, float]] = {}  # replica -> (share, when) last sent
         self._gw_view: dict[str, tuple[float, int, int, int, float, dict[str, int]]] = {}
         self._in_flight: dict[str, int] = dict.fromkeys(self.ids, 0)
         self._pending_obs: list[ReplicaObservation] = []
@@ -338,9 +347,15 @@ class Simulation:
                 )
                 self._weights_at = t
             for s in fast.shares:
+                # As the coordinator service: a share is sent when it changed or is half its TTL old
+                # (`share_command_due`); the command reaching a replica ends a stretch of training at
+                # the next piece, as on the engine, and an idle replica with a job starts training.
+                if not share_command_due(self._shares_sent.get(s.replica_id), s.share, t, fast.share_ttl_s):
+                    continue
+                self._shares_sent[s.replica_id] = (s.share, t)
                 rep = self.replicas[s.replica_id]
                 rep.set_share(s.share, t + fast.share_ttl_s)
-                if s.share > 0 and rep.has_job:
+                if not rep.idle or (s.share > 0 and rep.has_job):
                     self._wake(rep, t)
             self.share_samples.append(sum(s.share for s in fast.shares))
             self.z_samples.append(d.diagnostics.virtual_queue)
@@ -497,6 +512,7 @@ class Simulation:
                     target_input_tokens=r.prompt_len,
                     max_tokens=r.out_len,
                     adapter_version=r.version,
+                    replica=r.replica,
                     served_model=r.domain,
                     slo_ttft_ms=slo_ttft,
                     slo_tpot_ms=slo_tpot,

@@ -9,17 +9,17 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
    deadline as it will be after the step (`request_deadlines`, on the SLOs less `ft_slo_reserve_frac`)
    and the guard (`ft_guard_frac` of the TTFT SLO and, while serving, what the next arrivals could
    absorb: `arrival_guard_s`), exactly as the engine's `_decide_background` builds them;
-4. the inference step costs `decode_step_ms(decodes)`, plus `decode_ms_per_context_token` per token of
-   the decoding sequences' contexts beyond `decode_context_tokens` each (`CostModel.decode_ms`), plus
-   `prefill_ms_per_token` per prefill token and `prefill_ms_per_token_per_context_token` per prefill
-   token and earlier token of its sequence (`CostModel.prefill_chunk_ms`) (`prefill_fixed_ms` instead
-   of a decode step when the step has no decodes), times (1 + `lora_overhead_frac_per_adapter` per
-   distinct adapter in the batch); training runs after it, so requests wait for it, exactly as on the
-   real engine (one process, one device, no overlap): a stretch of whole pieces (a micro-step of
-   `train_micro_tokens` costs `train_fixed_ms + train_ms_per_token * tokens`, in
-   `train_pieces_per_micro_step` pieces) within the budget, at least one when idle; a micro-step carries
-   over to the next stretch, its tokens count when it completes, and a request arriving during a
-   stretch ends it after the piece in progress (the engine's `_news`);
+4. the inference step costs `CostModel.step_ms` (what the step log's comparison predicts too):
+   `decode_step_ms(decodes)`, plus `decode_ms_per_context_token` per token of the decoding sequences'
+   contexts beyond `decode_context_tokens` each, plus `prefill_ms_per_token` per prefill token and
+   `prefill_ms_per_token_per_context_token` per prefill token and earlier token of its sequence
+   (`prefill_fixed_ms` instead of a decode step when the step has no decodes), times (1 +
+   `lora_overhead_frac_per_adapter` per distinct adapter in the batch); training runs after it, so
+   requests wait for it, exactly as on the real engine (one process, one device, no overlap): a stretch
+   of whole pieces (a micro-step of `train_micro_tokens` costs `train_fixed_ms + train_ms_per_token *
+   tokens`, in `train_pieces_per_micro_step` pieces) within the budget, at least one when idle; a
+   micro-step carries over to the next stretch, its tokens count when it completes, and a request
+   arriving during a stretch ends it after the piece in progress (the engine's `_news`);
 5. tokens are emitted at the end of the inference step: a prompt's last prefill chunk emits its first
    token (TTFT), every decode one more token.
 
@@ -189,9 +189,7 @@ class SimReplica:
         # Decode step cost by number of decoding sequences, computed once (the cost model interpolates).
         self.decode_ms = [0.0] + [cost.decode_ms(b) for b in range(1, engine.max_batch_tokens + 1)]
         self.cost = cost
-        self.prefill_fixed_ms = cost.prefill_fixed_ms
         self.prefill_per_token_ms = cost.prefill_ms_per_token
-        self.lora_frac = cost.lora_overhead_frac_per_adapter
         self.train_cost = TrainCost(cost.train_fixed_ms, cost.train_ms_per_token)
         self.ttft_slo_s = (ttft_slo_ms or 1e12) / 1e3
         self.tpot_slo_s = (tpot_slo_ms or 1e12) / 1e3
@@ -416,10 +414,9 @@ class SimReplica:
         items: list[tuple[Req, int]] = []
         n_dec = 0
         dec_context = 0  # tokens of context of the decoding sequences
-        prefill_ms = 0.0
+        chunks: list[tuple[int, int]] = []  # (tokens, earlier tokens) of each prefill chunk
         adapters: set[str] = set()
         by_sid = self.by_sid
-        cost = self.cost
         for sid, n in plan.items:
             req = by_sid[sid]
             items.append((req, n))
@@ -428,15 +425,8 @@ class SimReplica:
                 n_dec += 1
                 dec_context += req.prompt_len + req.generated - 1  # the tokens before this one
             else:
-                prefill_ms += cost.prefill_chunk_ms(n, req.computed)
-        inf_ms = 0.0
-        if items:
-            if n_dec:  # the decode table at the calibrated context, then the context's own cost
-                inf_ms = max(0.0, self.decode_ms[n_dec] + cost.decode_context_ms(n_dec, dec_context))
-            else:
-                inf_ms = self.prefill_fixed_ms
-            inf_ms += prefill_ms
-            inf_ms *= 1.0 + self.lora_frac * len(adapters)
+                chunks.append((n, req.computed))
+        inf_ms = self.cost.step_ms(n_dec, dec_context, chunks, len(adapters)) if items else 0.0
         train_ms = eval_ms = 0.0
         catch_up = False
         job = self.job

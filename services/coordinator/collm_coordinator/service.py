@@ -50,7 +50,7 @@ from collm_common.wire.control import (
 from collm_common.wire.rounds import RoundOutcome
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_coordinator import convert, metrics
-from collm_coordinator.core import POLICIES, CoordinatorCore, Decisions, TickInputs
+from collm_coordinator.core import POLICIES, CoordinatorCore, Decisions, TickInputs, share_command_due
 from collm_coordinator.core.types import AdapterVersionView, ReplicaObservation, RoundEvent, RoundPlanDecision
 from collm_coordinator.priors import cost_prior, quality_prior
 from collm_coordinator.settings import CoordinatorSettings
@@ -240,8 +240,7 @@ class Coordinator:
 
     # --- share commands -------------------------------------------------------------------------------
     def _send_share(self, rid: str, share: float, ttl_s: float, reason: str, now_s: float) -> None:
-        last = self._last_sent.get(rid)
-        if last is not None and abs(last[0] - share) < 1e-3 and now_s - last[1] < ttl_s / 2:
+        if not share_command_due(self._last_sent.get(rid), share, now_s, ttl_s):
             return
         running = self._share_tasks.get(rid)
         if running is not None and not running.done():

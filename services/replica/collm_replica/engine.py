@@ -43,6 +43,7 @@ import torch
 
 from collm_common.data import Example, LocalDataset
 from collm_common.lora import AdapterWeights
+from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.inference import Accepted, Finished, GenerateError, TokenChunk
 from collm_common.wire.telemetry import ResidentAdapter, TrainingJobStatus
 from collm_replica.batching import BatchConfig, Plan, SeqView, plan_iteration
@@ -315,6 +316,7 @@ class Engine:
         on_job_event: Callable[[JobEvent], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        step_log: Callable[[InferenceStep | BackgroundWork], None] | None = None,
     ) -> None:
         self.loaded = loaded
         self.cfg = cfg or EngineConfig()
@@ -342,6 +344,7 @@ class Engine:
         self.on_job_event = on_job_event
         self.clock = clock
         self.wall = wall
+        self.step_log = step_log  # told every inference step and stretch of background work (`step_log`)
 
         self._lock = threading.Lock()
         self._lru = VersionLru(self.cfg.max_resident_adapters)
@@ -1035,18 +1038,24 @@ class Engine:
 
     # --- execution ------------------------------------------------------------------------------------
     def _execute(self, items: list[tuple[str, int]]) -> None:
+        t_start = time.perf_counter()
         by_id = {s.req.request_id: s for s in self.running}
         work = sorted(((by_id[sid], n) for sid, n in items), key=lambda x: x[0].slot)
         fitems = []
         prefill_tokens = 0
+        chunks: list[tuple[int, int]] = []  # (tokens, earlier tokens) of each prefill chunk
+        decode_context = 0  # tokens of context before the decoding sequences' new tokens
         for seq, n in work:
             assert seq.kv is not None
             if seq.computed < seq.prompt_len:
                 toks = seq.req.prompt_ids[seq.computed : seq.computed + n]
                 prefill_tokens += len(toks)
+                chunks.append((len(toks), seq.computed))
             else:
                 toks = [seq.output[-1]]
+                decode_context += seq.computed
             fitems.append(ForwardItem(toks, seq.computed, seq.kv, seq.slot))
+        t_clock = self.clock()
         t0 = time.perf_counter()
         logits = self.executor.forward(fitems)
         ms = (time.perf_counter() - t0) * 1e3
@@ -1069,6 +1078,18 @@ class Engine:
                 log.exception("request %s failed", seq.req.request_id)
                 self._emit_error(seq, 500, f"generation failed: {type(exc).__name__}")
                 self._release(seq)
+        if self.step_log is not None:
+            self.step_log(
+                InferenceStep(
+                    t_s=t_clock,
+                    decodes=len(work) - len(chunks),
+                    decode_context_tokens=decode_context,
+                    prefill=chunks,
+                    adapters=len({seq.slot for seq, _ in work if seq.slot >= 0}),
+                    forward_ms=ms,
+                    step_ms=(time.perf_counter() - t_start) * 1e3,
+                )
+            )
 
     def _on_token(self, seq: _Seq, tok: int, now: float) -> None:
         if seq.t_first is None:
@@ -1189,9 +1210,12 @@ class Engine:
                 end = self.clock() + self.piece_costs.predict(*nxt) / 1e3
                 if ran and (end > until or self._news()) and not (end <= catch_up_until and ev.behind(end)):
                     break
-                ms, _ = run.run_piece(self.executor, pad, self.piece_costs)
+                t_clock = self.clock()
+                ms, tokens = run.run_piece(self.executor, pad, self.piece_costs)
                 self.eval_ms_total += ms
                 ran = True
+                if self.step_log is not None:
+                    self.step_log(BackgroundWork(kind="eval", t_s=t_clock, ms=ms, tokens=tokens))
             except Exception as exc:  # noqa: BLE001 - delivered to the caller
                 self._evals.pop(0)
                 ev.fut.set_exception(exc)
@@ -1203,6 +1227,7 @@ class Engine:
 
     def _train_work(self, job: TrainingJob, until: float, force_one: bool) -> bool:
         """Pieces of `job` while the next is predicted to end by `until` (at least one when idle)."""
+        t_clock = self.clock()
         res = PieceWork()
         self.last_work = res
         with self._lock:
@@ -1229,6 +1254,21 @@ class Engine:
             self._account_work(job, res)
             return False
         self._account_work(job, res)
+        if self.step_log is not None and res.pieces:
+            if res.train_ms > 0:
+                self.step_log(
+                    BackgroundWork(
+                        kind="train",
+                        t_s=t_clock,
+                        ms=res.train_ms,
+                        tokens=res.train_tokens,
+                        micro_steps=list(res.micro_steps),
+                    )
+                )
+            if res.eval_ms > 0:
+                self.step_log(
+                    BackgroundWork(kind="eval", t_s=t_clock, ms=res.eval_ms, tokens=res.eval_tokens)
+                )
         return res.pieces > 0 or not job.active
 
     def _account_work(self, job: TrainingJob, res: PieceWork) -> None:

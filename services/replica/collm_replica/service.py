@@ -50,6 +50,7 @@ from collm_common.bus import ERROR_CODE_HEADER, ERROR_HEADER, Bus, ServiceFailur
 from collm_common.data import Example, LocalDataset, load_dataset, read_file
 from collm_common.lora import decode_adapter, encode_adapter
 from collm_common.service import ServiceContext
+from collm_common.step_log import StepLog
 from collm_common.store import (
     AdapterStore,
     Conflict,
@@ -180,6 +181,9 @@ class Replica:
         )
         if engine is not None:
             engine.on_job_event = self._on_job_event_threadsafe
+        self.step_log = StepLog(settings.step_log_path) if settings.step_log_path is not None else None
+        if self.step_log is not None:
+            self.engine.step_log = self.step_log.write
         self.tracer = tracing.tracer("collm.replica")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._fetches: dict[str, asyncio.Future[str]] = {}
@@ -234,6 +238,8 @@ class Replica:
                 await t
         await asyncio.to_thread(self.engine.stop)
         metrics.ENGINE_TOKENS.detach(self.rid)
+        if self.step_log is not None:
+            self.step_log.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -879,6 +885,8 @@ class Replica:
                 await self.bus.publish(subject, self.telemetry())
             except Exception as exc:  # noqa: BLE001 - telemetry is best effort; the next one is a full snapshot
                 log.debug("telemetry not sent: %s", exc)
+            if self.step_log is not None:
+                self.step_log.flush()
             await asyncio.sleep(self.s.telemetry_interval_s)
 
     async def _on_status(self, req: Request) -> None:

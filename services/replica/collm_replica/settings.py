@@ -48,6 +48,11 @@ class ReplicaSettings(CommonSettings):
     )
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Held-out fraction of the local dataset.")
     telemetry_interval_s: float = Field(1.0, gt=0, description="Telemetry publication interval.")
+    step_log_path: Path | None = Field(
+        None,
+        description="Append one JSON line per inference step and stretch of training or evaluation "
+        "(`collm_common.step_log`) to this file, to compare step times with the cost model (None: off).",
+    )
     slo_window_s: float = Field(30.0, gt=0, description="Window of the latency percentiles in telemetry.")
     # --- continuous batching -------------------------------------------------------------------------
     max_queue: int = Field(64, ge=1, description="Waiting requests beyond this are refused with 429.")

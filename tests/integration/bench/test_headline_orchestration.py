@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from collm_common.step_log import InferenceStep, read_step_log
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[3]
@@ -95,6 +97,18 @@ def test_headline_runs_each_policy_on_a_fresh_stack(tmp_path: Path) -> None:
         assert live["phases_s"]["arrivals"] == pytest.approx(block["plan"]["last_arrival_s"], abs=0.5)
         assert (Path(live["run_dir"]) / "requests.jsonl").is_file()
         assert (Path(live["run_dir"]) / "stack.log").stat().st_size > 0
+        # Every replica logged its steps (set beside the simulator's price for them when there is a
+        # calibration of the model; the tiny model has none).
+        steps = [
+            r
+            for rid in ("r0", "r1")
+            for r in read_step_log(Path(live["run_dir"]) / "stack" / f"steps-{rid}.jsonl")
+            if isinstance(r, InferenceStep)
+        ]
+        served = [json.loads(x) for x in (Path(live["run_dir"]) / "requests.jsonl").read_text().splitlines()]
+        assert sum(n for s in steps for n, _ in s.prefill) == sum(r["prompt_tokens"] for r in served)
+        assert all(s.step_ms >= s.forward_ms > 0 for s in steps)
+        assert "step_costs" not in live
     assert block["compare"]["goodput_ratio"]["separate"] is not None
     assert (run_root / "headline.png").stat().st_size > 0 and (out / "latest.png").is_file()
     table = (out / "latest.md").read_text()

@@ -1,8 +1,7 @@
-"""The calibration replay's pure parts: where its slice starts, the fitted cost factor, and what it scales."""
+"""The calibration replay's pure parts: where its slice starts, the measured cost factor, what it scales."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from collm_bench.headline.config import HeadlineConfig
 from collm_bench.headline.replay_fit import (
     FACTOR_BOUNDS,
     REPLAY_SERIES,
-    fit_cost_factor,
+    measured_inference_factor,
     ms_per_token,
     replay_start_s,
     with_inference_factor,
@@ -35,43 +34,22 @@ def test_the_replay_starts_offset_requests_after_the_slice_and_needs_a_long_enou
     assert replay_start_s(reqs, 10.0, offset=20) is None
 
 
-def attainment_curve(threshold: float, width: float = 0.4) -> Callable[[float], float]:
-    """A simulated attainment falling from 1 to 0 as the cost factor passes `threshold`, in steps of
-    1/40 as a replay of 40 requests would (pure test double)."""
+def test_the_factor_is_the_replay_steps_measured_over_predicted_time_pooled_over_replicas() -> None:
+    def kinds(measured: float, predicted: float) -> dict[str, dict[str, float | None]]:
+        return {
+            "decode": {"measured_ms": 1.0, "predicted_ms": 100.0},  # the pooled inference kind counts alone
+            "inference": {"measured_ms": measured, "predicted_ms": predicted},
+            "eval": {"measured_ms": 5.0, "predicted_ms": None},
+        }
 
-    def at(f: float) -> float:
-        x = min(1.0, max(0.0, 0.5 - (f - threshold) / width))
-        return round(40 * x) / 40
-
-    return at
-
-
-def test_the_factor_meets_the_live_attainment_from_either_side() -> None:
-    # The simulator attains more than the live replay: its costs must grow.
-    at = attainment_curve(1.3)
-    factor, trail = fit_cost_factor(0.3, at)
-    assert trail[0] == (1.0, at(1.0)) and factor > 1.0
-    assert at(factor) == pytest.approx(0.3, abs=0.03) and len(trail) <= 10
-    # It attains less: they must shrink.
-    at = attainment_curve(0.8)
-    factor, _ = fit_cost_factor(0.8, at)
-    assert factor < 1.0 and at(factor) == pytest.approx(0.8, abs=0.03)
-    # Already within the tolerance: the probe's costs stand.
-    assert fit_cost_factor(at(1.0) + 0.01, at) == (1.0, [(1.0, at(1.0))])
-
-
-def test_a_plateau_keeps_the_least_correction_and_the_bounds_hold() -> None:
-    # Live and simulated replays both serve everything over a range of factors: 1 fits, nothing moves.
-    assert fit_cost_factor(1.0, lambda f: 1.0) == (1.0, [(1.0, 1.0)])
-    # Live attains nothing, the simulation everything up to the upper bound: the bound, and no further.
-    factor, trail = fit_cost_factor(0.0, lambda f: 1.0)
-    assert factor == 1.0 and all(FACTOR_BOUNDS[0] <= f <= FACTOR_BOUNDS[1] for f, _ in trail)
-    assert max(f for f, _ in trail) == FACTOR_BOUNDS[1]
-    # A simulation that only approaches the live attainment: the bound, its nearest point.
-    factor, trail = fit_cost_factor(0.0, lambda f: 1.0 - 0.1 * f)
-    assert factor == FACTOR_BOUNDS[1]
-    with pytest.raises(ValueError, match="attainment"):
-        fit_cost_factor(1.5, lambda f: 1.0)
+    assert measured_inference_factor({"r0": kinds(600.0, 500.0), "r1": kinds(540.0, 450.0)}) == pytest.approx(
+        1140.0 / 950.0
+    )
+    # Held within the bounds; nothing logged: no factor.
+    assert measured_inference_factor({"r0": kinds(5000.0, 100.0)}) == FACTOR_BOUNDS[1]
+    assert measured_inference_factor({"r0": kinds(10.0, 100.0)}) == FACTOR_BOUNDS[0]
+    assert measured_inference_factor({}) is None
+    assert measured_inference_factor({"r0": {"eval": {"measured_ms": 5.0, "predicted_ms": None}}}) is None
 
 
 def test_the_factor_scales_prefill_and_decode_only() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collm_coordinator.core import CoordinatorCore
+from collm_coordinator.core import CoordinatorCore, share_command_due
 from tests.unit.coordinator.cluster import config, obs, steady, tick
 
 pytestmark = pytest.mark.unit
@@ -183,3 +183,11 @@ def test_one_noisy_second_is_not_a_burst_but_a_sustained_rise_is() -> None:
         d = tick(core, t, *(obs(r, t, busy=0.45) for r in IDS))
     assert any(c == "burst" for c in codes(d).values())
     assert sum(shares(d).values()) < sum(planned.values())
+
+
+def test_a_share_is_sent_when_new_changed_or_half_its_ttl_old() -> None:
+    assert share_command_due(None, 0.3, 10.0, 5.0)
+    assert not share_command_due((0.3, 10.0), 0.3, 12.4, 5.0)  # unchanged, 2.4 s old of a 5-s TTL
+    assert not share_command_due((0.3, 10.0), 0.3005, 11.0, 5.0)  # a change under 1e-3 is no change
+    assert share_command_due((0.3, 10.0), 0.3, 12.5, 5.0)  # half the TTL: sent again before it expires
+    assert share_command_due((0.3, 10.0), 0.0, 10.5, 5.0)  # changed: sent at once

@@ -12,6 +12,7 @@ import torch
 
 from collm_common.data import Example, LocalDataset
 from collm_common.lora import LoraSpec
+from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_replica.batching import BatchConfig
 from collm_replica.cosched import NoTraining, SloAwareCoScheduler
 from collm_replica.engine import Engine, EngineConfig, EngineRefusal, EngineRequest, NotResident
@@ -684,3 +685,43 @@ def test_an_evaluation_behind_its_deadline_runs_past_the_slack(tiny: LoadedModel
     # Paced, the evaluation is taken up at an iteration boundary and scored and delivered within the next
     # (2 iterations here, one more when the ask lands as an iteration begins); slack only, a piece each.
     assert paced <= 3 and slack_only >= paced + 3, (slack_only, paced)
+
+
+def test_the_step_log_records_each_step_as_it_ran(tiny: LoadedModel) -> None:
+    """Every inference step's shape (decodes and their context, prefill chunks, adapters) and time, and
+    every stretch of training, reach the step log; the shapes are the ones the batch planner gave."""
+    records: list[InferenceStep | BackgroundWork] = []
+    cfg = EngineConfig(
+        batch=BatchConfig(max_batch=4, max_batch_tokens=8, prefill_chunk_tokens=4),
+        max_resident_adapters=2,
+        job=JobConfig(micro_tokens=32, batch_tokens=32, publish_every_steps=1000),
+    )
+    eng = Engine(tiny, cfg, SloAwareCoScheduler(), dataset=dataset(), step_log=records.append)
+    eng.start()
+    eng.install_version("med@v1", random_adapter(tiny, 1)).result(10)
+    res = submit_all(eng, [greedy("a", P1, 5), greedy("b", P2, 5, adapter="med")])
+    assert all(c.finished.completion_tokens == 5 for c in res.values())
+    steps = [r for r in records if isinstance(r, InferenceStep)]
+    # Prompt tokens prefilled in chunks of at most 4, each chunk once, starting where the last ended.
+    chunks = [c for s in steps for c in s.prefill]
+    assert sum(n for n, _ in chunks) == len(P1) + len(P2) and all(n <= 4 for n, _ in chunks)
+    assert sorted(start for _, start in chunks) == sorted([*range(0, len(P1), 4), *range(0, len(P2), 4)])
+    # 4 decode steps per request after its first token; the context before the one that feeds its j-th
+    # output token (j = 1..4) is its prompt and the j - 1 tokens before that one.
+    assert sum(s.decodes for s in steps) == 8
+    assert sum(s.decode_context_tokens for s in steps) == sum(
+        p + k for p in (len(P1), len(P2)) for k in range(4)
+    )
+    assert {s.adapters for s in steps} <= {0, 1} and any(s.adapters == 1 for s in steps)
+    assert all(0 < s.forward_ms <= s.step_ms for s in steps)
+    assert [s.t_s for s in steps] == sorted(s.t_s for s in steps)
+    live = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
+    eng.start_job(JobSpec("med", "med@v1", 1, live, token_budget=64)).result(10)
+    deadline = time.time() + 20
+    while eng.snapshot().ft_tokens_total < 64 and time.time() < deadline:
+        time.sleep(0.02)
+    eng.stop()
+    train = [r for r in records if isinstance(r, BackgroundWork) and r.kind == "train"]
+    assert sum(r.tokens for r in train) == eng.ft_tokens_total >= 64
+    assert sum(t for r in train for t, _ in r.micro_steps) == eng.ft_tokens_total
+    assert sum(r.ms for r in train) == pytest.approx(eng.train_ms_total)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
 
+from collm_coordinator.core import CoreConfig
 from collm_sim import SimConfig, Simulation, WorkloadSpec, simulate
 from collm_sim.config import EngineSpec
 from collm_sim.quality import QualityModel
@@ -173,6 +176,44 @@ def test_collm_cuts_training_when_load_rises() -> None:
         SimConfig(replicas=4, policy="collm", workload=synthetic(rate=40.0, duration=90.0), core=core), cal
     )
     assert light.sim["ft_tokens"] > 2 * heavy.sim["ft_tokens"]
+
+
+def test_a_share_reaches_a_replica_as_the_coordinator_service_sends_it() -> None:
+    """Shares are sent when they change or are half their TTL old (`share_command_due`), not every
+    tick, and only a share sent or a request ends a busy replica's training stretch: under the fixed
+    ratio's constant share, the stretches run as the co-scheduler granted them."""
+    cal = calibration_for_tests()
+    core = {"slow_interval_s": 30.0, "round_deadline_s": 25.0}
+    cfg = SimConfig(replicas=2, policy="fixed_ratio", workload=synthetic(rate=2.0, duration=60.0), core=core)
+    sim = Simulation(cfg, cal)
+    ttl_s = CoreConfig().share_ttl_s
+    sent: dict[str, list[tuple[float, float]]] = {rid: [] for rid in sim.replicas}  # (when, share)
+    cut: dict[str, list[float]] = {rid: [] for rid in sim.replicas}
+    for rid, rep in sim.replicas.items():
+
+        def record_share(share: float, expires_s: float, rid: str = rid, f: Any = rep.set_share) -> None:
+            sent[rid].append((expires_s - ttl_s, share))
+            f(share, expires_s)
+
+        def record_cut(now: float, rid: str = rid, f: Any = rep.interrupt) -> float | None:
+            end = f(now)
+            if end is not None:
+                cut[rid].append(now)
+            return end
+
+        rep.set_share, rep.interrupt = record_share, record_cut  # type: ignore[method-assign]
+    res = sim.run()
+    assert res.sim["ft_tokens"] > 0
+    arrivals = {float(t) for t in sim.workload.arrival_s}
+    ticks = len(sim.share_samples)
+    for rid in sim.replicas:
+        assert 0 < len(sent[rid]) < ticks / 2, (rid, len(sent[rid]), ticks)
+        for (t_a, share_a), (t_b, share_b) in itertools.pairwise(sent[rid]):
+            assert abs(share_a - share_b) >= 1e-3 or t_b - t_a >= ttl_s / 2 - 1e-6
+        # Every stretch cut short was cut by a request or by a share that was sent.
+        sent_at = {round(t, 6) for t, _ in sent[rid]}
+        assert cut[rid], rid
+        assert all(t in arrivals or round(t, 6) in sent_at for t in cut[rid])
 
 
 def test_quality_model_interpolates_between_measured_points() -> None:

@@ -24,20 +24,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from collm_bench.records import write_records
+from collm_bench.step_costs import describe_kinds
 from collm_common.calibration import Calibration
 from collm_replica.naming import served_name
 from collm_replica.settings import ReplicaSettings
 
 from . import setup
 from .config import BASELINES, RATE_LABELS, HeadlineConfig, tiny_preset
-from .live import LiveRunError, run_live
+from .live import LiveRunError, run_live, step_costs
 from .plot import plot
 from .predict import cost_band, simulate_run
 from .rates import BestBaseline, capacity_estimate_rps, grid_counts, search_rate
 from .replay_fit import (
     OFFSET_REQUESTS,
     REPLAY_SERIES,
-    fit_cost_factor,
+    measured_inference_factor,
     ms_per_token,
     replay_start_s,
     with_inference_factor,
@@ -288,6 +290,7 @@ class Headline:
         self.datasets: dict[str, Path] = {}
         self.builder: Any = None
         self.unscaled_cal: Calibration | None = None  # the calibration as measured, when a probe scaled it
+        self.prediction_cal: Calibration | None = self.cal  # the costs of the trace's predictions
         if cfg.live:
             self.datasets = setup.prepare_data(cfg, self.root / "data")
             self.builder = setup.prompt_builder(cfg, setup.token_counter(cfg.model))
@@ -371,6 +374,7 @@ class Headline:
         self.say(f"{label}: SLO TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms")
         cache: dict[tuple[str, int, float | None], dict[str, Any]] = {}
         replay_factor = 1.0  # this trace's inference cost factor from the calibration replay (`replay_fit`)
+        self.prediction_cal = self.cal  # the costs the predictions of this trace use
 
         def sim(policy: str, n: int, factor: float | None = None) -> dict[str, Any]:
             """The simulated run; with `factor`, on the calibration as measured with every cost times that
@@ -394,6 +398,8 @@ class Headline:
             fitted = self.calibration_replay(source, slo, self._replay_rate(choices), tr)
             if fitted is not None:
                 replay_factor = fitted
+                assert self.cal is not None
+                self.prediction_cal = with_inference_factor(self.cal, fitted)
                 cache.clear()
                 t_search = time.monotonic()
                 choices = self.search(source, sim)
@@ -451,8 +457,9 @@ class Headline:
     def calibration_replay(
         self, source: TraceSource, slo: Any, rate: float | None, tr: dict[str, Any]
     ) -> float | None:
-        """Replay another slice of `source` live at `rate` with fine-tuning off (`serving_only`) and fit
-        the simulator's inference costs to it (`replay_fit`); the factor, or None when it cannot be had."""
+        """Replay another slice of `source` live at `rate` with fine-tuning off (`serving_only`) and measure
+        its inference steps against the simulator's costs (`replay_fit`); the factor, or None when it
+        cannot be had."""
         cfg = self.cfg
         assert self.cal is not None
         if rate is None:
@@ -503,39 +510,38 @@ class Headline:
             "live": compact(res["summary"], {"busy_s_by_replica": busy, "run_dir": str(run_dir)}),
         }
         tr["calibration_replay"] = record
-        if live_attainment is None:
-            self.say("  calibration replay: no attainment measured; the probe's costs as they are")
+        self.record_step_costs(record, res, self.cal)
+        factor = measured_inference_factor(record.get("step_costs") or {})
+        if factor is None:
+            self.say("  calibration replay: no inference step logged; the probe's costs as they are")
             return None
-        sims: dict[float, dict[str, Any]] = {}
-
-        def attainment_at(f: float) -> float:
-            sims[f] = simulate_run(
+        sims = {
+            f: simulate_run(
                 replay_cfg, with_inference_factor(self.cal, f), source, rate, slo, REPLAY_SERIES, self.samples
             )
-            return sims[f]["summary"]["attainment"] or 0.0
-
-        factor, trail = fit_cost_factor(live_attainment, attainment_at)
-        live_ms = ms_per_token([(live_s, live_tokens)])
-        sim_ms = {
-            f: ms_per_token(sims[f]["sim"]["inference_by_replica_to_cut"].values()) for f in (1.0, factor)
+            for f in (1.0, factor)
         }
+        sim_attainment = {f: sims[f]["summary"]["attainment"] for f in sims}
+        live_ms = ms_per_token([(live_s, live_tokens)])
+        sim_ms = {f: ms_per_token(sims[f]["sim"]["inference_by_replica_to_cut"].values()) for f in sims}
         record |= {
             "factor": factor,
-            "fit": [list(p) for p in trail],
-            # Diagnostic: inference time per token served, live and simulated (probe's costs, fitted).
-            "ms_per_token": {"live": live_ms, "sim_probe": sim_ms[1.0], "sim_fitted": sim_ms[factor]},
+            # The check: the replay's attainment, simulated at the probe's costs and at the measured ones.
+            "sim_attainment": {"probe": sim_attainment[1.0], "measured": sim_attainment[factor]},
+            # Inference time per token served, live and simulated (probe's costs, measured ones).
+            "ms_per_token": {"live": live_ms, "sim_probe": sim_ms[1.0], "sim_measured": sim_ms[factor]},
             "wall_s": time.monotonic() - t0,
         }
-        per_token = (
-            f"; inference per token served {live_ms:.2f} ms live, {sim_ms[1.0]:.2f} ms simulated"
-            if live_ms is not None and sim_ms[1.0] is not None
-            else ""
-        )
+
+        def att(a: float | None) -> str:
+            return "-" if a is None else f"{a:.3f}"
+
         tr.setdefault("notes", []).append(
-            f"the simulator's prefill and decode costs x{factor:.3f}, the factor at which it attains what a "
-            f"live calibration replay did ({where}; {n} requests at {rate:.3f} req/s, {REPLAY_SERIES}): "
-            f"live {live_attainment:.3f}, simulated {trail[0][1]:.3f} at the probe's costs and "
-            f"{dict(trail)[factor]:.3f} at the fitted ones{per_token}"
+            f"the simulator's prefill and decode costs x{factor:.3f}: the live inference steps' time over "
+            f"what the simulator charges for them, measured on a calibration replay ({where}; {n} requests "
+            f"at {rate:.3f} req/s, {REPLAY_SERIES}); the replay attained {att(live_attainment)} live, "
+            f"{att(sim_attainment[1.0])} simulated at the probe's costs and {att(sim_attainment[factor])} "
+            "at the measured ones"
         )
         self.say(tr["notes"][-1] + f" ({time.monotonic() - t0:.0f} s)")
         return factor
@@ -611,6 +617,9 @@ class Headline:
             entry["live_error"] = str(exc)
             self.say(f"  {policy} FAILED: {exc}")
             return entry
+        if cfg.simulate and self.cal is not None:
+            # The prediction's requests beside the live ones (`requests.jsonl`), to compare one by one.
+            write_records(run_dir / "sim_requests.jsonl", sim(policy, block["n_requests"])["records"])
         if res["base_losses_measured"]:
             self.base_losses = dict(res["base_losses"])
             self.results["base_losses"] = {"losses": self.base_losses, "measured_in": str(run_dir)}
@@ -631,6 +640,7 @@ class Headline:
         )
         extra = {k: res.get(k) for k in keep} | {"quality_gain_current_end": res["final_current_gain"]}
         lv = entry["live"] = compact(res["summary"], extra)
+        self.record_step_costs(lv, res, self.prediction_cal)
         limits: dict[str, float] = {}
         for per in res["ft_limits_by_replica"].values():
             for k, n in per.items():
@@ -663,6 +673,18 @@ class Headline:
         if simulated:
             self.say("    simulated (whole run):                      " + busy_line(simulated))
         return entry
+
+    def record_step_costs(self, into: dict[str, Any], res: dict[str, Any], cal: Calibration | None) -> None:
+        """The run's steps (the replicas' step logs) against the costs its prediction used: kept as
+        `step_costs` (per replica, per kind of step) and said, one line per replica."""
+        if cal is None:
+            return
+        by_replica = step_costs(res, cal.cost, self.cfg.replica_ids())
+        if not by_replica:
+            return
+        into["step_costs"] = by_replica
+        for rid, kinds in sorted(by_replica.items()):
+            self.say(f"    step time / the simulator's cost, {rid}: {describe_kinds(kinds)}")
 
     def compare_block(self, block: dict[str, Any]) -> None:
         compare_block(block)

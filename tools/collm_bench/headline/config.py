@@ -97,8 +97,9 @@ class HeadlineConfig:
     # its quarter of an hour): whether the machine's speed moved while they ran.
     speed_probe_after: bool = False
     # Before each trace's runs, replay another slice of it live with fine-tuning off and scale the
-    # simulator's prefill and decode costs until it attains what the replay did (`replay_fit`): the rate
-    # search and the predictions then use an effective cost of the live stack, not only the probe's.
+    # simulator's prefill and decode costs by what the replay's inference steps took over what the
+    # simulator charges for them (`replay_fit`): the rate search and the predictions then use the cost of
+    # the loaded live stack, not only the quiet probe's.
     calibration_replay: bool = True
 
     def __post_init__(self) -> None:

@@ -47,10 +47,13 @@ from collm_bench.goodput import summarize
 from collm_bench.quality import QualityTable
 from collm_bench.records import write_records
 from collm_bench.runner import run_plan
+from collm_bench.step_costs import compare_steps
 from collm_bench.workload import PlannedRequest
 from collm_common import subjects
 from collm_common.bus import Bus, BusError
+from collm_common.calibration import CostModel
 from collm_common.settings import CommonSettings
+from collm_common.step_log import read_step_log
 from collm_common.store import AdapterStore, version_id
 from collm_common.wire.control import (
     ControlReply,
@@ -120,8 +123,14 @@ def stack_config(
         "COLLM_EVAL_MAX_TOKENS": str(cfg.eval_max_tokens),
     }
     coord_policy, cos = series_setup(policy)
+    # Every replica logs its steps (`collm_common.step_log`), so the run can set each step's time beside
+    # the cost model's prediction for it (`collm_bench.step_costs`).
     replicas = [
-        ReplicaSpec(rid, data_dir=str(replica_data[rid]), env={"COLLM_COSCHEDULER": cos})
+        ReplicaSpec(
+            rid,
+            data_dir=str(replica_data[rid]),
+            env={"COLLM_COSCHEDULER": cos, "COLLM_STEP_LOG_PATH": str(step_log_path(run_dir, rid))},
+        )
         for rid in cfg.replica_ids()
     ]
     return StackConfig(
@@ -144,6 +153,10 @@ def stack_config(
         ready_timeout_s=cfg.ready_timeout_s,
         metrics_port_base=0,
     )
+
+
+def step_log_path(run_dir: Path, replica_id: str) -> Path:
+    return run_dir / "stack" / f"steps-{replica_id}.jsonl"
 
 
 @dataclass
@@ -404,6 +417,7 @@ async def _drive(
         cpu_before = {**cpu_seconds(cpu_pids), "load generator": own_cpu_seconds()}
         machine_before = psutil.cpu_times()
         replay_start = obs.now()
+        replay_start_monotonic = time.monotonic()
         result = await run_plan(
             plan,
             opts,
@@ -413,6 +427,7 @@ async def _drive(
             duration_s=cfg.duration_s,
         )
         replay_end = obs.now()
+        replay_end_monotonic = time.monotonic()
         cpu_after = {**cpu_seconds(cpu_pids), "load generator": own_cpu_seconds()}
         machine_after = psutil.cpu_times()
         # The replay's arrivals end at the plan's last scheduled time; what follows is the drain.
@@ -480,10 +495,27 @@ async def _drive(
         "telemetry": obs.telemetry,
         "share_decisions": obs.shares,
         "replay_window_s": [replay_start, replay_end],
+        # The same on the machine's monotonic clock, the replicas' engine clock (their step logs' `t_s`).
+        "replay_window_monotonic_s": [replay_start_monotonic, replay_end_monotonic],
         "prep_s": prep_s,
         "interrupted": result.interrupted,
         "coordinator_status": status.model_dump(mode="json") if status is not None else None,
     }
+
+
+def step_costs(
+    res: Mapping[str, Any], cost: CostModel, replica_ids: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """Per replica of a finished run, its steps during the replay by kind: measured time against the
+    cost model's prediction (`collm_bench.step_costs`); replicas without a step log are left out."""
+    since, until = res["replay_window_monotonic_s"]
+    out = {}
+    for rid in replica_ids:
+        path = step_log_path(Path(res["run_dir"]), rid)
+        if path.is_file():
+            by_kind = compare_steps(read_step_log(path), cost, since, until)
+            out[rid] = {kind: k.as_dict() for kind, k in by_kind.items()}
+    return out
 
 
 def own_cpu_seconds() -> float:

@@ -123,8 +123,9 @@ def simulate_run(
     policy: str,
     samples_per_replica: int,
 ) -> dict[str, Any]:
-    """One simulated run: the summary (same code as the live one, after the drain cut) and the
-    simulator's own figures (fine-tuning tokens, rounds, quality model)."""
+    """One simulated run: the summary (same code as the live one, after the drain cut), the simulator's
+    own figures (fine-tuning tokens, rounds, quality model) and its request records after the cut (each
+    with the replica that served it), to set beside the live ones request by request."""
     from collm_sim.cluster import Simulation
 
     simulation = Simulation(sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica), cal)
@@ -150,6 +151,7 @@ def simulate_run(
         "policy": policy,
         "rate_rps": rate_rps,
         "summary": summary,
+        "records": records,
         "sim": {k: res.sim[k] for k in keep}
         | {
             # What the live replicas' counters can show, (inference s, tokens) each: the load generator

@@ -1,28 +1,33 @@
-"""The simulator's inference costs fitted to a live replay of the same trace (pure).
+"""The simulator's inference costs measured on a live replay of the same trace (pure).
 
-The speed probe times a prefill and a decode step alone, at fixed shapes; a loaded replica runs prefill
-chunks inside decode batches, over contexts of every length, for two adapters at once, and spends some of
-each iteration outside the model (sampling, detokenising, streaming). The probe-scaled simulator
-over-predicted the live goodput of every run of the conv comparison of 2026-12-02 01:35 (+29% to
-+408%), and near saturation a tenth more cost is a fifth less goodput. So before the runs the benchmark
-replays a *different* slice of the same trace live (the requests after the first
-`offset` ones from the slice's start, so the prediction of the benchmark's own slice is still a
-prediction), with fine-tuning off, and scales the simulator's prefill and decode costs by the factor at
-which the simulated replay attains the SLO attainment the live one did: an effective cost, which carries
-whatever the simulator leaves out (the iteration's work outside the model, how the live engine spreads
-latency over requests) into the rate search and the predictions. The replay runs at the light rate that
-the probe-scaled simulator found, where the light rate's definition (the best baseline at >= 95%) has to
-hold live. Its time per token served is recorded beside (`collm_replica_prefill_tokens` and
-`_generated_tokens` against the inference seconds, up to the load generator's cut): in five replays of
-2026-12-02 it was -5% to +13% off the simulator's at the probe's costs, while in the two that the live
-stack could not keep up with the simulator attained 0.30 and 0.63 where they attained 0.13 and 0.18: most
-of what the simulator misses is not the cost of a token but which requests those tokens go to.
+The speed probe times a prefill and a decode step alone, at fixed shapes, on an otherwise quiet machine;
+a loaded replica runs prefill chunks inside decode batches, over contexts of every length, for two
+adapters at once, beside the gateway, the coordinator and the load generator, and spends some of each
+step outside the model (sampling, detokenising, streaming). Near saturation a tenth more cost is a fifth
+less goodput. So before the runs the benchmark replays a *different* slice of the same trace live (the
+requests after the first `offset` ones from the slice's start, so the prediction of the benchmark's own
+slice is still a prediction), with fine-tuning off, and every replica logs its steps
+(`collm_common.step_log`). Each step's measured time is set beside what the simulator's cost model
+(scaled by the probe) charges for exactly that step (`collm_bench.step_costs`); the factor is the ratio
+of the sums over both replicas' inference steps, and scales the simulator's prefill and decode costs for
+the rate search and the predictions. It is a measurement of the cost of the steps the engine ran, not a
+fit of the simulator's output to the live one: the replay's SLO attainment, live and simulated at the
+probe's costs and at the measured ones, is recorded beside it as the check.
+
+Why the factor is measured and no longer fitted: until 2026-12-02 12:00 it was the factor at which the
+simulated replay attained the live replay's SLO attainment. That fit also absorbed what the simulator
+got wrong elsewhere: its coordinator re-sent every replica's share each second, and each one cut the
+replica's training stretch short, where the live coordinator sends a share only when it changed or half
+its TTL passed (`share_command_due`); the simulated fixed-ratio baseline trained half the tokens the
+live one did (2496 against 5755 at 1.600 req/s, 12:39) and its goodput came out +28% to +37% high. With
+that fixed, the step logs of two runs at 1.600 req/s (12:44) put the live inference steps at 1.19-1.24x
+the simulator's cost.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from collm_bench.traces import TraceRequest
 from collm_common.calibration import Calibration
@@ -58,56 +63,19 @@ def ms_per_token(work: Iterable[tuple[float, float]]) -> float | None:
     return 1e3 * sum(s for s, _ in pairs) / tokens if tokens > 0 else None
 
 
-def fit_cost_factor(
-    live_attainment: float,
-    attainment_at: Callable[[float], float],
-    tolerance: float = 0.02,
-    max_steps: int = 10,
-    bounds: tuple[float, float] = FACTOR_BOUNDS,
-    step: float = 1.25,
-) -> tuple[float, list[tuple[float, float]]]:
-    """The cost factor f at which the simulated replay's SLO attainment, `attainment_at(f)`, meets the
-    live one (within `tolerance`), and every (f, attainment) tried. Attainment falls as costs grow, in
-    steps (a few dozen requests) and not always strictly, so: from f = 1, steps of x`step` (or
-    /`step`) until the live attainment is bracketed or a bound is reached, then bisection (geometric)
-    of the bracket; the answer is the point tried nearest the live attainment, and of equally near ones
-    the nearest to 1 (the least correction that fits)."""
-    if not 0.0 <= live_attainment <= 1.0:
-        raise ValueError("the live attainment must lie in [0, 1]")
-    lo_b, hi_b = bounds
-    trail: list[tuple[float, float]] = []
-
-    def tried(f: float) -> float:
-        a = float(attainment_at(f))
-        trail.append((f, a))
-        return a
-
-    def best() -> float:
-        return min(trail, key=lambda p: (abs(p[1] - live_attainment), abs(math.log(p[0]))))[0]
-
-    a = tried(1.0)
-    if abs(a - live_attainment) <= tolerance:
-        return 1.0, trail
-    slower = a > live_attainment  # the simulation attains more than live: its costs are too low
-    near, f = 1.0, 1.0
-    while len(trail) < max_steps:
-        f = min(hi_b, f * step) if slower else max(lo_b, f / step)
-        a = tried(f)
-        if abs(a - live_attainment) <= tolerance:
-            return best(), trail
-        if (a <= live_attainment) if slower else (a >= live_attainment):
-            break  # bracketed between `near` and f
-        near = f
-        if f in bounds:
-            return best(), trail
-    lo, hi = sorted((near, f))
-    while len(trail) < max_steps:
-        mid = math.sqrt(lo * hi)
-        a = tried(mid)
-        if abs(a - live_attainment) <= tolerance:
-            break
-        if a > live_attainment:
-            lo = mid
-        else:
-            hi = mid
-    return best(), trail
+def measured_inference_factor(
+    step_costs_by_replica: Mapping[str, Mapping[str, Mapping[str, Any]]],
+) -> float | None:
+    """Measured over predicted time of the replay's inference steps, pooled over the replicas
+    (`step_costs` of a run: replica -> kind -> `KindCost.as_dict()`), held within `FACTOR_BOUNDS`; None
+    when no replica logged an inference step."""
+    measured = predicted = 0.0
+    for kinds in step_costs_by_replica.values():
+        k = kinds.get("inference")
+        if k and k.get("predicted_ms"):
+            measured += k["measured_ms"]
+            predicted += k["predicted_ms"]
+    if predicted <= 0:
+        return None
+    lo, hi = FACTOR_BOUNDS
+    return min(hi, max(lo, measured / predicted))

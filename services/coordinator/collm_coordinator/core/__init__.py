@@ -60,6 +60,7 @@ Baselines behind the same interface (baselines.py): `separate`, `fixed_ratio`, `
 """
 
 from collm_coordinator.core.config import POLICIES, CoreConfig, CostPrior
+from collm_coordinator.core.fast_loop import share_command_due
 from collm_coordinator.core.state_machine import CoordinatorCore
 from collm_coordinator.core.types import (
     AdapterVersionView,
@@ -99,4 +100,5 @@ __all__ = [
     "SlowDecision",
     "TickInputs",
     "TrainingProgress",
+    "share_command_due",
 ]

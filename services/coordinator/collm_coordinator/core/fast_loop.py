@@ -50,6 +50,14 @@ from collm_coordinator.core.state import ClusterView
 from collm_coordinator.core.types import FastDecision, RoutingDecision, ShareDecision
 
 
+def share_command_due(last: tuple[float, float] | None, share: float, now_s: float, ttl_s: float) -> bool:
+    """Whether a replica's share is sent to it at this tick: never sent (`last` = (share, when) of the
+    last one it accepted), changed by 1e-3 or more, or half its TTL old (so it never expires while the
+    coordinator runs). An unchanged share is not sent every tick: a command reaching a replica ends its
+    stretch of training at the next piece, as a new request does."""
+    return last is None or abs(last[0] - share) >= 1e-3 or now_s - last[1] >= ttl_s / 2
+
+
 def _q(x: float) -> float:
     return round(max(0.0, min(1.0, x)), 3)
 
