@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-calibration-replay",
         action="store_true",
         help="no calibration replay (default: before each trace's runs, another slice of it is replayed "
-        "live with fine-tuning off, and the simulator's inference costs are fitted to it)",
+        "live with fine-tuning off, and the simulator's inference costs are scaled by what its steps took "
+        "over what the simulator charges for them)",
     )
     g.add_argument(
         "--probe-after",
