@@ -20,7 +20,7 @@ everything the request-level figures mix in (routing, queueing, which requests w
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,6 +47,11 @@ class KindCost:
         return asdict(self) | {"ratio": self.ratio}
 
 
+def in_window(t_s: float, since_s: float | None, until_s: float | None) -> bool:
+    """Whether a record starting at `t_s` lies in [since_s, until_s) (None: unbounded on that side)."""
+    return (since_s is None or t_s >= since_s) and (until_s is None or t_s < until_s)
+
+
 def step_kind(step: InferenceStep) -> str:
     if step.decodes and step.prefill:
         return "mixed"
@@ -69,7 +74,7 @@ def compare_steps(
         acc[3] += forward
 
     for r in records:
-        if (since_s is not None and r.t_s < since_s) or (until_s is not None and r.t_s >= until_s):
+        if not in_window(r.t_s, since_s, until_s):
             continue
         if isinstance(r, InferenceStep):
             predicted = cost.step_ms(r.decodes, r.decode_context_tokens, r.prefill, r.adapters)
@@ -104,3 +109,99 @@ def describe_kinds(kinds: Mapping[str, Mapping[str, Any]]) -> str:
         else:
             parts.append(f"{kind} {seconds:.1f} s ({k['steps']} pieces)")
     return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class TrainingTotals:
+    """A run's training stretches summed: their time, and the micro-steps they completed (each one's
+    tokens and the time of its pieces). The rest of the time (`unfinished_ms`) went to optimizer steps
+    and to micro-steps not completed: in progress at the end, or dropped when their job ended first."""
+
+    stretches: int
+    ms: float
+    tokens: int
+    micro_steps: int
+    micro_ms: float
+
+    @property
+    def unfinished_ms(self) -> float:
+        return max(0.0, self.ms - self.micro_ms)
+
+    @property
+    def micro_ms_per_token(self) -> float | None:
+        return self.micro_ms / self.tokens if self.tokens else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "unfinished_ms": self.unfinished_ms,
+            "micro_ms_per_token": self.micro_ms_per_token,
+        }
+
+
+def background(
+    records: Iterable[InferenceStep | BackgroundWork], kind: str, since_s: float | None,
+    until_s: float | None,
+) -> Iterator[BackgroundWork]:  # fmt: skip
+    """The stretches of background work of `kind` ("train", "eval") starting in [since_s, until_s)."""
+    for r in records:
+        if isinstance(r, BackgroundWork) and r.kind == kind and in_window(r.t_s, since_s, until_s):
+            yield r
+
+
+def training_totals(
+    records: Iterable[InferenceStep | BackgroundWork], since_s: float | None = None,
+    until_s: float | None = None,
+) -> TrainingTotals:  # fmt: skip
+    """The training stretches whose start lies in [since_s, until_s), summed (pure)."""
+    stretches = tokens = micro = 0
+    ms = micro_ms = 0.0
+    for r in background(records, "train", since_s, until_s):
+        stretches += 1
+        ms += r.ms
+        tokens += r.tokens
+        micro += len(r.micro_steps)
+        micro_ms += sum(m for _, m in r.micro_steps)
+    return TrainingTotals(stretches, ms, tokens, micro, micro_ms)
+
+
+def describe_training(t: Mapping[str, Any]) -> str:
+    """One replica's `TrainingTotals.as_dict()` in a few words ("11.0 s, 1225 tokens in 7 micro-steps of
+    7.1 s (5.8 ms per token), 3.9 s unfinished")."""
+    per = t.get("micro_ms_per_token")
+    per_s = f" ({per:.1f} ms per token)" if per is not None else ""
+    return (
+        f"{t['ms'] / 1e3:.1f} s, {t['tokens']} tokens in {t['micro_steps']} micro-steps of "
+        f"{t['micro_ms'] / 1e3:.1f} s{per_s}, {t['unfinished_ms'] / 1e3:.1f} s unfinished"
+    )
+
+
+@dataclass(frozen=True)
+class EvalShape:
+    """How a run's evaluations ran: their batches (the pieces that completed one, which carry its
+    tokens), all their pieces, and the tokens scored."""
+
+    batches: int
+    pieces: int
+    tokens: int
+
+    @property
+    def pieces_per_batch(self) -> float | None:
+        return self.pieces / self.batches if self.batches else None
+
+    @property
+    def tokens_per_batch(self) -> float | None:
+        return self.tokens / self.batches if self.batches else None
+
+
+def eval_shape(
+    records: Iterable[InferenceStep | BackgroundWork], since_s: float | None = None,
+    until_s: float | None = None,
+) -> EvalShape:  # fmt: skip
+    """The evaluation pieces whose start lies in [since_s, until_s), counted (pure)."""
+    batches = pieces = tokens = 0
+    for r in background(records, "eval", since_s, until_s):
+        pieces += 1
+        if r.tokens > 0:
+            batches += 1
+            tokens += r.tokens
+    return EvalShape(batches, pieces, tokens)

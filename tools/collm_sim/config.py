@@ -56,6 +56,10 @@ class EngineSpec:
     eval_tokens: int | None = _R["eval_max_tokens"]
     eval_batch_tokens: int = 512
     eval_pieces_per_batch: int = 31
+    # The batches of one evaluation when known (the live replicas pack whole examples, so their batches
+    # hold fewer tokens than `eval_batch_tokens`; the headline measures them on its calibration replay);
+    # None: `eval_tokens` / `eval_batch_tokens`, rounded up.
+    eval_batches: int | None = None
     publish_every_steps: int = _R["publish_every_steps"]
     # The simulated replica reports the busy fractions of each interval (the coordinator's best signal).
     report_busy_fractions: bool = True

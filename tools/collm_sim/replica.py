@@ -44,6 +44,7 @@ from collections.abc import Callable
 from itertools import islice
 
 from collm_common.calibration import CostModel
+from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.telemetry import ReplicaTelemetry, ResidentAdapter, TrainingJobStatus
 from collm_sim.config import EngineSpec
 from collm_sim.plugins import (
@@ -213,10 +214,11 @@ class SimReplica:
         # One evaluation's cost (None: not modelled), and its pieces.
         self.eval_ms_each: float | None = None
         self.eval_piece_ms = 0.0
+        batches = 1
         if engine.eval_tokens:
-            self.eval_ms_each = cost.eval_ms(engine.eval_tokens, engine.eval_batch_tokens)
+            batches = engine.eval_batches or -(-engine.eval_tokens // max(1, engine.eval_batch_tokens))
+            self.eval_ms_each = cost.eval_ms(engine.eval_tokens, -(-engine.eval_tokens // max(1, batches)))
         if self.eval_ms_each:
-            batches = -(-engine.eval_tokens // max(1, engine.eval_batch_tokens)) if engine.eval_tokens else 1
             self.eval_piece_ms = self.eval_ms_each / (batches * max(1, engine.eval_pieces_per_batch))
         self.eval_every_tokens = engine.publish_every_steps * engine.train_batch_tokens
         self.evals: deque[EvalTask] = deque()
@@ -243,6 +245,10 @@ class SimReplica:
         self._last_telemetry_s = 0.0
         self.ft_tokens_total = 0
         self.iterations_total = 0
+        # Told every inference step and stretch of background work, in the live step log's records (the
+        # engine's `step_log`), so a simulated run's steps can be set beside a live run's.
+        self.step_log: Callable[[InferenceStep | BackgroundWork], None] | None = None
+        self._step_shape: tuple[int, int, list[tuple[int, int]], int] = (0, 0, [], 0)
 
     def inference_until(self, cut_s: float) -> tuple[float, int]:
         """(seconds, tokens) of the inference steps completed by `cut_s`, as a live replica's counters
@@ -496,6 +502,7 @@ class SimReplica:
         t_ev = t_inf + eval_ms / 1e3
         self.pending = (items, t_inf, t_ev, t_ev + train_ms / 1e3, catch_up)
         self._pending_ms = (inf_ms, train_ms)
+        self._step_shape = (n_dec, dec_context, chunks, len(adapters))
         self.idle = False
         return t_ev + train_ms / 1e3
 
@@ -579,11 +586,12 @@ class SimReplica:
             job.evals += n
             job.eval_debt_ms += n * self.eval_ms_each
 
-    def _train(self, job: Job, ms: float) -> tuple[int, float]:
+    def _train(self, job: Job, ms: float) -> tuple[int, float, list[tuple[int, float]]]:
         """Spend `ms` on the job: the evaluations it owes first, then its micro-steps; (tokens of the
-        micro-steps it completed, ms of evaluation)."""
+        micro-steps it completed, ms of evaluation, (tokens, ms) of each micro-step completed)."""
         done = 0
         eval_ms = 0.0
+        micro_steps: list[tuple[int, float]] = []
         job.progress_ms += ms
         while job.active:
             if job.eval_debt_ms > 1e-9:
@@ -601,10 +609,11 @@ class SimReplica:
             job.progress_ms -= step_ms
             job.tokens_done += tokens
             done += tokens
+            micro_steps.append((tokens, step_ms))
             self._owe_evals(job)
         if job.done:
             job.progress_ms = 0.0
-        return done, eval_ms
+        return done, eval_ms, micro_steps
 
     def _complete(self) -> None:
         assert self.pending is not None
@@ -616,6 +625,23 @@ class SimReplica:
         self._train_ms += train_ms
         self.busy_ms["inference"] += self._pending_ms[0]
         self.inference_steps.append((t_inf, self._pending_ms[0], sum(n for _, n in items)))
+        log = self.step_log
+        if log is not None and items:
+            n_dec, dec_context, chunks, n_adapters = self._step_shape
+            inf_ms = self._pending_ms[0]
+            log(
+                InferenceStep(
+                    t_s=t_inf - inf_ms / 1e3,
+                    decodes=n_dec,
+                    decode_context_tokens=dec_context,
+                    prefill=chunks,
+                    adapters=n_adapters,
+                    forward_ms=inf_ms,
+                    step_ms=inf_ms,
+                )
+            )
+        if log is not None and eval_ms > 0:
+            log(BackgroundWork(kind="eval", t_s=t_inf, ms=eval_ms))
         self.busy_ms["evaluation"] += eval_ms
         for req, n in items:
             if req.computed < req.prompt_len:
@@ -640,7 +666,19 @@ class SimReplica:
         job = self.job
         if train_ms > 0 and job is not None and job.active:
             self.cosched.charge(train_ms)
-            train_tokens, job_eval_ms = self._train(job, train_ms)
+            train_tokens, job_eval_ms, micro_steps = self._train(job, train_ms)
+            if log is not None:
+                log(
+                    BackgroundWork(
+                        kind="train",
+                        t_s=t_ev,
+                        ms=train_ms - job_eval_ms,
+                        tokens=train_tokens,
+                        micro_steps=micro_steps,
+                    )
+                )
+                if job_eval_ms > 0:
+                    log(BackgroundWork(kind="eval", t_s=t_ev, ms=job_eval_ms))
             self.busy_ms["training"] += train_ms - job_eval_ms
             self.busy_ms["evaluation"] += job_eval_ms
             self._ft_tokens += train_tokens

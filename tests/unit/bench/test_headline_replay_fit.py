@@ -11,11 +11,14 @@ from collm_bench.headline.config import HeadlineConfig
 from collm_bench.headline.replay_fit import (
     FACTOR_BOUNDS,
     REPLAY_SERIES,
+    EvalFit,
+    measured_eval_fit,
     measured_inference_factor,
     ms_per_token,
     replay_start_s,
     with_inference_factor,
 )
+from collm_bench.step_costs import EvalShape
 from collm_bench.traces import TraceRequest
 from collm_common.calibration import Calibration
 from collm_sim.plugins import REFERENCES
@@ -72,3 +75,29 @@ def test_the_replay_is_on_by_default_and_serves_only() -> None:
 def test_time_per_token_pools_the_replicas() -> None:
     assert ms_per_token([(80.0, 16000), (82.0, 14000)]) == pytest.approx(1e3 * 162.0 / 30000)
     assert ms_per_token([(1.0, 0)]) is None and ms_per_token([]) is None
+
+
+def test_the_evaluations_take_the_replays_batches_and_pieces() -> None:
+    # Live, 3 + 4 batches of whole examples (1013 and 1020 tokens) in 32 pieces each: 290 tokens a
+    # batch, so an evaluation of 1024 tokens is 4 batches (3.53 rounded) of 32 pieces.
+    shape = EvalShape(batches=7, pieces=224, tokens=2033)
+    assert measured_eval_fit(shape, 1024) == EvalFit(batches=4, pieces_per_batch=32)
+    # One replica's shape alone: 3 batches of 338 tokens.
+    assert measured_eval_fit(EvalShape(3, 96, 1013), 1024) == EvalFit(3, 32)
+    # Nothing measured, or evaluations not modelled: no fit.
+    assert measured_eval_fit(EvalShape(0, 0, 0), 1024) is None
+    assert measured_eval_fit(shape, None) is None
+
+
+def test_the_simulated_engine_gets_the_fit() -> None:
+    from collm_bench.headline.predict import sim_config
+    from collm_bench.headline.setup import TraceSource
+    from collm_bench.workload import Slo
+
+    cfg = HeadlineConfig()
+    source = TraceSource("synthetic", None)
+    plain = sim_config(cfg, source, 1.0, Slo(1000.0, 100.0), "collm", 10)
+    assert plain.engine.eval_batches is None and plain.engine.eval_tokens == cfg.eval_max_tokens
+    fitted = sim_config(cfg, source, 1.0, Slo(1000.0, 100.0), "collm", 10, EvalFit(4, 32))
+    assert (fitted.engine.eval_batches, fitted.engine.eval_pieces_per_batch) == (4, 32)
+    assert fitted.engine.eval_tokens == cfg.eval_max_tokens

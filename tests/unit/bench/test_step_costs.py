@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from collm_bench.step_costs import compare_steps, describe_kinds
+from collm_bench.step_costs import (
+    compare_steps,
+    describe_kinds,
+    describe_training,
+    eval_shape,
+    training_totals,
+)
 from collm_common.calibration import CostModel
 from collm_common.step_log import BackgroundWork, InferenceStep
 
@@ -68,3 +74,40 @@ def test_steps_sum_by_kind_within_the_window() -> None:
         "eval 0.0 s (1 pieces)"
     )
     assert compare_steps([outside], COST, since_s=0.5, until_s=9.0) == {}
+
+
+def test_training_sums_its_stretches_and_the_micro_steps_they_completed() -> None:
+    # Three stretches of one job: the first two complete a micro-step of 100 tokens (its pieces took
+    # 150 + 100 ms of them), the third is half a micro-step still in progress; one stretch before the
+    # window and the inference and evaluation records do not count.
+    records = [
+        BackgroundWork(kind="train", t_s=0.5, ms=999.0, tokens=50, micro_steps=[(50, 999.0)]),
+        BackgroundWork(kind="train", t_s=1.0, ms=150.0),
+        inference(1.2, 4, 400, [], 30.0),
+        BackgroundWork(kind="train", t_s=1.5, ms=120.0, tokens=100, micro_steps=[(100, 250.0)]),
+        BackgroundWork(kind="eval", t_s=1.7, ms=40.0, tokens=30),
+        BackgroundWork(kind="train", t_s=2.0, ms=80.0),
+    ]
+    t = training_totals(records, since_s=1.0)
+    assert (t.stretches, t.ms, t.tokens, t.micro_steps, t.micro_ms) == (3, 350.0, 100, 1, 250.0)
+    assert t.unfinished_ms == pytest.approx(100.0)
+    assert t.micro_ms_per_token == pytest.approx(2.5)
+    assert describe_training(t.as_dict()) == (
+        "0.3 s, 100 tokens in 1 micro-steps of 0.2 s (2.5 ms per token), 0.1 s unfinished"
+    )
+    empty = training_totals([], None, None)
+    assert empty.micro_ms_per_token is None and empty.unfinished_ms == 0.0
+    assert "ms per token" not in describe_training(empty.as_dict())
+
+
+def test_evaluation_batches_are_the_pieces_that_carry_tokens() -> None:
+    # Two batches of 300 and 200 tokens in 3 and 2 pieces (the last piece of each carries its tokens);
+    # a piece after the window does not count.
+    pieces = [(0.0, 0), (0.1, 0), (0.2, 300), (0.3, 0), (0.4, 200), (9.0, 100)]
+    records = [BackgroundWork(kind="eval", t_s=t, ms=10.0, tokens=n) for t, n in pieces]
+    records.append(BackgroundWork(kind="train", t_s=0.5, ms=5.0, tokens=64, micro_steps=[(64, 5.0)]))
+    shape = eval_shape(records, until_s=5.0)
+    assert (shape.batches, shape.pieces, shape.tokens) == (2, 5, 500)
+    assert shape.pieces_per_batch == pytest.approx(2.5) and shape.tokens_per_batch == pytest.approx(250.0)
+    none = eval_shape([])
+    assert none.pieces_per_batch is None and none.tokens_per_batch is None

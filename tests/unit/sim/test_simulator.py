@@ -369,3 +369,50 @@ def test_rounds_wait_for_their_evaluators_and_evaluations_cost_replica_time() ->
         calibration_for_tests(eval_cost=(10.0, 5.0)),  # 20 s per evaluation
     )
     assert slow.sim["rounds"]["published"] >= 2
+
+
+def test_the_step_log_accounts_for_every_step_and_stretch_of_background_work() -> None:
+    # The simulated replicas tell their steps in the live step log's records: the inference steps carry
+    # every prompt token once and take the inference time, the training stretches carry every
+    # fine-tuning token, and the stretches' times add up to the replica's busy time by kind.
+    from collm_common.step_log import BackgroundWork, InferenceStep
+
+    cfg = SimConfig(replicas=2, policy="leftover", workload=synthetic(rate=2.0, duration=60.0),
+                    core={"slow_interval_s": 20.0, "round_deadline_s": 15.0})  # fmt: skip
+    sim = Simulation(cfg, calibration_for_tests())
+    logs: dict[str, list[InferenceStep | BackgroundWork]] = {rid: [] for rid in sim.replicas}
+    for rid, rep in sim.replicas.items():
+        rep.step_log = logs[rid].append
+    res = sim.run()
+    prompt_tokens = 0
+    for rid, rep in sim.replicas.items():
+        steps = [r for r in logs[rid] if isinstance(r, InferenceStep)]
+        train = [r for r in logs[rid] if isinstance(r, BackgroundWork) and r.kind == "train"]
+        evals = [r for r in logs[rid] if isinstance(r, BackgroundWork) and r.kind == "eval"]
+        assert steps and train
+        assert [r.t_s for r in steps] == sorted(r.t_s for r in steps)
+        prompt_tokens += sum(n for s in steps for n, _ in s.prefill)
+        assert sum(s.step_ms for s in steps) == pytest.approx(rep.busy_ms["inference"])
+        assert sum(s.ms for s in train) == pytest.approx(rep.busy_ms["training"])
+        assert sum(s.ms for s in evals) == pytest.approx(rep.busy_ms["evaluation"])
+        assert sum(s.tokens for s in train) == rep.ft_tokens_total > 0
+        assert sum(n for s in train for n, _ in s.micro_steps) == rep.ft_tokens_total
+        for s in steps:
+            assert s.decodes + len(s.prefill) > 0 and s.forward_ms == s.step_ms > 0
+    started = [r for r in res.records if r.ttft_ms is not None]
+    assert prompt_tokens >= sum(r.prompt_tokens for r in started)
+
+
+def test_an_evaluation_runs_in_the_batches_and_pieces_it_is_given() -> None:
+    # 1024 tokens: by default in 2 batches of 512 (2 x 10 + 1024 x 0.5 = 532 ms) of 31 pieces each; given
+    # the live shape, 4 batches (4 x 10 + 512 = 552 ms) of 32 pieces: 128 pieces instead of 62.
+    from collm_replica.cosched import LeftoverCoScheduler
+
+    done: list[object] = []
+    default = eval_replica(EngineSpec(eval_tokens=1024), LeftoverCoScheduler(), done)
+    assert default.eval_ms_each == pytest.approx(532.0)  # type: ignore[attr-defined]
+    assert default.eval_piece_ms == pytest.approx(532.0 / 62)  # type: ignore[attr-defined]
+    spec = EngineSpec(eval_tokens=1024, eval_batches=4, eval_pieces_per_batch=32)
+    live_shape = eval_replica(spec, LeftoverCoScheduler(), done)
+    assert live_shape.eval_ms_each == pytest.approx(552.0)  # type: ignore[attr-defined]
+    assert live_shape.eval_piece_ms == pytest.approx(552.0 / 128)  # type: ignore[attr-defined]

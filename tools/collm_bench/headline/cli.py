@@ -25,20 +25,23 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from collm_bench.records import write_records
-from collm_bench.step_costs import describe_kinds
+from collm_bench.step_costs import describe_kinds, describe_training, training_totals
 from collm_common.calibration import Calibration
+from collm_common.step_log import read_step_log
 from collm_replica.naming import served_name
 from collm_replica.settings import ReplicaSettings
 
 from . import setup
 from .config import BASELINES, RATE_LABELS, HeadlineConfig, tiny_preset
-from .live import LiveRunError, run_live, step_costs
+from .live import LiveRunError, eval_shape_of_run, run_live, step_costs, training_by_replica
 from .plot import plot
 from .predict import cost_band, simulate_run
 from .rates import BestBaseline, capacity_estimate_rps, grid_counts, search_rate
 from .replay_fit import (
     OFFSET_REQUESTS,
     REPLAY_SERIES,
+    EvalFit,
+    measured_eval_fit,
     measured_inference_factor,
     ms_per_token,
     replay_start_s,
@@ -376,11 +379,15 @@ class Headline:
         cache: dict[tuple[str, int, float | None], dict[str, Any]] = {}
         replay_factor = 1.0  # this trace's inference cost factor from the calibration replay (`replay_fit`)
         self.prediction_cal = self.cal  # the costs the predictions of this trace use
+        self.eval_fit: EvalFit | None = None  # the evaluations' batches, measured on this trace's replay
 
-        def sim(policy: str, n: int, factor: float | None = None) -> dict[str, Any]:
+        def sim(
+            policy: str, n: int, factor: float | None = None, step_logs_dir: Path | None = None
+        ) -> dict[str, Any]:
             """The simulated run; with `factor`, on the calibration as measured with every cost times that
-            (an end of the speed probe's range) instead of scaled by kind; either with the replay's factor."""
-            if (policy, n, factor) not in cache:
+            (an end of the speed probe's range) instead of scaled by kind; either with the replay's factor.
+            With `step_logs_dir`, simulated again (not cached) with its replicas' step logs written there."""
+            if (policy, n, factor) not in cache or step_logs_dir is not None:
                 cal = self.cal if factor is None else self.unscaled_cal
                 assert cal is not None
                 if factor is not None:
@@ -388,7 +395,12 @@ class Headline:
                 if replay_factor != 1.0:
                     cal = with_inference_factor(cal, replay_factor)
                 rate = n / cfg.duration_s
-                cache[policy, n, factor] = simulate_run(cfg, cal, source, rate, slo, policy, self.samples)
+                run = simulate_run(
+                    cfg, cal, source, rate, slo, policy, self.samples, step_logs_dir, self.eval_fit
+                )
+                if step_logs_dir is not None:
+                    return run
+                cache[policy, n, factor] = run
             return cache[policy, n, factor]
 
         t_search = time.monotonic()
@@ -516,9 +528,20 @@ class Headline:
         if factor is None:
             self.say("  calibration replay: no inference step logged; the probe's costs as they are")
             return None
+        shape = eval_shape_of_run(res, cfg.replica_ids())
+        self.eval_fit = measured_eval_fit(shape, cfg.eval_max_tokens)
+        record["eval_shape"] = dataclasses.asdict(shape)
+        record["eval_fit"] = dataclasses.asdict(self.eval_fit) if self.eval_fit else None
         sims = {
             f: simulate_run(
-                replay_cfg, with_inference_factor(self.cal, f), source, rate, slo, REPLAY_SERIES, self.samples
+                replay_cfg,
+                with_inference_factor(self.cal, f),
+                source,
+                rate,
+                slo,
+                REPLAY_SERIES,
+                self.samples,
+                eval_fit=self.eval_fit,
             )
             for f in (1.0, factor)
         }
@@ -545,6 +568,14 @@ class Headline:
             "at the measured ones"
         )
         self.say(tr["notes"][-1] + f" ({time.monotonic() - t0:.0f} s)")
+        if self.eval_fit is not None:
+            tr["notes"].append(
+                f"the simulator's evaluations in {self.eval_fit.batches} batches of "
+                f"{self.eval_fit.pieces_per_batch} pieces: the replay's {shape.batches} evaluation batches "
+                f"held {shape.tokens_per_batch:.0f} tokens and ran in {shape.pieces_per_batch:.1f} pieces "
+                f"on average (evaluations of {cfg.eval_max_tokens} tokens)"
+            )
+            self.say(tr["notes"][-1])
         return factor
 
     def search(self, source: TraceSource, sim: Any) -> dict[str, dict[str, Any]]:
@@ -619,8 +650,10 @@ class Headline:
             self.say(f"  {policy} FAILED: {exc}")
             return entry
         if cfg.simulate and self.cal is not None:
-            # The prediction's requests beside the live ones (`requests.jsonl`), to compare one by one.
-            write_records(run_dir / "sim_requests.jsonl", sim(policy, block["n_requests"])["records"])
+            # The prediction's requests and steps beside the live ones (`requests.jsonl`, the stack's step
+            # logs), to compare one by one.
+            predicted = sim(policy, block["n_requests"], step_logs_dir=run_dir)
+            write_records(run_dir / "sim_requests.jsonl", predicted["records"])
         if res["base_losses_measured"]:
             self.base_losses = dict(res["base_losses"])
             self.results["base_losses"] = {"losses": self.base_losses, "measured_in": str(run_dir)}
@@ -673,7 +706,26 @@ class Headline:
         simulated = (entry.get("sim") or {}).get("busy_s_by_replica") or {}
         if simulated:
             self.say("    simulated (whole run):                      " + busy_line(simulated))
+        self.record_training(lv, res, run_dir)
         return entry
+
+    def record_training(self, into: dict[str, Any], res: dict[str, Any], run_dir: Path) -> None:
+        """The run's training stretches per replica (step logs) beside the simulated run's, when both
+        were written: kept as `training_by_replica` {live, sim} and said, one line per replica."""
+        live = training_by_replica(res, self.cfg.replica_ids())
+        if not live:
+            return
+        sim = {
+            rid: training_totals(read_step_log(run_dir / f"sim_steps-{rid}.jsonl")).as_dict()
+            for rid in live
+            if (run_dir / f"sim_steps-{rid}.jsonl").is_file()
+        }
+        into["training_by_replica"] = {"live": live, "sim": sim}
+        for rid, t in sorted(live.items()):
+            line = f"    training, {rid}: live {describe_training(t)}"
+            if rid in sim:
+                line += f"; simulated (whole run) {describe_training(sim[rid])}"
+            self.say(line)
 
     def record_step_costs(self, into: dict[str, Any], res: dict[str, Any], cal: Calibration | None) -> None:
         """The run's steps (the replicas' step logs) against the costs its prediction used: kept as

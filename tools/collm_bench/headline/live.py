@@ -47,7 +47,7 @@ from collm_bench.goodput import summarize
 from collm_bench.quality import QualityTable
 from collm_bench.records import write_records
 from collm_bench.runner import run_plan
-from collm_bench.step_costs import compare_steps
+from collm_bench.step_costs import EvalShape, compare_steps, eval_shape, training_totals
 from collm_bench.workload import PlannedRequest
 from collm_common import subjects
 from collm_common.bus import Bus, BusError
@@ -516,6 +516,31 @@ def step_costs(
             by_kind = compare_steps(read_step_log(path), cost, since, until)
             out[rid] = {kind: k.as_dict() for kind, k in by_kind.items()}
     return out
+
+
+def training_by_replica(res: Mapping[str, Any], replica_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per replica of a finished run, its training stretches during the replay summed
+    (`collm_bench.step_costs.training_totals`); replicas without a step log are left out."""
+    since, until = res["replay_window_monotonic_s"]
+    out = {}
+    for rid in replica_ids:
+        path = step_log_path(Path(res["run_dir"]), rid)
+        if path.is_file():
+            out[rid] = training_totals(read_step_log(path), since, until).as_dict()
+    return out
+
+
+def eval_shape_of_run(res: Mapping[str, Any], replica_ids: Sequence[str]) -> EvalShape:
+    """A finished run's evaluation pieces during the replay, pooled over its replicas' step logs
+    (`collm_bench.step_costs.eval_shape`)."""
+    since, until = res["replay_window_monotonic_s"]
+    batches = pieces = tokens = 0
+    for rid in replica_ids:
+        path = step_log_path(Path(res["run_dir"]), rid)
+        if path.is_file():
+            s = eval_shape(read_step_log(path), since, until)
+            batches, pieces, tokens = batches + s.batches, pieces + s.pieces, tokens + s.tokens
+    return EvalShape(batches, pieces, tokens)
 
 
 def own_cpu_seconds() -> float:

@@ -9,7 +9,10 @@ What is made equal, and how:
 * replicas: replica i holds domain i mod len(domains), as live; engine and gateway sizes are the
   services' setting defaults on both sides;
 * evaluations: the live stack's cap on the held-out tokens of every evaluation (`eval_max_tokens`)
-  is the simulated evaluation's size (the datasets' held-out examples exceed it);
+  is the simulated evaluation's size (the datasets' held-out examples exceed it); its batches and their
+  pieces, when measured on the calibration replay (`EvalFit`), are the live ones' (the live replicas
+  pack whole examples, so an evaluation of 1024 tokens ran in 3 or 4 batches of 32 pieces, not 2 of
+  31: under load a piece runs per iteration, so the pieces set how long an evaluation lasts);
 * policy: the coordinator core with the live coordinator's cadences (`slow_interval_s`,
   `round_deadline_s`, `warmup_s`), the policy's replica co-scheduler, and for `separate` the shared
   gateway's draw on the coordinator's weights (what the live stack does: one gateway for both sides);
@@ -21,14 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from collm_bench.goodput import summarize
 from collm_bench.records import RequestRecord
 from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
+from collm_common.step_log import StepLog
 
 from .config import HeadlineConfig
+from .replay_fit import EvalFit
 from .setup import TraceSource
 
 
@@ -79,6 +85,7 @@ def sim_config(
     slo: Slo,
     policy: str,
     samples_per_replica: int,
+    eval_fit: EvalFit | None = None,
 ) -> Any:  # collm_sim.config.SimConfig
     from collm_sim.config import EngineSpec, SimConfig
     from collm_sim.plugins import series_setup
@@ -98,7 +105,14 @@ def sim_config(
         domains=tuple(sorted(cfg.domains)),
         request_timeout_s=cfg.request_timeout_s,
         # The live replicas and aggregator score at most this many held-out tokens per evaluation.
-        engine=EngineSpec(eval_tokens=cfg.eval_max_tokens),
+        # With the batches the calibration replay's evaluations ran in, when measured.
+        engine=EngineSpec(eval_tokens=cfg.eval_max_tokens)
+        if eval_fit is None
+        else EngineSpec(
+            eval_tokens=cfg.eval_max_tokens,
+            eval_batches=eval_fit.batches,
+            eval_pieces_per_batch=eval_fit.pieces_per_batch,
+        ),
         separate_routing="weights",
         seed=cfg.seed,
     )
@@ -122,14 +136,30 @@ def simulate_run(
     slo: Slo,
     policy: str,
     samples_per_replica: int,
+    step_logs_dir: Path | None = None,
+    eval_fit: EvalFit | None = None,
 ) -> dict[str, Any]:
     """One simulated run: the summary (same code as the live one, after the drain cut), the simulator's
     own figures (fine-tuning tokens, rounds, quality model) and its request records after the cut (each
-    with the replica that served it), to set beside the live ones request by request."""
+    with the replica that served it), to set beside the live ones request by request. With
+    `step_logs_dir`, each simulated replica also writes its steps there (`sim_steps-<replica>.jsonl`, the
+    live step log's records, times from the simulation's start), to set beside the live step logs."""
     from collm_sim.cluster import Simulation
 
-    simulation = Simulation(sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica), cal)
-    res = simulation.run()
+    simulation = Simulation(
+        sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica, eval_fit), cal
+    )
+    logs = []
+    if step_logs_dir is not None:
+        for rid, rep in simulation.replicas.items():
+            log = StepLog(step_logs_dir / f"sim_steps-{rid}.jsonl")
+            rep.step_log = log.write
+            logs.append(log)
+    try:
+        res = simulation.run()
+    finally:
+        for log in logs:
+            log.close()
     last_arrival = max((r.scheduled_s for r in res.records), default=0.0)
     records = drain_cut(res.records, last_arrival + cfg.drain_s)
     summary = summarize(records, quality=simulation.quality_table(), timeline_bin_s=cfg.timeline_bin_s)

@@ -27,8 +27,10 @@ the simulator's cost.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from collm_bench.step_costs import EvalShape
 from collm_bench.traces import TraceRequest
 from collm_common.calibration import Calibration
 
@@ -79,3 +81,22 @@ def measured_inference_factor(
         return None
     lo, hi = FACTOR_BOUNDS
     return min(hi, max(lo, measured / predicted))
+
+
+@dataclass(frozen=True)
+class EvalFit:
+    """The simulator's evaluation shape as measured on the replay: batches per evaluation and pieces per
+    batch (`collm_sim.config.EngineSpec.eval_batches`, `eval_pieces_per_batch`)."""
+
+    batches: int
+    pieces_per_batch: int
+
+
+def measured_eval_fit(shape: EvalShape, eval_tokens: int | None) -> EvalFit | None:
+    """From the replay's evaluation pieces pooled over its replicas: an evaluation of `eval_tokens` in
+    batches of the mean tokens the live batches held (rounded to whole batches), each in the mean number
+    of pieces; None when the replay completed no evaluation batch or evaluations are not modelled."""
+    per_batch, pieces = shape.tokens_per_batch, shape.pieces_per_batch
+    if not eval_tokens or per_batch is None or pieces is None or per_batch <= 0:
+        return None
+    return EvalFit(max(1, round(eval_tokens / per_batch)), max(1, round(pieces)))
