@@ -8,7 +8,8 @@ queueing. The records are declared once here, for the writer and the readers.
 * `InferenceStep`: one forward pass of the running batch: its decoding sequences (how many, and the
   tokens of context before their new token, summed), its prefill chunks (tokens, earlier tokens of the
   sequence), the distinct adapter versions in it, the forward pass's time and the step's whole time
-  (forward, sampling, detokenising, streaming);
+  (forward, sampling, detokenising, streaming), and the training budget the co-scheduler granted for
+  after it, with what bounded that budget;
 * `BackgroundWork`: one stretch of training or evaluation pieces after a step: its time, the training
   tokens of the micro-steps it completed (each micro-step's tokens and time; the optimizer's steps and a
   micro-step still in progress are in `ms` only) or the evaluation tokens it scored.
@@ -36,6 +37,11 @@ class InferenceStep(BaseModel):
     adapters: int = Field(ge=0)
     forward_ms: float = Field(ge=0)
     step_ms: float = Field(ge=0)
+    # The training decided for after this step: its budget (0 without a job to train) and what bounded it
+    # (the co-scheduler's limit: share, slack, guard, idle; "policy" for a co-scheduler that keeps none;
+    # None without a job).
+    train_budget_ms: float = Field(0.0, ge=0)
+    train_limit: str | None = None
 
 
 class BackgroundWork(BaseModel):

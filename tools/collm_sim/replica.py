@@ -248,7 +248,9 @@ class SimReplica:
         # Told every inference step and stretch of background work, in the live step log's records (the
         # engine's `step_log`), so a simulated run's steps can be set beside a live run's.
         self.step_log: Callable[[InferenceStep | BackgroundWork], None] | None = None
-        self._step_shape: tuple[int, int, list[tuple[int, int]], int] = (0, 0, [], 0)
+        self._step_shape: tuple[int, int, list[tuple[int, int]], int, tuple[float, str | None]] = (
+            0, 0, [], 0, (0.0, None),
+        )  # fmt: skip
 
     def inference_until(self, cut_s: float) -> tuple[float, int]:
         """(seconds, tokens) of the inference steps completed by `cut_s`, as a live replica's counters
@@ -437,6 +439,7 @@ class SimReplica:
         catch_up = False
         job = self.job
         has_job = job is not None and job.active
+        decision: tuple[float, str | None] = (0.0, None)  # the training budget and what bounded it
         if has_job or self.evals:
             share, _ = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
             min_ttft_ms = min(
@@ -488,6 +491,7 @@ class SimReplica:
                 budget_ms = (
                     budget(inp) if budget is not None else self.train_cost.ms(self.cosched.decide(inp))
                 )
+                decision = (max(0.0, min(budget_ms, 60_000.0)), getattr(self.cosched, "limit", "policy"))
                 window_ms = min(budget_ms, 60_000.0)
                 if inp.idle and budget_ms > 0 and not self.evals:
                     window_ms = max(window_ms, self.piece_ms)
@@ -502,7 +506,7 @@ class SimReplica:
         t_ev = t_inf + eval_ms / 1e3
         self.pending = (items, t_inf, t_ev, t_ev + train_ms / 1e3, catch_up)
         self._pending_ms = (inf_ms, train_ms)
-        self._step_shape = (n_dec, dec_context, chunks, len(adapters))
+        self._step_shape = (n_dec, dec_context, chunks, len(adapters), decision)
         self.idle = False
         return t_ev + train_ms / 1e3
 
@@ -627,7 +631,7 @@ class SimReplica:
         self.inference_steps.append((t_inf, self._pending_ms[0], sum(n for _, n in items)))
         log = self.step_log
         if log is not None and items:
-            n_dec, dec_context, chunks, n_adapters = self._step_shape
+            n_dec, dec_context, chunks, n_adapters, (budget_ms, limit) = self._step_shape
             inf_ms = self._pending_ms[0]
             log(
                 InferenceStep(
@@ -638,6 +642,8 @@ class SimReplica:
                     adapters=n_adapters,
                     forward_ms=inf_ms,
                     step_ms=inf_ms,
+                    train_budget_ms=budget_ms,
+                    train_limit=limit,
                 )
             )
         if log is not None and eval_ms > 0:

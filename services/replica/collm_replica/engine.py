@@ -345,6 +345,8 @@ class Engine:
         self.clock = clock
         self.wall = wall
         self.step_log = step_log  # told every inference step and stretch of background work (`step_log`)
+        # The training budget decided for the iteration in progress and what bounded it (for the step log).
+        self._train_decision: tuple[float, str | None] = (0.0, None)
 
         self._lock = threading.Lock()
         self._lru = VersionLru(self.cfg.max_resident_adapters)
@@ -993,8 +995,9 @@ class Engine:
         budget = getattr(self.cosched, "budget_ms", None)
         train_ms = budget(inp) if budget is not None else inp.train.ms(self.cosched.decide(inp))
         train_ms = min(train_ms, 60_000.0)
+        limit = getattr(self.cosched, "limit", "policy")
+        self._train_decision = (max(0.0, train_ms), limit) if inp.has_job else (0.0, None)
         if inp.has_job and not inp.idle:  # what bounded training while serving (observability)
-            limit = getattr(self.cosched, "limit", "policy")
             self.train_limits[limit] = self.train_limits.get(limit, 0) + 1
         eval_ms = 0.0
         if self._evals:
@@ -1088,6 +1091,8 @@ class Engine:
                     adapters=len({seq.slot for seq, _ in work if seq.slot >= 0}),
                     forward_ms=ms,
                     step_ms=(time.perf_counter() - t_start) * 1e3,
+                    train_budget_ms=self._train_decision[0],
+                    train_limit=self._train_decision[1],
                 )
             )
 

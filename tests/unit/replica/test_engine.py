@@ -715,6 +715,8 @@ def test_the_step_log_records_each_step_as_it_ran(tiny: LoadedModel) -> None:
     assert {s.adapters for s in steps} <= {0, 1} and any(s.adapters == 1 for s in steps)
     assert all(0 < s.forward_ms <= s.step_ms for s in steps)
     assert [s.t_s for s in steps] == sorted(s.t_s for s in steps)
+    # No job to train yet: no training budget, nothing bounding it.
+    assert all(s.train_budget_ms == 0.0 and s.train_limit is None for s in steps)
     live = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
     eng.start_job(JobSpec("med", "med@v1", 1, live, token_budget=64)).result(10)
     deadline = time.time() + 20

@@ -399,6 +399,11 @@ def test_the_step_log_accounts_for_every_step_and_stretch_of_background_work() -
         assert sum(n for s in train for n, _ in s.micro_steps) == rep.ft_tokens_total
         for s in steps:
             assert s.decodes + len(s.prefill) > 0 and s.forward_ms == s.step_ms > 0
+        # The co-scheduler's decision rides on each step: none before a round's job, the policy's
+        # budget (leftover keeps no limit of its own) while one trains.
+        assert {s.train_limit for s in steps} == {None, "policy"}
+        assert all(s.train_budget_ms == 0.0 for s in steps if s.train_limit is None)
+        assert any(s.train_budget_ms > 0 for s in steps if s.train_limit == "policy")
     started = [r for r in res.records if r.ttft_ms is not None]
     assert prompt_tokens >= sum(r.prompt_tokens for r in started)
 
