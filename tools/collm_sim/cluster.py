@@ -42,6 +42,7 @@ publication; rounds aggregate by adding the accepted participants' tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -138,7 +139,7 @@ class Simulation:
             self.replicas[rid] = SimReplica(
                 rid,
                 calibration.cost,
-                eng,
+                dataclasses.replace(eng, **cfg.engine_by_replica.get(rid, {})),  # type: ignore[arg-type]
                 make_coscheduler(cos_name, eng.fixed_every_iterations, slack_frac=eng.ft_slack_frac),
                 self.domains[i % len(self.domains)],
                 cfg.samples_per_replica,

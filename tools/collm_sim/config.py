@@ -8,7 +8,7 @@ run says otherwise.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from collm_aggregator.settings import AggregatorSettings
 from collm_gateway.settings import GatewaySettings
@@ -82,6 +82,9 @@ class SimConfig:
     policy: str = "collm"
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
+    # Overrides of `engine`'s fields for one replica (by id, "r0", ...), e.g. {"r0": {"eval_batches": 3}}:
+    # what differs between replicas with their data (a domain's held-out examples pack into more batches).
+    engine_by_replica: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     # Overrides of the coordinator's CoreConfig knobs (by name), e.g. {"util_cap": 0.8}.
     core: Mapping[str, object] = field(default_factory=dict)
@@ -117,6 +120,10 @@ class SimConfig:
             raise ValueError(f"unknown policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
+        known = {f.name for f in fields(EngineSpec)}
+        for rid, over in self.engine_by_replica.items():
+            if unknown := sorted(set(over) - known):
+                raise ValueError(f"engine_by_replica[{rid!r}]: no engine setting {', '.join(unknown)}")
         if self.samples_per_replica < 0:
             raise ValueError("samples_per_replica must be >= 0")
         if self.router not in ("gateway", "mask"):

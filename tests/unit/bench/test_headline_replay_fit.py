@@ -78,15 +78,15 @@ def test_time_per_token_pools_the_replicas() -> None:
 
 
 def test_the_evaluations_take_the_replays_batches_and_pieces() -> None:
-    # Live, 3 + 4 batches of whole examples (1013 and 1020 tokens) in 32 pieces each: 290 tokens a
-    # batch, so an evaluation of 1024 tokens is 4 batches (3.53 rounded) of 32 pieces.
-    shape = EvalShape(batches=7, pieces=224, tokens=2033)
-    assert measured_eval_fit(shape, 1024) == EvalFit(batches=4, pieces_per_batch=32)
-    # One replica's shape alone: 3 batches of 338 tokens.
-    assert measured_eval_fit(EvalShape(3, 96, 1013), 1024) == EvalFit(3, 32)
+    # Live, r0 3 batches of whole examples (1013 tokens) and r1 4 (1020), 32 pieces each: pooled 290
+    # tokens a batch, so an evaluation of 1024 tokens is 4 batches (3.53 rounded) of 32 pieces; per
+    # replica 3 (338 tokens a batch) and 4 (255). A replica that completed no batch has no entry.
+    shapes = {"r0": EvalShape(3, 96, 1013), "r1": EvalShape(4, 128, 1020), "r2": EvalShape(0, 5, 0)}
+    assert measured_eval_fit(shapes, 1024) == EvalFit(4, 32, {"r0": 3, "r1": 4})
     # Nothing measured, or evaluations not modelled: no fit.
-    assert measured_eval_fit(EvalShape(0, 0, 0), 1024) is None
-    assert measured_eval_fit(shape, None) is None
+    assert measured_eval_fit({"r0": EvalShape(0, 0, 0)}, 1024) is None
+    assert measured_eval_fit({}, 1024) is None
+    assert measured_eval_fit(shapes, None) is None
 
 
 def test_the_simulated_engine_gets_the_fit() -> None:
@@ -98,6 +98,8 @@ def test_the_simulated_engine_gets_the_fit() -> None:
     source = TraceSource("synthetic", None)
     plain = sim_config(cfg, source, 1.0, Slo(1000.0, 100.0), "collm", 10)
     assert plain.engine.eval_batches is None and plain.engine.eval_tokens == cfg.eval_max_tokens
-    fitted = sim_config(cfg, source, 1.0, Slo(1000.0, 100.0), "collm", 10, EvalFit(4, 32))
+    assert not plain.engine_by_replica
+    fitted = sim_config(cfg, source, 1.0, Slo(1000.0, 100.0), "collm", 10, EvalFit(4, 32, {"r0": 3}))
     assert (fitted.engine.eval_batches, fitted.engine.eval_pieces_per_batch) == (4, 32)
     assert fitted.engine.eval_tokens == cfg.eval_max_tokens
+    assert fitted.engine_by_replica == {"r0": {"eval_batches": 3}}

@@ -421,3 +421,20 @@ def test_an_evaluation_runs_in_the_batches_and_pieces_it_is_given() -> None:
     live_shape = eval_replica(spec, LeftoverCoScheduler(), done)
     assert live_shape.eval_ms_each == pytest.approx(552.0)  # type: ignore[attr-defined]
     assert live_shape.eval_piece_ms == pytest.approx(552.0 / 128)  # type: ignore[attr-defined]
+
+
+def test_a_replica_can_have_its_own_engine_settings() -> None:
+    # r1's evaluations run in 4 batches, r0's in the cluster's 2; an unknown setting is refused.
+    cfg = SimConfig(
+        replicas=2,
+        policy="leftover",
+        workload=synthetic(rate=1.0, duration=10.0),
+        engine=EngineSpec(eval_tokens=1024),
+        engine_by_replica={"r1": {"eval_batches": 4}},
+    )
+    sim = Simulation(cfg, calibration_for_tests(eval_cost=(10.0, 0.5)))
+    assert sim.replicas["r0"].engine.eval_batches is None
+    assert sim.replicas["r1"].engine.eval_batches == 4
+    assert sim.replicas["r1"].eval_ms_each == pytest.approx(4 * 10.0 + 512.0)
+    with pytest.raises(ValueError, match="no engine setting eval_batchez"):
+        SimConfig(engine_by_replica={"r0": {"eval_batchez": 3}})

@@ -33,7 +33,7 @@ from collm_replica.settings import ReplicaSettings
 
 from . import setup
 from .config import BASELINES, RATE_LABELS, HeadlineConfig, tiny_preset
-from .live import LiveRunError, eval_shape_of_run, run_live, step_costs, training_by_replica
+from .live import LiveRunError, eval_shapes_of_run, run_live, step_costs, training_by_replica
 from .plot import plot
 from .predict import cost_band, simulate_run
 from .rates import BestBaseline, capacity_estimate_rps, grid_counts, search_rate
@@ -528,9 +528,9 @@ class Headline:
         if factor is None:
             self.say("  calibration replay: no inference step logged; the probe's costs as they are")
             return None
-        shape = eval_shape_of_run(res, cfg.replica_ids())
-        self.eval_fit = measured_eval_fit(shape, cfg.eval_max_tokens)
-        record["eval_shape"] = dataclasses.asdict(shape)
+        shapes = eval_shapes_of_run(res, cfg.replica_ids())
+        self.eval_fit = measured_eval_fit(shapes, cfg.eval_max_tokens)
+        record["eval_shapes"] = {rid: dataclasses.asdict(s) for rid, s in shapes.items()}
         record["eval_fit"] = dataclasses.asdict(self.eval_fit) if self.eval_fit else None
         sims = {
             f: simulate_run(
@@ -569,11 +569,16 @@ class Headline:
         )
         self.say(tr["notes"][-1] + f" ({time.monotonic() - t0:.0f} s)")
         if self.eval_fit is not None:
+            each = ", ".join(
+                f"{rid} {s.batches} of {s.tokens_per_batch:.0f} tokens in {s.pieces_per_batch:.1f} pieces"
+                for rid, s in sorted(shapes.items())
+                if s.tokens_per_batch is not None and s.pieces_per_batch is not None
+            )
+            by = ", ".join(f"{rid} {n}" for rid, n in self.eval_fit.batches_by_replica.items())
             tr["notes"].append(
-                f"the simulator's evaluations in {self.eval_fit.batches} batches of "
-                f"{self.eval_fit.pieces_per_batch} pieces: the replay's {shape.batches} evaluation batches "
-                f"held {shape.tokens_per_batch:.0f} tokens and ran in {shape.pieces_per_batch:.1f} pieces "
-                f"on average (evaluations of {cfg.eval_max_tokens} tokens)"
+                f"the simulator's evaluations of {cfg.eval_max_tokens} tokens in batches of "
+                f"{self.eval_fit.pieces_per_batch} pieces, per replica {by} batches (else "
+                f"{self.eval_fit.batches}): the replay's evaluation batches, {each}"
             )
             self.say(tr["notes"][-1])
         return factor

@@ -530,17 +530,16 @@ def training_by_replica(res: Mapping[str, Any], replica_ids: Sequence[str]) -> d
     return out
 
 
-def eval_shape_of_run(res: Mapping[str, Any], replica_ids: Sequence[str]) -> EvalShape:
-    """A finished run's evaluation pieces during the replay, pooled over its replicas' step logs
-    (`collm_bench.step_costs.eval_shape`)."""
+def eval_shapes_of_run(res: Mapping[str, Any], replica_ids: Sequence[str]) -> dict[str, EvalShape]:
+    """Per replica of a finished run, its evaluation pieces during the replay
+    (`collm_bench.step_costs.eval_shape`); replicas without a step log are left out."""
     since, until = res["replay_window_monotonic_s"]
-    batches = pieces = tokens = 0
+    out = {}
     for rid in replica_ids:
         path = step_log_path(Path(res["run_dir"]), rid)
         if path.is_file():
-            s = eval_shape(read_step_log(path), since, until)
-            batches, pieces, tokens = batches + s.batches, pieces + s.pieces, tokens + s.tokens
-    return EvalShape(batches, pieces, tokens)
+            out[rid] = eval_shape(read_step_log(path), since, until)
+    return out
 
 
 def own_cpu_seconds() -> float:

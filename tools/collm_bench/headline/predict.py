@@ -91,6 +91,13 @@ def sim_config(
     from collm_sim.plugins import series_setup
 
     coordinator_policy, coscheduler = series_setup(policy)
+    engine = EngineSpec(eval_tokens=cfg.eval_max_tokens)
+    by_replica: dict[str, dict[str, object]] = {}
+    if eval_fit is not None:
+        engine = dataclasses.replace(
+            engine, eval_batches=eval_fit.batches, eval_pieces_per_batch=eval_fit.pieces_per_batch
+        )
+        by_replica = {rid: {"eval_batches": n} for rid, n in eval_fit.batches_by_replica.items()}
     return SimConfig(
         replicas=cfg.replicas,
         policy=coordinator_policy,
@@ -106,13 +113,8 @@ def sim_config(
         request_timeout_s=cfg.request_timeout_s,
         # The live replicas and aggregator score at most this many held-out tokens per evaluation.
         # With the batches the calibration replay's evaluations ran in, when measured.
-        engine=EngineSpec(eval_tokens=cfg.eval_max_tokens)
-        if eval_fit is None
-        else EngineSpec(
-            eval_tokens=cfg.eval_max_tokens,
-            eval_batches=eval_fit.batches,
-            eval_pieces_per_batch=eval_fit.pieces_per_batch,
-        ),
+        engine=engine,
+        engine_by_replica=by_replica,
         separate_routing="weights",
         seed=cfg.seed,
     )

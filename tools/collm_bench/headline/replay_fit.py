@@ -27,7 +27,7 @@ the simulator's cost.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from collm_bench.step_costs import EvalShape
@@ -85,18 +85,31 @@ def measured_inference_factor(
 
 @dataclass(frozen=True)
 class EvalFit:
-    """The simulator's evaluation shape as measured on the replay: batches per evaluation and pieces per
-    batch (`collm_sim.config.EngineSpec.eval_batches`, `eval_pieces_per_batch`)."""
+    """The simulator's evaluation shape as measured on the replay: batches per evaluation (pooled, and per
+    replica where it completed a batch: each replica's held-out examples pack their own way) and pieces
+    per batch (`collm_sim.config.EngineSpec.eval_batches`, `eval_pieces_per_batch`)."""
 
     batches: int
     pieces_per_batch: int
+    batches_by_replica: Mapping[str, int] = field(default_factory=dict)
 
 
-def measured_eval_fit(shape: EvalShape, eval_tokens: int | None) -> EvalFit | None:
-    """From the replay's evaluation pieces pooled over its replicas: an evaluation of `eval_tokens` in
-    batches of the mean tokens the live batches held (rounded to whole batches), each in the mean number
-    of pieces; None when the replay completed no evaluation batch or evaluations are not modelled."""
-    per_batch, pieces = shape.tokens_per_batch, shape.pieces_per_batch
-    if not eval_tokens or per_batch is None or pieces is None or per_batch <= 0:
+def measured_eval_fit(shapes: Mapping[str, EvalShape], eval_tokens: int | None) -> EvalFit | None:
+    """From the replay's evaluation pieces per replica: an evaluation of `eval_tokens` in batches of the
+    mean tokens the live batches held (rounded to whole batches; pooled, and per replica), each in the
+    mean number of pieces (pooled over the replicas that completed a batch); None when the replay
+    completed no evaluation batch or evaluations are not modelled."""
+    done = [s for s in shapes.values() if s.batches]  # a replica with no batch done tells no batch's size
+    pooled = EvalShape(sum(s.batches for s in done), sum(s.pieces for s in done), sum(s.tokens for s in done))
+    if not eval_tokens or pooled.tokens_per_batch is None or pooled.pieces_per_batch is None:
         return None
-    return EvalFit(max(1, round(eval_tokens / per_batch)), max(1, round(pieces)))
+    by_replica = {
+        rid: max(1, round(eval_tokens / s.tokens_per_batch))
+        for rid, s in sorted(shapes.items())
+        if s.tokens_per_batch
+    }
+    return EvalFit(
+        max(1, round(eval_tokens / pooled.tokens_per_batch)),
+        max(1, round(pooled.pieces_per_batch)),
+        by_replica,
+    )
