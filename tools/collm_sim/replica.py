@@ -678,7 +678,7 @@ class SimReplica:
                     BackgroundWork(
                         kind="train",
                         t_s=t_ev,
-                        ms=train_ms - job_eval_ms,
+                        ms=max(0.0, train_ms - job_eval_ms),
                         tokens=train_tokens,
                         micro_steps=micro_steps,
                     )
