@@ -240,8 +240,10 @@ class SimReplica:
         # Busy time by kind of work (ms): inference, training, evaluation (a job's own and the gate's).
         self.busy_ms = {"inference": 0.0, "training": 0.0, "evaluation": 0.0}
         # (end s, ms, tokens) of every inference step, so its work can be read up to a cut
-        # (`inference_until`).
+        # (`inference_until`), and (end s, tokens) of every training stretch that completed micro-steps
+        # (`ft_tokens_until`).
         self.inference_steps: list[tuple[float, float, int]] = []
+        self.training_done: list[tuple[float, int]] = []
         self._last_telemetry_s = 0.0
         self.ft_tokens_total = 0
         self.iterations_total = 0
@@ -257,6 +259,11 @@ class SimReplica:
         read when the load generator stops at the cut (they count a step when it completes)."""
         done = [(ms, n) for end_s, ms, n in self.inference_steps if end_s <= cut_s]
         return sum(ms for ms, _ in done) / 1e3, sum(n for _, n in done)
+
+    def ft_tokens_until(self, cut_s: float) -> int:
+        """Fine-tuning tokens of the micro-steps completed by `cut_s`, as a live replica's counter reads
+        when the load generator stops at the cut."""
+        return sum(n for end_s, n in self.training_done if end_s <= cut_s)
 
     # --- requests ----------------------------------------------------------------------------------
     def enqueue(self, req: Req, now: float) -> bool:
@@ -689,6 +696,8 @@ class SimReplica:
             self.busy_ms["evaluation"] += job_eval_ms
             self._ft_tokens += train_tokens
             self.ft_tokens_total += train_tokens
+            if train_tokens:
+                self.training_done.append((t_end, train_tokens))
             if job.done:
                 self._finish_job(t_end)
 

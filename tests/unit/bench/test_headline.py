@@ -171,6 +171,10 @@ def test_simulate_run_is_deterministic_and_cut_at_the_drain(tmp_path: Path) -> N
     assert longer["summary"]["counts"]["by_status"].get("timeout", 0) == 0
     for rid, (s, _n) in longer["sim"]["inference_by_replica_to_cut"].items():
         assert s == pytest.approx(longer["sim"]["busy_s_by_replica"][rid]["inference"], abs=2e-3)
+    # Fine-tuning tokens too are read at the cut; a cut after everything sees the whole run's.
+    assert a["sim"]["ft_tokens_to_cut"] <= a["sim"]["ft_tokens"]
+    assert longer["sim"]["ft_tokens_to_cut"] == longer["sim"]["ft_tokens"]
+    assert a["sim"]["cut_s"] < longer["sim"]["cut_s"]
 
 
 # --- ratios, goals and the table -----------------------------------------------------------------------

@@ -396,6 +396,10 @@ def test_the_step_log_accounts_for_every_step_and_stretch_of_background_work() -
         assert sum(s.ms for s in train) == pytest.approx(rep.busy_ms["training"])
         assert sum(s.ms for s in evals) == pytest.approx(rep.busy_ms["evaluation"])
         assert sum(s.tokens for s in train) == rep.ft_tokens_total > 0
+        # Read at a cut, the fine-tuning tokens are those of the micro-steps completed by then.
+        first = next(s for s in train if s.tokens > 0)
+        assert rep.ft_tokens_until(first.t_s) == 0
+        assert rep.ft_tokens_until(math.inf) == rep.ft_tokens_total
         assert sum(n for s in train for n, _ in s.micro_steps) == rep.ft_tokens_total
         for s in steps:
             assert s.decodes + len(s.prefill) > 0 and s.forward_ms == s.step_ms > 0

@@ -621,7 +621,9 @@ class Headline:
         if cfg.simulate and self.cal is not None:
             s = sim(policy, block["n_requests"])
             extra = {
-                "ft_tokens": s["sim"]["ft_tokens"],
+                # Up to the drain cut, as the live counters are read; the whole simulated run apart.
+                "ft_tokens": s["sim"]["ft_tokens_to_cut"],
+                "ft_tokens_whole_run": s["sim"]["ft_tokens"],
                 "rounds": s["sim"]["rounds"],
                 "quality_gain_model": s["sim"]["quality_gain_mix"],
                 "busy_s_by_replica": s["sim"].get("busy_s_by_replica"),
@@ -654,11 +656,13 @@ class Headline:
             entry["live_error"] = str(exc)
             self.say(f"  {policy} FAILED: {exc}")
             return entry
+        sim_cut_s: float | None = None  # the simulated run's drain cut (its time base)
         if cfg.simulate and self.cal is not None:
             # The prediction's requests and steps beside the live ones (`requests.jsonl`, the stack's step
             # logs), to compare one by one.
             predicted = sim(policy, block["n_requests"], step_logs_dir=run_dir)
             write_records(run_dir / "sim_requests.jsonl", predicted["records"])
+            sim_cut_s = predicted["sim"]["cut_s"]
         if res["base_losses_measured"]:
             self.base_losses = dict(res["base_losses"])
             self.results["base_losses"] = {"losses": self.base_losses, "measured_in": str(run_dir)}
@@ -711,17 +715,20 @@ class Headline:
         simulated = (entry.get("sim") or {}).get("busy_s_by_replica") or {}
         if simulated:
             self.say("    simulated (whole run):                      " + busy_line(simulated))
-        self.record_training(lv, res, run_dir)
+        self.record_training(lv, res, run_dir, sim_cut_s)
         return entry
 
-    def record_training(self, into: dict[str, Any], res: dict[str, Any], run_dir: Path) -> None:
-        """The run's training stretches per replica (step logs) beside the simulated run's, when both
-        were written: kept as `training_by_replica` {live, sim} and said, one line per replica."""
+    def record_training(
+        self, into: dict[str, Any], res: dict[str, Any], run_dir: Path, sim_cut_s: float | None
+    ) -> None:
+        """The run's training stretches per replica (step logs) beside the simulated run's up to its
+        drain cut, when both were written: kept as `training_by_replica` {live, sim} and said, one line
+        per replica."""
         live = training_by_replica(res, self.cfg.replica_ids())
         if not live:
             return
         sim = {
-            rid: training_totals(read_step_log(run_dir / f"sim_steps-{rid}.jsonl")).as_dict()
+            rid: training_totals(read_step_log(run_dir / f"sim_steps-{rid}.jsonl"), None, sim_cut_s).as_dict()
             for rid in live
             if (run_dir / f"sim_steps-{rid}.jsonl").is_file()
         }
@@ -729,7 +736,7 @@ class Headline:
         for rid, t in sorted(live.items()):
             line = f"    training, {rid}: live {describe_training(t)}"
             if rid in sim:
-                line += f"; simulated (whole run) {describe_training(sim[rid])}"
+                line += f"; simulated {describe_training(sim[rid])}"
             self.say(line)
 
     def record_step_costs(self, into: dict[str, Any], res: dict[str, Any], cal: Calibration | None) -> None:

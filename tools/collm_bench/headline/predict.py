@@ -186,10 +186,12 @@ def simulate_run(
         "records": records,
         "sim": {k: res.sim[k] for k in keep}
         | {
-            # What the live replicas' counters can show, (inference s, tokens) each: the load generator
-            # stops at the cut.
+            # What the live replicas' counters can show, (inference s, tokens) each and the fine-tuning
+            # tokens: the load generator stops at the cut (`ft_tokens` counts the whole simulated run).
             "inference_by_replica_to_cut": {
                 rid: rep.inference_until(cut_s) for rid, rep in simulation.replicas.items()
-            }
+            },
+            "ft_tokens_to_cut": sum(rep.ft_tokens_until(cut_s) for rep in simulation.replicas.values()),
+            "cut_s": cut_s,
         },
     }
