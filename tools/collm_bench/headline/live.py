@@ -34,10 +34,10 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 import psutil
@@ -53,7 +53,7 @@ from collm_common import subjects
 from collm_common.bus import Bus, BusError
 from collm_common.calibration import CostModel
 from collm_common.settings import CommonSettings
-from collm_common.step_log import read_step_log
+from collm_common.step_log import BackgroundWork, InferenceStep, read_step_log
 from collm_common.store import AdapterStore, version_id
 from collm_common.wire.control import (
     ControlReply,
@@ -74,6 +74,7 @@ from .config import HeadlineConfig
 
 FINAL_ROUND_STATES = ("published", "held_back", "aborted")
 REDIS_PREFIX = "headline"
+T = TypeVar("T")
 
 
 class LiveRunError(RuntimeError):
@@ -503,43 +504,48 @@ async def _drive(
     }
 
 
+def over_replay_steps(
+    res: Mapping[str, Any],
+    replica_ids: Sequence[str],
+    summarise: Callable[[Iterator[InferenceStep | BackgroundWork], float, float], T],
+) -> dict[str, T]:
+    """Per replica of a finished run, `summarise(its step log's records, since, until)` over the replay's
+    window (the engine's clock); replicas without a step log are left out."""
+    since, until = res["replay_window_monotonic_s"]
+    out = {}
+    for rid in replica_ids:
+        path = step_log_path(Path(res["run_dir"]), rid)
+        if path.is_file():
+            out[rid] = summarise(read_step_log(path), since, until)
+    return out
+
+
 def step_costs(
     res: Mapping[str, Any], cost: CostModel, replica_ids: Sequence[str]
 ) -> dict[str, dict[str, Any]]:
     """Per replica of a finished run, its steps during the replay by kind: measured time against the
-    cost model's prediction (`collm_bench.step_costs`); replicas without a step log are left out."""
-    since, until = res["replay_window_monotonic_s"]
-    out = {}
-    for rid in replica_ids:
-        path = step_log_path(Path(res["run_dir"]), rid)
-        if path.is_file():
-            by_kind = compare_steps(read_step_log(path), cost, since, until)
-            out[rid] = {kind: k.as_dict() for kind, k in by_kind.items()}
-    return out
+    cost model's prediction (`collm_bench.step_costs`)."""
+    return over_replay_steps(
+        res,
+        replica_ids,
+        lambda records, since, until: {
+            kind: k.as_dict() for kind, k in compare_steps(records, cost, since, until).items()
+        },
+    )
 
 
 def training_by_replica(res: Mapping[str, Any], replica_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Per replica of a finished run, its training stretches during the replay summed
-    (`collm_bench.step_costs.training_totals`); replicas without a step log are left out."""
-    since, until = res["replay_window_monotonic_s"]
-    out = {}
-    for rid in replica_ids:
-        path = step_log_path(Path(res["run_dir"]), rid)
-        if path.is_file():
-            out[rid] = training_totals(read_step_log(path), since, until).as_dict()
-    return out
+    (`collm_bench.step_costs.training_totals`)."""
+    return over_replay_steps(
+        res, replica_ids, lambda records, since, until: training_totals(records, since, until).as_dict()
+    )
 
 
 def eval_shapes_of_run(res: Mapping[str, Any], replica_ids: Sequence[str]) -> dict[str, EvalShape]:
     """Per replica of a finished run, its evaluation pieces during the replay
-    (`collm_bench.step_costs.eval_shape`); replicas without a step log are left out."""
-    since, until = res["replay_window_monotonic_s"]
-    out = {}
-    for rid in replica_ids:
-        path = step_log_path(Path(res["run_dir"]), rid)
-        if path.is_file():
-            out[rid] = eval_shape(read_step_log(path), since, until)
-    return out
+    (`collm_bench.step_costs.eval_shape`)."""
+    return over_replay_steps(res, replica_ids, eval_shape)
 
 
 def own_cpu_seconds() -> float:
