@@ -1259,7 +1259,7 @@ class Engine:
             self._account_work(job, res)
             return False
         self._account_work(job, res)
-        if self.step_log is not None and res.pieces:
+        if self.step_log is not None and res.did_work:
             if res.train_ms > 0:
                 self.step_log(
                     BackgroundWork(
@@ -1274,10 +1274,10 @@ class Engine:
                 self.step_log(
                     BackgroundWork(kind="eval", t_s=t_clock, ms=res.eval_ms, tokens=res.eval_tokens)
                 )
-        return res.pieces > 0 or not job.active
+        return res.did_work or not job.active
 
     def _account_work(self, job: TrainingJob, res: PieceWork) -> None:
-        if res.pieces:
+        if res.did_work:
             self.cosched.charge(res.train_ms + res.eval_ms)
         with self._lock:
             self._live_work = None

@@ -171,6 +171,12 @@ class PieceWork:
     eval_tokens: int = 0  # tokens of evaluation batches completed
     micro_steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, ms) of completed ones
 
+    @property
+    def did_work(self) -> bool:
+        """Anything ran: a piece, or a job's wrap-up at its end (which runs no piece of its own: the rest
+        of a micro-step and the last optimizer step, `TrainingJob._finish_training`)."""
+        return self.pieces > 0 or self.train_ms > 0 or self.eval_ms > 0 or bool(self.micro_steps)
+
 
 def _run_timed(kind: str, units: int, fn: Callable[[], Any], costs: PieceCosts | None) -> float:
     t0 = time.perf_counter()

@@ -727,3 +727,39 @@ def test_the_step_log_records_each_step_as_it_ran(tiny: LoadedModel) -> None:
     assert sum(r.tokens for r in train) == eng.ft_tokens_total >= 64
     assert sum(t for r in train for t, _ in r.micro_steps) == eng.ft_tokens_total
     assert sum(r.ms for r in train) == pytest.approx(eng.train_ms_total)
+
+
+def test_the_step_log_and_the_co_scheduler_see_a_round_jobs_wrap_up(tiny: LoadedModel) -> None:
+    """A round job's wrap-up at its deadline runs no piece of its own (the rest of a micro-step, the last
+    optimizer step), and with training paused no piece runs around it: its time and tokens still reach
+    the step log and the co-scheduler's charge, so the log's training sums equal the engine's counters."""
+    records: list[InferenceStep | BackgroundWork] = []
+    events, got, on_job = round_update_catcher()
+    # No optimizer step before the deadline (the batch never fills): the wrap-up always runs one.
+    cfg = EngineConfig(round_deadline_margin_s=0.2, job=JobConfig(micro_tokens=32, batch_tokens=10**6))
+    charged: list[float] = []
+
+    class ChargeRecorder(SloAwareCoScheduler):
+        def charge(self, train_ms: float) -> None:
+            charged.append(train_ms)
+            super().charge(train_ms)
+
+    eng = Engine(tiny, cfg, ChargeRecorder(), dataset=dataset(), on_job_event=on_job, step_log=records.append)
+    with eng:
+        live = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
+        deadline = time.time() + 3.0
+        spec = JobSpec("med", "med@v1", 1, live, token_budget=10**9, round_id=5, deadline_unix_s=deadline)
+        eng.start_job(spec).result(10)
+        while eng.snapshot().ft_tokens_total == 0 and time.time() < deadline - 1.0:
+            time.sleep(0.01)
+        eng.pause_training().result(10)
+        assert 0 < eng.snapshot().ft_tokens_total and time.time() < deadline - 0.2 and not got.is_set()
+        ms_paused = eng.train_ms_total
+        assert got.wait(10), [e.kind for e in events]
+    assert eng.train_ms_total > ms_paused  # the wrap-up ran (at least its optimizer step)
+    upd = next(e for e in events if e.kind == "round_update")
+    assert upd.num_tokens > 0
+    train = [r for r in records if isinstance(r, BackgroundWork) and r.kind == "train"]
+    assert sum(r.tokens for r in train) == eng.ft_tokens_total == upd.num_tokens
+    assert sum(r.ms for r in train) == pytest.approx(eng.train_ms_total)
+    assert sum(charged) == pytest.approx(eng.train_ms_total + eng.eval_ms_total)
