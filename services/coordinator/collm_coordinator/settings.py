@@ -127,7 +127,9 @@ class CoordinatorSettings(CommonSettings):
         60.0, gt=0, description="Queued requests count as demand spread over this horizon."
     )
     coordinator_burst_window_s: float = Field(
-        3.0, gt=0, description="The fast loop's burst check uses the mean demand of this window..."
+        3.0,
+        gt=0,
+        description="The burst check's mean demand and a replica's mean load (its risk) over this window.",
     )
     coordinator_burst_spike_factor: float = Field(
         1.25, ge=1, description="...or this second's demand divided by this factor, when larger."

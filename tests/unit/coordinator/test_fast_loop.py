@@ -191,3 +191,27 @@ def test_a_share_is_sent_when_new_changed_or_half_its_ttl_old() -> None:
     assert not share_command_due((0.3, 10.0), 0.3005, 11.0, 5.0)  # a change under 1e-3 is no change
     assert share_command_due((0.3, 10.0), 0.3, 12.5, 5.0)  # half the TTL: sent again before it expires
     assert share_command_due((0.3, 10.0), 0.0, 10.5, 5.0)  # changed: sent at once
+
+
+def test_a_load_swinging_about_capacity_keeps_the_replica_at_risk() -> None:
+    """One-second loads of a saturated batching engine swing with the prompts that land in them: a
+    replica reporting 1.5 and 0.8 in turn stays at risk every second (its mean over `burst_window_s`
+    is over capacity), where the latest sample alone cleared the risk every other second and let a
+    round be planned there; a spike counts at once, and a load that falls and stays low clears within
+    the window."""
+    core = CoordinatorCore(config(burst_window_s=3.0), "collm")
+    st = core.state
+
+    def risk_at(t: float, busy: float) -> str | None:
+        st.ingest_telemetry(obs("r0", t, busy=busy))
+        return st.view(t, record_history=True).at_risk.get("r0")
+
+    assert risk_at(0.0, 0.8) is None
+    assert risk_at(1.0, 1.5) == "serving load 1.50 above cap 0.90"  # a spike: at once
+    for t in range(2, 10):
+        why = risk_at(float(t), 0.8 if t % 2 == 0 else 1.5)
+        assert why is not None and why.startswith("serving load 1."), (t, why)
+    # Falls to 0.5 and stays: the window still holds the swing at t = 10 (1.5, 0.8, 1.5, 0.5), not at 11.
+    why = risk_at(10.0, 0.5)
+    assert why is not None and why.startswith("serving load 1.07")
+    assert risk_at(11.0, 0.5) is None

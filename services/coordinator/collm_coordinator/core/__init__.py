@@ -33,7 +33,9 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
 
 Fast loop, every `fast_interval_s` (fast_loop.py): each participant's share is its planned share,
 cut to 0 at once when its own SLOs are at risk (a queue, windowed attainment under the target with
-`risk_attainment_z` sigmas of confidence),
+`risk_attainment_z` sigmas of confidence, a serving load over `util_cap` judged on the larger of the
+latest second and the `burst_window_s` mean, so that a saturated replica's swinging samples do not
+clear the risk every other second),
 scaled down at once for all when the cluster's demand exceeds what the plan leaves (`burst`, judged on
 a 3 s mean or a large one-second spike), and raised back gradually (`share_recover_per_tick`); a
 replica that trains outside the plan (a round the aggregator's built-in planner or an operator opened,

@@ -69,8 +69,9 @@ class CoreConfig:
     forecast_window_s: float = 300.0
     burst_headroom_sigmas: float = 0.5
     recent_window_s: float = 10.0
-    # The fast loop's burst check compares the mean demand of this window (one-second samples of a
-    # batching engine are noisy: one long prompt is a one-second spike on one replica).
+    # The fast loop's burst check compares the mean demand of this window, and a replica's risk its mean
+    # load over it when higher than the latest (one-second samples of a batching engine are noisy: one
+    # long prompt is a one-second spike on one replica).
     burst_window_s: float = 3.0
     # ...but a one-second demand above this multiple of the capacity is a burst at once.
     burst_spike_factor: float = 1.25

@@ -133,6 +133,8 @@ class ClusterState:
         self.first_seen_s: dict[str, float] = {}
         # (t, demand, arrivals) per fast tick, for the forecast.
         self.demand_history: deque[tuple[float, float, float]] = deque()
+        # (received, serving load) of each replica's snapshots over the last `burst_window_s`.
+        self.load_history: dict[str, deque[tuple[float, float]]] = {}
         self.virtual_queue = 0.0
         self.last_attainment: float | None = None
         self._window_good = 0
@@ -158,6 +160,10 @@ class ClusterState:
             return  # an older snapshot arriving late changes nothing
         self.latest[obs.replica_id] = obs
         self.first_seen_s.setdefault(obs.replica_id, obs.received_s)
+        hist = self.load_history.setdefault(obs.replica_id, deque())
+        hist.append((obs.received_s, self.infer_load(obs)))
+        while obs.received_s - hist[0][0] > self.config.burst_window_s:
+            hist.popleft()
         self._window_good += obs.good
         self._window_finished += obs.finished
         self._learn_train_rate(obs)
@@ -279,6 +285,17 @@ class ClusterState:
             return max(0.0, min(1.5, busy_ms / 1000.0))
         return min(1.0, obs.running / max(1, obs.max_batch))
 
+    def risk_load(self, replica_id: str, load_now: float) -> float:
+        """The serving load the risk check judges: the larger of the latest one-second load and the mean
+        over `burst_window_s`. One-second samples of a batching engine swing with the prompts that land
+        in them (1.3 and 0.8 in turn on a saturated replica): the latest alone would clear the risk every
+        other second, and a round planned in such a second finds no slack to train in for its whole
+        window; a spike still counts at once."""
+        hist = self.load_history.get(replica_id)
+        if not hist:
+            return load_now
+        return max(load_now, sum(x for _, x in hist) / len(hist))
+
     def risk_of(self, obs: ReplicaObservation, load: float) -> str | None:
         """Why this replica's SLOs are at risk right now, or None."""
         cfg = self.config
@@ -397,7 +414,7 @@ class ClusterState:
         demand_short = sum(short) / len(short)
         risks: dict[str, str] = {}
         for r, o in live.items():
-            why = self.risk_of(o, loads[r])
+            why = self.risk_of(o, self.risk_load(r, loads[r]))
             if why:
                 risks[r] = why
         rates: dict[str, float | None] = {}
