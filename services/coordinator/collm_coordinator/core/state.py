@@ -288,9 +288,9 @@ class ClusterState:
     def risk_load(self, replica_id: str, load_now: float) -> float:
         """The serving load the risk check judges: the larger of the latest one-second load and the mean
         over `burst_window_s`. One-second samples of a batching engine swing with the prompts that land
-        in them (1.3 and 0.8 in turn on a saturated replica): the latest alone would clear the risk every
-        other second, and a round planned in such a second finds no slack to train in for its whole
-        window; a spike still counts at once."""
+        in them (over 1.07-1.22 and at most 1.0 in turn on a saturated replica): the latest alone would
+        clear the risk every other second, and a round planned in such a second finds no slack to train
+        in for its whole window; a spike still counts at once."""
         hist = self.load_history.get(replica_id)
         if not hist:
             return load_now
