@@ -18,7 +18,10 @@ Events and what they do:
   to the replicas (with their TTL) when the coordinator service would send them (`share_command_due`:
   changed, or half their TTL old; a share reaching a busy replica ends its training stretch at the next
   piece, as a command does on the engine), round plans to the simulated aggregator;
-* round deadline / publication: the aggregator closes a round when every participant sent its update
+* round deadline / publication: participants send their updates the aggregator's publish lead before
+  the round's deadline (`collm_aggregator.lead.PublishLead`: the adapter's recent close-to-publication
+  times with headroom, at most a quarter of the round), so that the rest of the round fits in it; the
+  aggregator closes a round when every participant sent its update
   or at the deadline (aborted under quorum), and `publish_delay_s` after its evaluators scored the
   candidate (or `eval_timeout_s` after it asked them) publishes the next version, whose eval loss is
   the quality model's loss at the adapter's total trained tokens. The evaluators are the participants
@@ -53,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from collm_aggregator.lead import PublishLead
 from collm_bench.goodput import summarize
 from collm_bench.quality import QualityTable
 from collm_bench.records import RequestRecord
@@ -96,6 +100,7 @@ class SimRound:
     deadline_s: float
     updates: dict[str, int] = field(default_factory=dict)
     closed: bool = False
+    closed_s: float | None = None  # when the collection closed (every update in, or the deadline)
     state: str = "opened"
     evals_pending: int = 0  # evaluations of this round not reported yet
     scored_candidate: list[str] = field(default_factory=list)
@@ -170,6 +175,11 @@ class Simulation:
         self._pending_events: list[RoundEvent] = []
         self._versions_changed = True
         self.rounds: dict[int, SimRound] = {}
+        self.lead = PublishLead(
+            initial_s=self.cfg.publish_lead_initial_s,
+            fixed_s=self.cfg.publish_lead_s,
+            max_frac=self.cfg.publish_lead_max_frac,
+        )
         self._round_seq = itertools.count(1)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -381,9 +391,12 @@ class Simulation:
         self._pending_events.append(
             RoundEvent(plan.adapter, "opened", round_id=rid, base_version=plan.base_version)
         )
+        # As the aggregator: participants send `lead` before the round's deadline, so that the rest of
+        # the round (aggregate, evaluate, publish) fits in it; the collection still closes at the deadline.
+        send_by_s = plan.deadline_s - self.lead.lead_s(plan.adapter, plan.deadline_s - t)
         for p in plan.participants:
             rep = self.replicas[p.replica_id]
-            rep.start_job(plan.adapter, rid, plan.base_version, max(1, p.token_budget), plan.deadline_s, t)
+            rep.start_job(plan.adapter, rid, plan.base_version, max(1, p.token_budget), send_by_s, t)
             self._wake(rep, t)
         for e in self._evaluators(rnd):
             if (rnd.adapter, rnd.base_version) not in self._scored[e]:
@@ -430,6 +443,7 @@ class Simulation:
 
     def _close_round(self, rnd: SimRound, t: float) -> None:
         rnd.closed = True
+        rnd.closed_s = t
         # Participants still training at the deadline send what they have (their job stops at the margin).
         for rid in rnd.participants:
             rep = self.replicas[rid]
@@ -468,6 +482,8 @@ class Simulation:
         self._versions_changed = True
         rnd.state = "published"
         self.rounds_stats["published"] += 1
+        if rnd.closed_s is not None:
+            self.lead.observe(d, t - rnd.closed_s)
         self._pending_events.append(
             RoundEvent(
                 d,

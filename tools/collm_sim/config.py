@@ -103,6 +103,13 @@ class SimConfig:
     eval_timeout_s: float = 60.0
     # Replicas that score each round's versions at most (the aggregator's setting; None: all).
     eval_max_replicas: int | None = AggregatorSettings.model_fields["eval_max_replicas"].default
+    # The aggregator's publish lead (`collm_aggregator.lead`): participants send this long before the
+    # round's deadline so that aggregation, the candidate's evaluation and the publication fit in the
+    # round; None: measured from the simulated rounds as the aggregator measures it (`publish_lead_
+    # initial_s` before any published), at most `publish_lead_max_frac` of the round; 0: none.
+    publish_lead_s: float | None = AggregatorSettings.model_fields["publish_lead_s"].default
+    publish_lead_initial_s: float = AggregatorSettings.model_fields["publish_lead_initial_s"].default
+    publish_lead_max_frac: float = AggregatorSettings.model_fields["publish_lead_max_frac"].default
     # separate: "serving_cluster" (least-loaded over the serving replicas, as its own gateway would) or
     # "weights" (the shared gateway's weighted draw on the coordinator's weights).
     separate_routing: str = "serving_cluster"
@@ -134,3 +141,7 @@ class SimConfig:
             raise ValueError("quality_extrapolate must be 'log' or 'hold' and quality_max_factor >= 1")
         if not self.request_timeout_s > 0 or self.publish_delay_s < 0 or not self.eval_timeout_s > 0:
             raise ValueError("request_timeout_s and eval_timeout_s must be > 0 and publish_delay_s >= 0")
+        if (self.publish_lead_s is not None and self.publish_lead_s < 0) or self.publish_lead_initial_s < 0:
+            raise ValueError("publish_lead_s and publish_lead_initial_s must be >= 0")
+        if not 0 <= self.publish_lead_max_frac <= 1:
+            raise ValueError("publish_lead_max_frac must be in [0, 1]")

@@ -427,7 +427,8 @@ async def test_observer_keeps_share_changes_only() -> None:
     await obs.on_decision(fast(0.2, "slack", loop="slow"), None)  # slow-loop messages are not shares
     await obs.on_decision(fast(0.0, "slo_risk"), None)
     rows = [(r["t_s"], r["ft_share"], r["reason"]) for r in obs.shares]
-    assert rows == [(1.0, 0.2, "slack"), (2.0, 0.0, "slo_risk")]
+    assert rows == [(1.0, 0.2, "slack"), (3.0, 0.0, "slo_risk")]
+    assert obs.slow_ticks == [2.0]  # when the slow loop ran (its round plans follow)
 
 
 def test_heavy_takes_the_count_nearer_the_target() -> None:

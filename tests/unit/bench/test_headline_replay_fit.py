@@ -103,3 +103,21 @@ def test_the_simulated_engine_gets_the_fit() -> None:
     assert (fitted.engine.eval_batches, fitted.engine.eval_pieces_per_batch) == (4, 32)
     assert fitted.engine.eval_tokens == cfg.eval_max_tokens
     assert fitted.engine_by_replica == {"r0": {"eval_batches": 3}}
+
+
+def test_the_first_round_plans_come_when_the_replays_did() -> None:
+    """The live coordinator starts with the stack, before the replay: its first slow tick (the first
+    round plans) came this long into the replay, and the simulated one is set there."""
+    from collm_bench.headline.predict import sim_config
+    from collm_bench.headline.replay_fit import measured_first_slow_s
+    from collm_bench.headline.setup import TraceSource
+    from collm_bench.workload import Slo
+
+    assert measured_first_slow_s([-1.5, 4.8, 34.8]) == 4.8
+    assert measured_first_slow_s([]) is None and measured_first_slow_s([-3.0]) is None
+    cfg = HeadlineConfig()
+    source = TraceSource("synthetic", None)
+    plain = sim_config(cfg, source, 1.0, Slo(1000.0, 100.0), "collm", 10)
+    assert plain.core["warmup_s"] == cfg.coordinator_warmup_s
+    phased = sim_config(cfg, source, 1.0, Slo(1000.0, 100.0), "collm", 10, None, 4.8)
+    assert phased.core["warmup_s"] == 4.8 and phased.core["slow_interval_s"] == cfg.slow_interval_s

@@ -155,6 +155,58 @@ def test_rounds_train_and_publish_and_quality_follows_the_curve() -> None:
     assert res.summary["quality"]["available"] is not False
 
 
+def test_participants_send_the_aggregators_publish_lead_before_the_round_deadline() -> None:
+    """As the aggregator (`collm_aggregator.lead`): a round's participants train until its deadline less
+    the publish lead: 5 s before any round published, then 1.25x the longest close-to-publication time
+    of the adapter's last rounds, at most a quarter of the round; the collection still closes at the
+    deadline. With `publish_lead_s=0` they train to the deadline."""
+    cal = calibration_for_tests()
+    core = {"slow_interval_s": 30.0, "round_deadline_s": 24.0}
+
+    Jobs = list[tuple[str, int, float, float]]  # (adapter, round, opened at, send by)
+    Pubs = list[tuple[str, float, float]]  # (adapter, published at, close to publication)
+
+    def run(**kw: Any) -> tuple[Simulation, Jobs, Pubs]:
+        wl = synthetic(rate=2.0, duration=120.0)
+        cfg = SimConfig(replicas=2, policy="leftover", workload=wl, core=core, **kw)  # type: ignore[arg-type]
+        sim = Simulation(cfg, cal)
+        jobs: Jobs = []
+        pubs: Pubs = []
+        for rep in sim.replicas.values():
+
+            def start(adapter: str, round_id: int, base: int, budget: int, deadline_s: float, now: float,
+                      f: Any = rep.start_job) -> None:  # fmt: skip
+                jobs.append((adapter, round_id, now, deadline_s))
+                f(adapter, round_id, base, budget, deadline_s, now)
+
+            rep.start_job = start  # type: ignore[method-assign]
+
+        def publish(rnd: Any, t: float, f: Any = sim._publish) -> None:
+            pubs.append((rnd.adapter, t, t - rnd.closed_s))
+            f(rnd, t)
+
+        sim._publish = publish  # type: ignore[method-assign]
+        sim.run()
+        return sim, jobs, pubs
+
+    sim, jobs, pubs = run()
+    measured = 0
+    for adapter, rid, opened_s, send_by_s in jobs:
+        rnd = sim.rounds[rid]
+        before = [dt for a, t, dt in pubs if t <= opened_s and a == adapter][-5:]
+        before = before or [dt for _, t, dt in pubs if t <= opened_s][-5:]
+        lead_s = min(1.25 * max(before) if before else 5.0, 0.25 * (rnd.deadline_s - opened_s))
+        measured += bool(before)
+        assert send_by_s == pytest.approx(rnd.deadline_s - lead_s)
+    assert len(jobs) >= 4 and measured >= 2 and pubs
+    assert all(dt > 0 for _, _, dt in pubs)
+
+    sim, jobs, _ = run(publish_lead_s=0.0)
+    assert jobs and all(send_by_s == sim.rounds[rid].deadline_s for _, rid, _, send_by_s in jobs)
+    with pytest.raises(ValueError, match="publish_lead"):
+        SimConfig(publish_lead_s=-1.0)
+
+
 def test_separate_keeps_requests_off_the_training_side() -> None:
     cal = calibration_for_tests()
     cfg = SimConfig(replicas=4, policy="separate", workload=synthetic(rate=3.0, duration=60.0))

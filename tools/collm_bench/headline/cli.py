@@ -42,6 +42,7 @@ from .replay_fit import (
     REPLAY_SERIES,
     EvalFit,
     measured_eval_fit,
+    measured_first_slow_s,
     measured_inference_factor,
     ms_per_token,
     replay_start_s,
@@ -380,6 +381,7 @@ class Headline:
         replay_factor = 1.0  # this trace's inference cost factor from the calibration replay (`replay_fit`)
         self.prediction_cal = self.cal  # the costs the predictions of this trace use
         self.eval_fit: EvalFit | None = None  # the evaluations' batches, measured on this trace's replay
+        self.first_slow_s: float | None = None  # the coordinator's first round plans, likewise
 
         def sim(
             policy: str, n: int, factor: float | None = None, step_logs_dir: Path | None = None
@@ -396,7 +398,16 @@ class Headline:
                     cal = with_inference_factor(cal, replay_factor)
                 rate = n / cfg.duration_s
                 run = simulate_run(
-                    cfg, cal, source, rate, slo, policy, self.samples, step_logs_dir, self.eval_fit
+                    cfg,
+                    cal,
+                    source,
+                    rate,
+                    slo,
+                    policy,
+                    self.samples,
+                    step_logs_dir,
+                    self.eval_fit,
+                    self.first_slow_s,
                 )
                 if step_logs_dir is not None:
                     return run
@@ -532,6 +543,8 @@ class Headline:
         self.eval_fit = measured_eval_fit(shapes, cfg.eval_max_tokens)
         record["eval_shapes"] = {rid: dataclasses.asdict(s) for rid, s in shapes.items()}
         record["eval_fit"] = dataclasses.asdict(self.eval_fit) if self.eval_fit else None
+        self.first_slow_s = measured_first_slow_s(res.get("coordinator_slow_ticks_s") or [])
+        record["coordinator_first_slow_s"] = self.first_slow_s
         sims = {
             f: simulate_run(
                 replay_cfg,
@@ -542,6 +555,7 @@ class Headline:
                 REPLAY_SERIES,
                 self.samples,
                 eval_fit=self.eval_fit,
+                first_slow_s=self.first_slow_s,
             )
             for f in (1.0, factor)
         }
@@ -579,6 +593,13 @@ class Headline:
                 f"the simulator's evaluations of {cfg.eval_max_tokens} tokens in batches of "
                 f"{self.eval_fit.pieces_per_batch} pieces, per replica {by} batches (else "
                 f"{self.eval_fit.batches}): the replay's evaluation batches, {each}"
+            )
+            self.say(tr["notes"][-1])
+        if self.first_slow_s is not None:
+            tr["notes"].append(
+                f"the simulator's first round plans {self.first_slow_s:.1f} s into the trace: the replay's "
+                f"coordinator planned its first rounds then (it starts with the stack, before the replay; "
+                f"its warmup is {cfg.coordinator_warmup_s:g} s)"
             )
             self.say(tr["notes"][-1])
         return factor
@@ -677,6 +698,7 @@ class Headline:
             "stack_ready_s",
             "wall_s",
             "phases_s",
+            "coordinator_slow_ticks_s",
             "coordinator_policy",
             "coscheduler",
             "run_dir",

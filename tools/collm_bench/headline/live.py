@@ -171,6 +171,8 @@ class Observer:
     # for it changed (the fast loop ticks every second; unchanged rows are left out).
     shares: list[dict[str, Any]] = field(default_factory=list)
     _last_share: dict[str, tuple[float, str]] = field(default_factory=dict)
+    # When the coordinator's slow loop ran (its decisions on the `slow` loop; round plans follow them).
+    slow_ticks: list[float] = field(default_factory=list)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -197,6 +199,9 @@ class Observer:
         )
 
     async def on_decision(self, d: CoordinatorDecisions, _msg: object) -> None:
+        if d.loop == "slow":
+            self.slow_ticks.append(self.now())
+            return
         if d.loop != "fast":
             return
         for r in d.replicas:
@@ -496,6 +501,9 @@ async def _drive(
         "telemetry": obs.telemetry,
         "share_decisions": obs.shares,
         "replay_window_s": [replay_start, replay_end],
+        # The coordinator's slow ticks from the replay's start (it starts with the stack, before the
+        # replay, so its first round plan comes `warmup_s` less that head start into the replay).
+        "coordinator_slow_ticks_s": [t - replay_start for t in obs.slow_ticks],
         # The same on the machine's monotonic clock, the replicas' engine clock (their step logs' `t_s`).
         "replay_window_monotonic_s": [replay_start_monotonic, replay_end_monotonic],
         "prep_s": prep_s,

@@ -86,6 +86,7 @@ def sim_config(
     policy: str,
     samples_per_replica: int,
     eval_fit: EvalFit | None = None,
+    first_slow_s: float | None = None,
 ) -> Any:  # collm_sim.config.SimConfig
     from collm_sim.config import EngineSpec, SimConfig
     from collm_sim.plugins import series_setup
@@ -106,7 +107,9 @@ def sim_config(
         core={
             "slow_interval_s": cfg.slow_interval_s,
             "round_deadline_s": cfg.round_deadline_s,
-            "warmup_s": cfg.coordinator_warmup_s,
+            # The coordinator's first slow tick when the live one's came (it starts with the stack,
+            # before the replay; `replay_fit.measured_first_slow_s`), else `warmup_s` into the trace.
+            "warmup_s": cfg.coordinator_warmup_s if first_slow_s is None else max(0.0, first_slow_s),
         },
         samples_per_replica=samples_per_replica,
         domains=tuple(sorted(cfg.domains)),
@@ -140,6 +143,7 @@ def simulate_run(
     samples_per_replica: int,
     step_logs_dir: Path | None = None,
     eval_fit: EvalFit | None = None,
+    first_slow_s: float | None = None,
 ) -> dict[str, Any]:
     """One simulated run: the summary (same code as the live one, after the drain cut), the simulator's
     own figures (fine-tuning tokens, rounds, quality model) and its request records after the cut (each
@@ -149,7 +153,7 @@ def simulate_run(
     from collm_sim.cluster import Simulation
 
     simulation = Simulation(
-        sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica, eval_fit), cal
+        sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica, eval_fit, first_slow_s), cal
     )
     logs = []
     if step_logs_dir is not None:

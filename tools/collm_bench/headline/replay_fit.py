@@ -113,3 +113,14 @@ def measured_eval_fit(shapes: Mapping[str, EvalShape], eval_tokens: int | None) 
         max(1, round(pooled.pieces_per_batch)),
         by_replica,
     )
+
+
+def measured_first_slow_s(slow_ticks_s: Sequence[float]) -> float | None:
+    """When the coordinator's first round plans came, in seconds from the replay's start: its first slow
+    tick at or after the start (None: none during the replay). The live coordinator starts with the
+    stack, a few seconds before the replay (the stack's start and the run's preparation), so its first
+    slow tick (`warmup_s` after its first tick) comes that much earlier in the replay than `warmup_s`,
+    and the rounds' phase against the trace's arrivals follows from it; the simulator's coordinator
+    starts with the trace. With it the simulated first plans come when the live ones did
+    (`predict.sim_config`)."""
+    return min((t for t in slow_ticks_s if t >= 0), default=None)
