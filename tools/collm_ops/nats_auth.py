@@ -4,7 +4,9 @@ One user per service role, each allowed exactly what that service does on the bu
 
 * `gateway`: requests `generate`/`cancel` of any replica, publishes training samples (JetStream) and
   asks the aggregator to `import`/`rollback` (its adapter admin API); listens to telemetry, routing
-  weights and publications. It can send no control command and publish no adapter or round event.
+  weights and publications, and for its dashboard to coordinator decisions and round events, and reads
+  the aggregator's round records (`rounds`) and the coordinator's `status`. It can send no control
+  command and publish no adapter or round event.
 * `replica-<id>`, one per replica: serves only its own endpoints (`collm.v1.replica.<id>.*`), publishes
   only its own telemetry and its own updates (`collm.v1.updates.*.<id>`, so the subject token of an
   update *is* the authenticated sender), consumes only its own samples (its durable consumer, bound to
@@ -141,6 +143,8 @@ def gateway() -> User:
             subjects.subject("samples", "*"),  # POST /v1/samples (JetStream; acknowledged to its inbox)
             subjects.aggregator("import"),  # the adapter admin API (load)
             subjects.aggregator("rollback"),
+            subjects.aggregator("rounds"),  # the dashboard: recent round records
+            subjects.coordinator("status"),  # the dashboard: planned rounds
             *_stream_info(),
             *pub_micro,
         ),
@@ -148,6 +152,8 @@ def gateway() -> User:
             subjects.telemetry_all(),
             subjects.routing_weights(),
             subjects.adapter_published_all(),
+            subjects.coordinator_decisions(),  # the dashboard
+            subjects.round_events_all(),  # the dashboard
             subjects.gateway("*"),
             *sub_micro,
             inbox_prefix(name) + ".>",

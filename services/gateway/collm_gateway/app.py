@@ -7,7 +7,8 @@ API keys, tenants, rate limits), then its body size is checked (limits.py); the 
 (api/admin.py) need an admin key. Every error leaves as the OpenAI envelope: validation errors become
 400 (not FastAPI's 422), Starlette's own errors (404 route, 405, 413 body) keep their status, anything
 unexpected is a 500 without internals. The OpenAPI document (`/openapi.json`) declares exactly that, per
-route (api/responses.py).
+route (api/responses.py). The live dashboard (dashboard/: `/dashboard`, its state and its event stream)
+checks API keys itself, as a browser's event stream cannot send headers.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from collm_gateway.api.responses import errors
 from collm_gateway.auth import Authenticator, AuthMiddleware
 from collm_gateway.catalog import ModelCatalog
 from collm_gateway.cluster import ClusterView
+from collm_gateway.dashboard import routes as dashboard_routes
+from collm_gateway.dashboard.hub import DashboardHub
+from collm_gateway.dashboard.state import DashboardLimits
 from collm_gateway.dispatch import Dispatcher, routing_config
 from collm_gateway.errors import APIError, from_http_status, from_validation
 from collm_gateway.limits import BodyLimitMiddleware
@@ -48,7 +52,7 @@ from collm_gateway.shapes import model_card
 
 log = logging.getLogger(__name__)
 
-UNTRACED_URLS = "healthz,readyz,metrics"
+UNTRACED_URLS = "healthz,readyz,metrics,dashboard"  # dashboard URLs may carry an API key
 
 
 @dataclass
@@ -66,6 +70,7 @@ class GatewayState:
     auth: Authenticator
     adapter_admin: AdapterAdmin
     sample_intake: SampleIntake
+    dashboard: DashboardHub | None = None
     started_unix_s: float = 0.0
     micro: MicroService | None = None
     _subs: list[Any] = field(default_factory=list)
@@ -94,6 +99,8 @@ class GatewayState:
     async def start(self) -> None:
         self.started_unix_s = self.clock.now()
         await self.cluster.subscribe(self.bus)
+        if self.dashboard is not None:
+            await self.dashboard.start()
 
         async def on_published(_msg: AdapterPublished, _raw: Any) -> None:
             self.catalog.invalidate()
@@ -123,6 +130,8 @@ class GatewayState:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs.clear()
+        if self.dashboard is not None:
+            await self.dashboard.stop()
         await self.cluster.unsubscribe()
 
 
@@ -141,9 +150,14 @@ def build_state(
     auth = Authenticator(settings, clock)
     adapter_admin = AdapterAdmin(settings, bus, store, catalog)
     intake = SampleIntake(settings, bus, cluster, clock)
-    return GatewayState(
+    state = GatewayState(
         settings, bus, store, clock, cluster, catalog, dispatcher, serving, auth, adapter_admin, intake
     )
+    limits = DashboardLimits(
+        stale_after_s=settings.telemetry_stale_s, stale_after_intervals=settings.telemetry_stale_intervals
+    )
+    state.dashboard = DashboardHub(bus, store, clock, limits=limits, ping_s=settings.sse_ping_s)
+    return state
 
 
 def build_app(
@@ -177,7 +191,7 @@ def build_app(
     # Added last, so it runs first: an unauthenticated request is refused before its body is read.
     app.add_middleware(AuthMiddleware, authenticator=state.auth)
     install_error_handlers(app)
-    for module in (chat, completions, models, health, admin):
+    for module in (chat, completions, models, health, admin, dashboard_routes):
         app.include_router(module.router)
     FastAPIInstrumentor.instrument_app(app, excluded_urls=UNTRACED_URLS, exclude_spans=["send", "receive"])
     return app

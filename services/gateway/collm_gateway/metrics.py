@@ -68,6 +68,11 @@ WEIGHTS_FACTOR = Gauge(
     "collm_gateway_routing_weights_ratio",
     "Influence of the coordinator's routing weights at the last decision (1 fresh, 0 ignored)",
 )
+DASHBOARD_STREAMS = Counter(
+    "collm_gateway_dashboard_streams_total",
+    "Dashboard event streams opened, and how they ended (client_gone, overflow, shutdown)",
+    ["event"],
+)
 
 
 class VersionSeries:

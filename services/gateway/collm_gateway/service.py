@@ -2,7 +2,8 @@
 
 uvicorn runs inside `run_service`'s exit stack: it takes the signals while it serves (and re-raises
 them when it returns, which sets `stopping`), drains open connections, runs the app's lifespan
-shutdown, and only then are the store and the bus closed, in reverse order of opening.
+shutdown, and only then are the store and the bus closed, in reverse order of opening. Open dashboard
+event streams never end on their own, so they are ended as the shutdown begins (`GatewayServer`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+from collections.abc import Callable
 
 import uvicorn
 
@@ -20,6 +23,18 @@ from collm_gateway.app import build_app
 from collm_gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn, calling `on_shutdown` before it waits for open responses to finish."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.on_shutdown()
+        await super().shutdown(sockets)
 
 
 async def serve(ctx: ServiceContext[GatewaySettings]) -> None:
@@ -37,7 +52,8 @@ async def serve(ctx: ServiceContext[GatewaySettings]) -> None:
         access_log=False,  # one structured line per completion comes from the gateway itself
         timeout_graceful_shutdown=10,
     )
-    server = uvicorn.Server(config)
+    dashboard = app.state.gateway.dashboard
+    server = GatewayServer(config, dashboard.close_streams if dashboard is not None else lambda: None)
 
     async def run_server() -> None:
         try:

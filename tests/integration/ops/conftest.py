@@ -32,6 +32,7 @@ from collm_common.wire.control import ControlReply, StartTraining
 from collm_common.wire.rounds import ParticipantPlan, RoundOutcome, RoundPlan
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
 from collm_ops.servers import free_port, start_nats, start_redis
+from tests.integration import seed
 
 from .otlp_receiver import OtlpReceiver
 
@@ -282,27 +283,7 @@ def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpsStack]:
 
 
 async def seed_v1(redis_url: str, prefix: str) -> None:
-    """`ops@v1` for the tiny model, as a replica creates it (PEFT's init: B = 0, the base behaviour)."""
-    from collm_common.lora import encode_adapter
-    from collm_replica.lora_bank import LiveLora, module_shapes
-    from collm_replica.models import build_tiny_model
-    from collm_replica.settings import ReplicaSettings
-
-    model, _ = build_tiny_model(0)
-    live = LiveLora.init_new(
-        ReplicaSettings().lora_spec, int(model.config.num_hidden_layers), module_shapes(model), "tiny"
-    )
-    store = AdapterStore.from_url(redis_url, prefix)
-    try:
-        await store.publish(
-            ADAPTER,
-            encode_adapter(live.to_weights({})),
-            expected_current=None,
-            base_model="tiny",
-            source="create",
-        )
-    finally:
-        await store.close()
+    await seed.seed_v1(redis_url, prefix, ADAPTER)
 
 
 async def _wait_round(ops: OpsStack) -> RoundOutcome:

@@ -251,6 +251,8 @@ async def test_every_service_can_do_its_job(secure_nats: SecureNats) -> None:
         await listen(gw, "gateway", subjects.telemetry_all())
         await listen(gw, "gateway", subjects.routing_weights())
         await listen(gw, "gateway", subjects.adapter_published_all())
+        await listen(gw, "gateway", subjects.coordinator_decisions())  # the dashboard
+        await listen(gw, "gateway", subjects.round_events_all())  # the dashboard
         await listen(coord, "coordinator", subjects.telemetry_all())
         await listen(coord, "coordinator", subjects.round_events_all())
         await listen(agg, "aggregator", subjects.telemetry_all())
@@ -280,6 +282,9 @@ async def test_every_service_can_do_its_job(secure_nats: SecureNats) -> None:
         assert (await gw.request(subjects.replica("r1", "cancel"), b"", timeout=2)).data == b"r1:0"
         assert (await gw.request(subjects.aggregator("import"), b"", timeout=2)).data == b"import:0"
         assert (await gw.request(subjects.aggregator("rollback"), b"", timeout=2)).data == b"rollback:0"
+        # ... and, for its dashboard, reads round records and the coordinator's status.
+        assert (await gw.request(subjects.aggregator("rounds"), b"", timeout=2)).data == b"rounds:0"
+        assert (await gw.request(subjects.coordinator("status"), b"", timeout=2)).data == b"status:0"
         # Coordinator: weights, decisions, shares to replicas, round plans.
         await coord.publish(subjects.routing_weights(), b"w")
         await coord.publish(subjects.coordinator_decisions(), b"d")
@@ -334,6 +339,8 @@ async def test_every_service_can_do_its_job(secure_nats: SecureNats) -> None:
         await eventually(lambda: subjects.routing_weights() in seen.get("gateway", []))
         assert subjects.telemetry("r0") in seen["aggregator"] and subjects.telemetry("r0") in seen["gateway"]
         assert subjects.adapter_published("med") in seen["gateway"]
+        await eventually(lambda: subjects.round_event(7, "published") in seen.get("gateway", []))
+        assert subjects.coordinator_decisions() in seen["gateway"]
         for c in clients:
             await c.flush()
         await asyncio.sleep(0.2)

@@ -254,6 +254,12 @@ async def test_the_stack_serves_and_runs_a_round_with_least_privilege(
         assert final.policy == "collm" and final.participants, final
         assert sorted(final.accepted) == sorted(final.participants) and final.rejected == [], final
         assert final.domain_losses_after, "replicas evaluated the candidate"
+        # The gateway's dashboard, as the gateway's own user: round events, the aggregator's round
+        # records and the coordinator's status.
+        resp = await asyncio.to_thread(httpx.get, f"{stack.gateway_url}/dashboard/state", timeout=10)
+        dash = resp.json()
+        assert any(r["round_id"] == final.round_id and r["final"] for r in dash["rounds"]), dash["rounds"]
+        assert dash["coordinator"]["status_unix_s"] is not None, dash["coordinator"]
         if final.state == "published":
             want = f"{ADAPTER}@v{final.new_version}"
             for rid in final.participants:  # each swapped the new version in (the aggregator's event)
