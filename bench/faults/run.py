@@ -1,4 +1,5 @@
-"""Fault figures: the six faults of tests/integration/faults, run on one live stack, with larger loads.
+"""Fault figures: the faults of tests/integration/faults, run on one live stack, with larger loads.
+(The supervised replica kill on a real `collm up` with SmolLM2: bench/faults/supervise.py.)
 
 Starts its own nats-server, redis-server and the stack (tiny model; aggregator, coordinator, two
 replicas with local data, gateway; settings of tests/integration/faults/harness.py), runs the scenarios
@@ -45,6 +46,7 @@ def params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         "aggregator_kill": {},
         "coordinator_down": {},
         "straggler": {"deadline_s": 8.0},
+        "replica_supervised": {"concurrency": args.concurrency, "max_tokens": 128},
         "nats_crash": {"down_s": args.down_s},
         "redis_crash": {"down_s": args.down_s},
     }

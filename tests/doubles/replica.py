@@ -48,8 +48,10 @@ class ReplicaBehaviour:
     silent: bool = False
     # Skip this seq number (a lost chunk).
     skip_seq: int | None = None
-    # Send a GenerateError after this many chunks.
+    # Send a GenerateError after this many chunks (0: right after Accepted), with this code.
     fail_after_chunks: int | None = None
+    fail_code: int = 500
+    fail_message: str = "double failed mid-stream"
     # Refuse prompts longer than this many characters with 400 and the limits (like a context limit).
     max_prompt_chars: int | None = None
     prompt_tokens: int = 7
@@ -234,9 +236,7 @@ class ReplicaDouble:
                 reason = "cancelled"
                 break
             if b.fail_after_chunks is not None and i == b.fail_after_chunks:
-                await self._send(
-                    req, GenerateError(request_id=rid, code=500, message="double failed mid-stream")
-                )
+                await self._send(req, GenerateError(request_id=rid, code=b.fail_code, message=b.fail_message))
                 return
             if b.token_delay_s:
                 await asyncio.sleep(b.token_delay_s)

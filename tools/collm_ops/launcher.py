@@ -7,6 +7,17 @@ environment variables (the same variables docker-compose sets); prefixes and str
 until every replica answers `$SRV.PING` and the gateway's `/readyz` says ready; and on Ctrl-C (or
 `stop()`) terminates everything it started, in reverse order.
 
+Supervision (`Stack.supervise`; on in `run_forever`, i.e. `collm up`; off by default in `Stack`, which
+tests and benchmarks drive by hand): a service child that exits while the stack is not stopping is
+started again with the same module and environment, after an exponential backoff (1 s doubling to 30 s,
+back to 1 s after a run of 60 s), and the launcher's log names the service, how it exited, the restart
+number and the delay. A service with 5 exits within 300 s is crash-looping: one log line says so with
+its last exit, it stays listed as such in `<run_dir>/supervision.json` (every service's state, pid,
+restarts and last exit, rewritten on every change), and it keeps being retried every 30 s while the
+others keep running. The decisions are the pure `collm_ops.supervise.Supervisor`; this module only
+polls the processes (every `SUPERVISE_POLL_S`) and starts them. `Stack.kill` holds the child it kills
+(supervision leaves it down until `Stack.restart`), unless told otherwise.
+
 Environment of each child (`Stack.child_envs`): the launcher's own environment, `COLLM_*` included (so
 `COLLM_API_KEYS=... make up` configures the gateway, `COLLM_STRATEGY=fedavg` the aggregator), except the
 variables that name one process (`PER_PROCESS`: its metrics port, replica id, data directory, bind
@@ -40,12 +51,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 from urllib.parse import urlparse
 
 import httpx
 
+from collm_common.clock import Clock, WallClock
 from collm_ops.servers import ServerProcess, free_port, port_open, start_nats, start_redis
+from collm_ops.supervise import SupervisionPolicy, Supervisor, describe_exit
 from collm_replica.naming import served_name
 
 SERVICE_ORDER = ("aggregator", "coordinator", "replica", "gateway")
@@ -61,6 +74,9 @@ PER_PROCESS = frozenset(
     }
 )
 COLORS = {"aggregator": 35, "coordinator": 36, "replica": 32, "gateway": 33, "launcher": 37}
+# How often supervision looks at its children (the delay between a child's exit and its report).
+SUPERVISE_POLL_S = 0.2
+SUPERVISION_FILE = "supervision.json"
 
 
 @dataclass
@@ -108,6 +124,9 @@ class StackConfig:
     nats_password: str | None = None
     nats_config: Path | None = None
     nats_env: dict[str, str] | None = None
+    # Restart service children that exit (module docstring); `run_forever` turns it on.
+    supervise: bool = False
+    supervision: SupervisionPolicy = field(default_factory=SupervisionPolicy)
 
 
 @dataclass
@@ -128,12 +147,20 @@ def _host_port(url: str, default_port: int) -> tuple[str, int]:
 class Stack:
     """A running CoLLM stack. Use as a context manager, or call start()/stop()."""
 
-    def __init__(self, config: StackConfig, log_sink: IO[str] | None = None) -> None:
+    def __init__(
+        self, config: StackConfig, log_sink: IO[str] | None = None, clock: Clock | None = None
+    ) -> None:
         self.config = config
+        self.clock: Clock = clock or WallClock()
         self.children: list[Child] = []
         self.servers: list[ServerProcess] = []
         self.log_sink = log_sink if log_sink is not None else sys.stdout
         self._lock = threading.Lock()
+        # Guards `children` and the supervisor between the supervision thread and callers.
+        self._children_lock = threading.RLock()
+        self.supervisor: Supervisor | None = None
+        self._supervise_stop = threading.Event()
+        self._supervise_thread: threading.Thread | None = None
         self.ready_s: float | None = None
         # Child name -> its Prometheus port (services started with COLLM_METRICS_PORT).
         self.metrics_ports: dict[str, int] = {}
@@ -235,7 +262,8 @@ class Stack:
         )
         return env
 
-    def _spawn(self, name: str, module: str, env: dict[str, str]) -> Child:
+    def _spawn(self, name: str, module: str, env: dict[str, str], replace: Child | None = None) -> Child:
+        """Start `python -m module` as child `name`; it takes `replace`'s place in `children` if given."""
         out: IO[bytes] | int = subprocess.PIPE
         if self.config.log_dir is not None:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
@@ -255,7 +283,11 @@ class Stack:
         if proc.stdout is not None:
             child.pump = threading.Thread(target=self._pump, args=(name, proc.stdout), daemon=True)
             child.pump.start()
-        self.children.append(child)
+        with self._children_lock:
+            if replace is not None and replace in self.children:
+                self.children[self.children.index(replace)] = child
+            else:
+                self.children.append(child)
         return child
 
     def child_envs(self) -> list[tuple[str, str, dict[str, str]]]:
@@ -307,6 +339,8 @@ class Stack:
             self.stop()
             raise
         self.ready_s = time.monotonic() - t0
+        if cfg.supervise:
+            self.supervise()
         return self
 
     @property
@@ -347,6 +381,7 @@ class Stack:
         raise TimeoutError("the stack did not become ready in time")
 
     def stop(self, timeout_s: float = 15.0) -> None:
+        self.unsupervise()  # nothing is restarted while the stack stops
         order = {"gateway": 0, "replica": 1, "coordinator": 2, "aggregator": 3}
         children = sorted(self.children, key=lambda c: order.get(c.name.split("-")[0], 9))
         for c in children:
@@ -370,16 +405,143 @@ class Stack:
         self.servers.clear()
 
     def child(self, name: str) -> Child:
-        for c in self.children:
-            if c.name == name:
-                return c
+        with self._children_lock:
+            for c in self.children:
+                if c.name == name:
+                    return c
         raise KeyError(name)
 
+    # --- supervision -----------------------------------------------------------------------------------
+    def supervise(self, policy: SupervisionPolicy | None = None) -> Supervisor:
+        """Start supervising every service child (module docstring); idempotent."""
+        if self.supervisor is not None:
+            return self.supervisor
+        sup = Supervisor(policy or self.config.supervision)
+        now_s = self.clock.monotonic()
+        with self._children_lock:
+            for c in self.children:
+                sup.started(c.name, now_s)
+            self.supervisor = sup
+        self._supervise_stop.clear()
+        self._supervise_thread = threading.Thread(
+            target=self._supervise_loop, name="collm-supervise", daemon=True
+        )
+        self._supervise_thread.start()
+        self._write_supervision()
+        p = sup.policy
+        self.log(
+            "launcher",
+            f"supervising {len(self.children)} services: an exit is restarted after "
+            f"{p.first_backoff_s:g}s doubling to {p.max_backoff_s:g}s; {p.crash_loop_exits} exits within "
+            f"{p.crash_loop_window_s:g}s is a crash loop (status: {self.supervision_path})",
+        )
+        return sup
+
+    def unsupervise(self) -> None:
+        """Stop supervising (children that exit from now on stay down)."""
+        thread = self._supervise_thread
+        self._supervise_stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
+        self._supervise_thread = None
+        with self._children_lock:
+            was = self.supervisor is not None
+            self.supervisor = None
+        if was:
+            self._write_supervision(final=True)
+
+    @property
+    def supervision_path(self) -> Path:
+        return self.config.run_dir / SUPERVISION_FILE
+
+    def _supervise_loop(self) -> None:
+        while not self._supervise_stop.wait(SUPERVISE_POLL_S):
+            try:
+                self.supervise_step()
+            except Exception as exc:  # never let one bad step end supervision
+                self.log("launcher", f"supervision step failed: {type(exc).__name__}: {exc}")
+
+    def supervise_step(self) -> None:
+        """One look at the children: report exits, start those whose backoff has passed."""
+        changed = False
+        with self._children_lock:
+            sup = self.supervisor
+            if sup is None or self._supervise_stop.is_set():
+                return
+            now_s = self.clock.monotonic()
+            for c in list(self.children):
+                code = c.proc.poll()
+                if code is None or not sup.is_running(c.name):
+                    continue
+                decision = sup.exited(c.name, code, now_s)
+                if decision is None:
+                    continue
+                changed = True
+                self.log("launcher", decision.describe(sup.policy))
+                if decision.crash_loop_began:
+                    self.log(
+                        "launcher",
+                        f"CRASH LOOP: {c.name} exited {decision.exits_in_window} times within "
+                        f"{sup.policy.crash_loop_window_s:g}s, last {describe_exit(code)}; it is retried "
+                        f"every {sup.policy.max_backoff_s:g}s, the other services keep running",
+                    )
+            for name in sup.recovered(now_s):
+                changed = True
+                self.log("launcher", f"{name} has run {sup.policy.stable_s:g}s: no longer crash-looping")
+            for name in sup.due(now_s):
+                old = self.child(name)
+                changed = True
+                try:
+                    new = self._spawn(name, old.module, old.env, replace=old)
+                except OSError as exc:
+                    # Counted as a run that ended at once: the next look sees the old exit and backs off.
+                    sup.started(name, now_s)
+                    self.log("launcher", f"cannot start {name} again: {exc}")
+                    continue
+                sup.started(name, self.clock.monotonic())
+                self.log("launcher", f"restarted {name} (restart #{sup.restarts(name)}, pid {new.proc.pid})")
+        if changed:
+            self._write_supervision()
+
+    def supervision_status(self) -> dict[str, Any]:
+        """What `<run_dir>/supervision.json` holds: each service's supervision state and pid."""
+        with self._children_lock:
+            sup = self.supervisor
+            services = sup.snapshot(self.clock.monotonic()) if sup is not None else {}
+            for c in self.children:
+                entry = services.setdefault(c.name, {})
+                entry["pid"] = c.proc.pid if c.proc.poll() is None else None
+            return {
+                "supervising": sup is not None,
+                "launcher_pid": os.getpid(),
+                "updated_unix_s": round(self.clock.now(), 3),
+                "crash_looping": sup.crash_looping() if sup is not None else [],
+                "services": services,
+            }
+
+    def _write_supervision(self, final: bool = False) -> None:
+        """Rewrite `<run_dir>/supervision.json` (while supervising; `final`: once more when it ends)."""
+        if self.supervisor is None and not final:
+            return
+        path = self.supervision_path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(self.supervision_status(), indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            self.log("launcher", f"cannot write {path}: {exc}")
+
     # --- faults (tests and bench/faults) ---------------------------------------------------------------
-    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 15.0) -> int:
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 15.0, hold: bool = True) -> int:
         """Send `sig` to child `name`'s process group (SIGKILL: a crash) and wait until it has exited.
-        Returns its exit code. The child stays listed, so `restart(name)` can start it again."""
-        c = self.child(name)
+        Returns its exit code. The child stays listed, so `restart(name)` can start it again. Under
+        supervision the child is held first (not restarted until `restart(name)`); `hold=False` leaves
+        it to supervision, as a crash would."""
+        with self._children_lock:
+            c = self.child(name)
+            if hold and self.supervisor is not None:
+                self.supervisor.hold(name)
         if c.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(c.proc.pid, sig)
@@ -391,6 +553,7 @@ class Stack:
                 c.proc.wait()
         if c.pump is not None:
             c.pump.join(timeout=2)
+        self._write_supervision()
         return int(c.proc.returncode)
 
     def restart(self, name: str) -> Child:
@@ -399,8 +562,12 @@ class Stack:
         old = self.child(name)
         if old.proc.poll() is None:
             self.kill(name, signal.SIGTERM)
-        self.children.remove(old)
-        return self._spawn(name, old.module, old.env)
+        with self._children_lock:
+            new = self._spawn(name, old.module, old.env, replace=old)
+            if self.supervisor is not None:
+                self.supervisor.started(name, self.clock.monotonic())
+        self._write_supervision()
+        return new
 
     def wait_replica(self, replica_id: str, timeout_s: float = 120.0) -> float:
         """Wait until replica `replica_id` answers `$SRV.PING`; returns the seconds waited."""
@@ -416,7 +583,8 @@ class Stack:
 
     def pids(self) -> dict[str, int]:
         """Child name -> pid of every child still running (RSS sampling, signals)."""
-        return {c.name: c.proc.pid for c in self.children if c.proc.poll() is None}
+        with self._children_lock:
+            return {c.name: c.proc.pid for c in self.children if c.proc.poll() is None}
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -425,29 +593,37 @@ class Stack:
         self.stop()
 
 
-def run_forever(config: StackConfig) -> int:
-    """`collm up`: start, print where the gateway is, wait for Ctrl-C or a child's death, stop."""
+def run_forever(config: StackConfig, supervise: bool = True) -> int:
+    """`collm up`: start, print where the gateway is, supervise the services (restart with backoff,
+    report crash loops) until Ctrl-C or SIGTERM, stop. With `supervise=False` the first child that
+    exits stops the whole stack instead."""
     stack = Stack(config)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
         stack.start()
+        if supervise:
+            stack.supervise()
         stack.log(
             "launcher",
             f"ready in {stack.ready_s:.1f}s: gateway on {stack.gateway_url} "
-            f"(replicas: {', '.join(r.replica_id for r in config.replicas)}); Ctrl-C stops everything",
+            f"(replicas: {', '.join(r.replica_id for r in config.replicas)}); "
+            + ("a service that exits is restarted; " if supervise else "")
+            + "Ctrl-C stops everything",
         )
         for name, url in sorted(stack.metrics_urls().items()):
             stack.log("launcher", f"metrics of {name}: {url}")
         if config.otlp_endpoint:
             stack.log("launcher", f"traces exported over OTLP/HTTP to {config.otlp_endpoint}")
         while not stopping.is_set():
-            for c in stack.children:
-                if c.proc.poll() is not None:
-                    stack.log(
-                        "launcher", f"{c.name} exited with code {c.proc.returncode}; stopping the stack"
-                    )
-                    return 1
+            if stack.supervisor is None:
+                for c in stack.children:
+                    if c.proc.poll() is not None:
+                        stack.log(
+                            "launcher",
+                            f"{c.name} exited ({describe_exit(c.proc.returncode)}); stopping the stack",
+                        )
+                        return 1
             stopping.wait(1.0)
         return 0
     except KeyboardInterrupt:

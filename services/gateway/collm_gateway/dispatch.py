@@ -3,11 +3,20 @@
 `Dispatcher.start` ranks the replicas (pure policy in `routing.py`), publishes the `GenerateRequest` to
 the first one with `Bus.stream`, and waits for its first answer. A refusal before acceptance (no
 responders, 429, 503, or silence past `first_event_timeout_s`, after which a cancel is sent so a late
-acceptance cannot run twice) moves on to the next ranked replica, at most `max_retries` times. Once a
-replica has accepted, the request stays there: `Generation.events` yields its token chunks, checks that
-`seq` runs 0, 1, 2, ... without a gap (a gap is a lost chunk: the stream fails with a clear error rather
-than return text with a hole), enforces the first-token, inter-token and overall deadlines, and
-`Generation.aclose` cancels the generation on the replica unless it already ended.
+acceptance cannot run twice) moves on to the next ranked replica, at most `max_retries` times.
+
+Once a replica has accepted, `Generation.events` yields its token chunks, checks that `seq` runs 0, 1,
+2, ... without a gap (a gap is a lost chunk: the stream fails with a clear error rather than return text
+with a hole), enforces the first-token, inter-token and overall deadlines, and `Generation.aclose`
+cancels the generation on the replica unless it already ended. The request stays on that replica once
+it has produced a token. Before that, losing the replica is not the client's problem: when the replica
+is gone (its telemetry stale and nobody answering its status subject) or answers 429/503 after
+accepting (a replica shutting down fails its queue with 503), the same request (same id, same
+deadline) is placed again on the other replicas, ranked afresh without the ones already lost, at most
+`max_retries` times (counted in `collm_gateway_retries_total` as `lost_before_first_token` or
+`refused_<code>_after_accept`). The events continue as if nothing happened, except that `replica_id`,
+`adapter_version_id` and `attempts` now describe the new placement. A replica lost after its first token
+fails the request with 503 `replica_lost`: the text already sent cannot be taken back.
 """
 
 from __future__ import annotations
@@ -63,42 +72,61 @@ class _Refusal:
     error: APIError
 
 
+@dataclass
+class _Leg:
+    """One replica's part of a request: the stream it accepted, and what closes it (span, accounting)."""
+
+    choice: Choice
+    accepted: Accepted
+    replies: StreamReplies
+    stack: contextlib.AsyncExitStack
+    span: trace.Span
+    released: bool = False  # its stream closed and its span ended: the replica was lost
+
+    @property
+    def replica_id(self) -> str:
+        return self.accepted.replica_id or self.choice.replica_id
+
+
 class Generation:
-    """One request accepted by one replica: its events, its timing, and its cancellation."""
+    """One request accepted by a replica (by another one if the first is lost before the first token):
+    its events, its timing, and its cancellation."""
 
     def __init__(
-        self,
-        dispatcher: Dispatcher,
-        request: GenerateRequest,
-        choice: Choice,
-        accepted: Accepted,
-        replies: StreamReplies,
-        stack: contextlib.AsyncExitStack,
-        span: trace.Span,
-        deadline_s: float,
-        attempts: int,
+        self, dispatcher: Dispatcher, request: GenerateRequest, leg: _Leg, deadline_s: float, attempts: int
     ) -> None:
         self._d = dispatcher
         self.request = request
-        self.choice = choice
-        self.accepted = accepted
-        self._replies = replies
-        self._stack = stack
-        self.span = span
+        self._leg = leg
         self.deadline_s = deadline_s
         self.attempts = attempts
+        # Replicas this request was placed on and lost before its first token (in order).
+        self.lost_replicas: list[str] = []
         self.first_token_s: float | None = None
         self.end_s: float | None = None
         self.finished: Finished | None = None
         self.completion_tokens = 0
+        self._chunks = 0  # token chunks yielded, on every replica: once there is one, no failover
         self._next_seq = 0
         self._last_event_s = dispatcher.clock.monotonic()
         self._replica_done = False  # finished or failed on the replica's side: no cancel needed
         self._closed = False
 
     @property
+    def choice(self) -> Choice:
+        return self._leg.choice
+
+    @property
+    def accepted(self) -> Accepted:
+        return self._leg.accepted
+
+    @property
+    def span(self) -> trace.Span:
+        return self._leg.span
+
+    @property
     def replica_id(self) -> str:
-        return self.accepted.replica_id or self.choice.replica_id
+        return self._leg.replica_id
 
     @property
     def adapter_version_id(self) -> str:
@@ -111,9 +139,11 @@ class Generation:
     async def events(self, heartbeat_s: float | None = None) -> AsyncIterator[TokenChunk | Finished | None]:
         """Token chunks then one `Finished`; `None` every `heartbeat_s` of silence (for SSE pings).
 
-        Raises APIError on a timeout (504), a lost chunk or a malformed event (502), a replica gone
-        mid-request (stale telemetry and no responders: 503 `replica_lost`; this gateway's NATS
-        connection down: 503 `nats_unavailable`), or the replica's own error (`errors.from_replica`).
+        Before the first chunk, a lost replica (or a 429/503 after acceptance) moves the request to
+        another one (module docstring) and the events go on from there. Raises APIError on a timeout
+        (504), a lost chunk or a malformed event (502), a replica gone mid-request (stale telemetry and
+        no responders: 503 `replica_lost`; this gateway's NATS connection down: 503
+        `nats_unavailable`), or the replica's own error (`errors.from_replica`).
         """
         clock = self._d.clock
         s = self._d.settings
@@ -130,7 +160,7 @@ class Generation:
             step_s = min(wait_s, LIVENESS_CHECK_S, heartbeat_s or LIVENESS_CHECK_S)
             try:
                 async with asyncio.timeout(step_s):
-                    raw = await self._replies.next(_NO_LIMIT_S)
+                    raw = await self._leg.replies.next(_NO_LIMIT_S)
             except TimeoutError:
                 if step_s >= wait_s:
                     raise self._fail(self._timeout_error(waiting_first, stage_s)) from None
@@ -140,6 +170,12 @@ class Generation:
                     # A replica that died mid-request stops publishing telemetry: fail now rather
                     # than wait out the token timeouts (its in-flight work is gone with it). Telemetry
                     # also stops arriving when this gateway lost NATS itself: say which it was.
+                    if self._d.bus.connected and self._can_fail_over():
+                        await self._fail_over(
+                            f"replica {self.replica_id} was lost before the first token",
+                            "lost_before_first_token",
+                        )
+                        continue
                     why = (
                         f"replica {self.replica_id} stopped reporting telemetry while generating"
                         if self._d.bus.connected
@@ -172,6 +208,7 @@ class Generation:
                 if event.token_ids and self.first_token_s is None:
                     self.first_token_s = self._last_event_s
                 self.completion_tokens += len(event.token_ids)
+                self._chunks += 1
                 yield event
             elif isinstance(event, Finished):
                 self._check_seq(event.seq)
@@ -190,11 +227,54 @@ class Generation:
                 yield event
             elif isinstance(event, GenerateError):
                 self._replica_done = True
+                if event.code in errors.RETRYABLE_REFUSALS and self._can_fail_over():
+                    await self._fail_over(
+                        f"replica {self.replica_id} answered {event.code} after accepting: {event.message}",
+                        f"refused_{event.code}_after_accept",
+                    )
+                    continue
                 raise self._fail(
                     errors.from_replica(event.code, event.message, event.type, event.param, s.retry_after_s)
                 )
             else:
                 raise self._fail(errors.protocol_error(f"replica {self.replica_id} sent a second Accepted"))
+
+    def _can_fail_over(self) -> bool:
+        return self._chunks == 0 and len(self.lost_replicas) < self._d.settings.max_retries
+
+    async def _fail_over(self, why: str, reason: str) -> None:
+        """Release the lost replica's stream and place the request on another replica (or raise the
+        APIError that says none could take it)."""
+        s = self._d.settings
+        lost = self.replica_id
+        self.lost_replicas.append(lost)
+        old = self._leg
+        old.span.set_status(Status(StatusCode.ERROR, why))
+        if not self._replica_done:  # cut off rather than dead: it must not go on generating
+            await self._d.cancel(lost, self.request.request_id, "failover")
+        old.released = True
+        await old.stack.aclose()
+        metrics.RETRIES.labels(reason).inc()
+        log.warning(
+            "request moved to another replica before its first token",
+            extra={"request_id": self.request.request_id, "replica": lost, "reason": reason},
+        )
+        try:
+            leg, tried = await self._d.place(self.request, self.deadline_s, frozenset(self.lost_replicas))
+        except APIError as err:
+            self._replica_done = True
+            self.end_s = self._d.clock.monotonic()
+            raise APIError(
+                503,
+                f"{why}, and no other replica could take the request: {err.message}",
+                code="replica_lost",
+                headers={"Retry-After": str(s.retry_after_s)},
+            ) from None
+        self._leg = leg
+        self.attempts += tried
+        self._next_seq = 0
+        self._replica_done = False
+        self._last_event_s = self._d.clock.monotonic()
 
     def _check_seq(self, seq: int) -> None:
         if seq != self._next_seq:
@@ -217,7 +297,8 @@ class Generation:
 
     def _fail(self, err: APIError) -> APIError:
         self.end_s = self._d.clock.monotonic()
-        self.span.set_status(Status(StatusCode.ERROR, err.message))
+        if not self._leg.released:
+            self.span.set_status(Status(StatusCode.ERROR, err.message))
         return err
 
     async def aclose(self, reason: str = "client_disconnected") -> None:
@@ -231,17 +312,18 @@ class Generation:
         finally:
             if self.end_s is None:
                 self.end_s = self._d.clock.monotonic()
-            self.span.set_attribute("collm.adapter_version", self.adapter_version_id)
-            self.span.set_attributes(
-                response_attributes(
-                    self.adapter_version_id,
-                    self._d.settings.base_model,
-                    self.prompt_tokens,
-                    self.completion_tokens,
-                    self.finished.finish_reason if self.finished else None,
+            if not self._leg.released:
+                self.span.set_attribute("collm.adapter_version", self.adapter_version_id)
+                self.span.set_attributes(
+                    response_attributes(
+                        self.adapter_version_id,
+                        self._d.settings.base_model,
+                        self.prompt_tokens,
+                        self.completion_tokens,
+                        self.finished.finish_reason if self.finished else None,
+                    )
                 )
-            )
-            await self._stack.aclose()
+                await self._leg.stack.aclose()
 
 
 def routing_config(settings: GatewaySettings) -> RoutingConfig:
@@ -301,6 +383,14 @@ class Dispatcher:
 
     async def start(self, req: GenerateRequest, deadline_s: float) -> Generation:
         """Get `req` accepted by a replica (retrying refusals), or raise APIError."""
+        leg, attempts = await self.place(req, deadline_s)
+        return Generation(self, req, leg, deadline_s, attempts)
+
+    async def place(
+        self, req: GenerateRequest, deadline_s: float, exclude: frozenset[str] = frozenset()
+    ) -> tuple[_Leg, int]:
+        """The accepted stream of `req` on the best-ranked replica not in `exclude` that takes it, and
+        how many replicas were tried; APIError when none does."""
         s = self.settings
         if not self.bus.connected:
             raise errors.no_replica(s.retry_after_s, "NATS is unreachable")
@@ -309,21 +399,23 @@ class Dispatcher:
             req.adapter_version,
         )  # fmt: skip
         metrics.WEIGHTS_FACTOR.set(decision.weights_factor)
-        if not decision.ranked:
-            raise errors.no_replica(s.retry_after_s, "no replica has reported fresh telemetry")
+        ranked = [c for c in decision.ranked if c.replica_id not in exclude]
+        if not ranked:
+            other = " other" if exclude else ""
+            raise errors.no_replica(s.retry_after_s, f"no{other} replica has reported fresh telemetry")
         refusals: list[_Refusal] = []
-        for attempt, choice in enumerate(decision.ranked[: s.max_retries + 1]):
+        for attempt, choice in enumerate(ranked[: s.max_retries + 1]):
             if attempt > 0:
                 metrics.RETRIES.labels(refusals[-1].reason).inc()
             remaining_s = deadline_s - self.clock.monotonic()
             if remaining_s <= 0:
                 raise errors.timeout("request deadline passed while looking for a replica")
             outcome = await self._attempt(
-                req, choice, min(s.first_event_timeout_s, remaining_s), deadline_s, attempt
+                req, choice, min(s.first_event_timeout_s, remaining_s), attempt + len(exclude)
             )
-            if isinstance(outcome, Generation):
+            if isinstance(outcome, _Leg):
                 metrics.REPLICA_CHOICE.labels(outcome.replica_id, outcome.choice.source).inc()
-                return outcome
+                return outcome, attempt + 1
             log.info(
                 "replica refused before accepting",
                 extra={"request_id": req.request_id, "replica": choice.replica_id, "reason": outcome.reason},
@@ -344,8 +436,8 @@ class Dispatcher:
         return errors.no_replica(s.retry_after_s, f"no replica could take the request ({detail})")
 
     async def _attempt(
-        self, req: GenerateRequest, choice: Choice, timeout_s: float, deadline_s: float, attempt: int
-    ) -> Generation | _Refusal:
+        self, req: GenerateRequest, choice: Choice, timeout_s: float, attempt: int
+    ) -> _Leg | _Refusal:
         rid = choice.replica_id
         subject = subjects.replica(rid, "generate")
         stack = contextlib.AsyncExitStack()
@@ -411,7 +503,7 @@ class Dispatcher:
                 )
             span.set_attribute("collm.adapter_version", event.adapter_version_id)
             span.set_attribute("collm.queue_position", event.queue_position)
-            return Generation(self, req, choice, event, replies, stack, span, deadline_s, attempt + 1)
+            return _Leg(choice, event, replies, stack, span)
         except BaseException as exc:
             if isinstance(exc, APIError):
                 span.set_status(Status(StatusCode.ERROR, exc.message))

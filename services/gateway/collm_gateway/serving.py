@@ -7,6 +7,14 @@ still ends with `data: [DONE]`. Response headers `x-collm-replica` and `x-collm-
 because the gateway waits for the replica's `Accepted` before answering. `x-collm-trace-id` carries the
 request's trace id when tracing is on: an operator finds that one request in Jaeger and in the logs.
 
+A request whose replica is lost before its first token is moved to another replica by the dispatcher
+(`Generation.events`), unseen by the client. A plain answer's headers and body then name the replica
+that generated it. A stream's headers have already gone out naming the replica that accepted it first;
+its chunks are built as they go, and the first one (a chat stream's role chunk included) is sent only
+with the first generated event, so every chunk's `system_fingerprint` names the replica that produced
+it. A stream cut after its first token ends with the error event and `[DONE]`, a plain request with the
+error's status and envelope (503 `replica_lost` for a lost replica).
+
 A client that disconnects cancels its generation on the replica: for streams through
 `GenerationEventStream` (which always releases the generation, whatever ended the response), for
 non-streaming requests by racing the generation against the connection's `http.disconnect`.
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -164,18 +173,11 @@ class CompletionServing:
                 model=body.model,
                 system_fingerprint=fingerprint(gen.replica_id, gen.adapter_version_id),
             )
-            headers = {
-                REPLICA_HEADER: gen.replica_id,
-                ADAPTER_VERSION_HEADER: gen.adapter_version_id,
-                REQUEST_ID_HEADER: request_id,
-            }
             trace_id = current_trace_id()
-            if trace_id:
-                headers[TRACE_ID_HEADER] = trace_id
             if body.stream:
                 response = GenerationEventStream(
                     self._stream(gen, shape, ident, body.include_usage, rec, span),
-                    headers=headers,
+                    headers=_headers(gen, request_id, trace_id),
                     on_close=lambda: self._finish(gen, rec, span),
                 )
                 handed_over = True
@@ -187,7 +189,7 @@ class CompletionServing:
                 handed_over = True
             if payload is None:
                 return Response(status_code=CLIENT_CLOSED)
-            return JSONResponse(payload, headers=headers)
+            return JSONResponse(payload, headers=_headers(gen, request_id, trace_id))
         except APIError as err:
             rec.status, rec.error = err.status, err.message
             raise
@@ -203,6 +205,8 @@ class CompletionServing:
     @staticmethod
     def _absorb(gen: Generation, rec: RequestRecord) -> None:
         """Copy what the generation knows (timing, usage, exact version) into the request's record."""
+        rec.replica_id = gen.replica_id
+        rec.attempts = gen.attempts
         rec.first_token_s = gen.first_token_s
         rec.end_s = gen.end_s
         rec.completion_tokens = gen.completion_tokens
@@ -233,14 +237,19 @@ class CompletionServing:
         rec: RequestRecord,
         span: trace.Span | None = None,
     ) -> AsyncIterator[bytes]:
-        opening = shape.opening(ident)
-        if opening is not None:
-            yield sse(opening)
+        opened = False
         try:
             async for event in gen.events(heartbeat_s=self.settings.sse_ping_s):
                 if event is None:
                     yield KEEPALIVE_COMMENT
-                elif isinstance(event, TokenChunk):
+                    continue
+                if not opened:  # the replica that generates is known from here on (module docstring)
+                    opened = True
+                    ident = _identity(ident, gen)
+                    opening = shape.opening(ident)
+                    if opening is not None:
+                        yield sse(opening)
+                if isinstance(event, TokenChunk):
                     if event.text:
                         yield sse(shape.delta(ident, event.text))
                 elif isinstance(event, Finished):
@@ -292,7 +301,24 @@ class CompletionServing:
             rec.status, rec.error = 500, f"{type(exc).__name__}: {exc}"
             raise
         finish = "length" if fin.finish_reason == "length" else "stop"
-        return shape.complete(ident, text, finish, fin.prompt_tokens, fin.completion_tokens)
+        return shape.complete(_identity(ident, gen), text, finish, fin.prompt_tokens, fin.completion_tokens)
+
+
+def _identity(ident: StreamIdentity, gen: Generation) -> StreamIdentity:
+    """`ident` with the fingerprint of the replica and adapter version now serving `gen`."""
+    fp = fingerprint(gen.replica_id, gen.adapter_version_id)
+    return ident if fp == ident.system_fingerprint else dataclasses.replace(ident, system_fingerprint=fp)
+
+
+def _headers(gen: Generation, request_id: str, trace_id: str | None) -> dict[str, str]:
+    headers = {
+        REPLICA_HEADER: gen.replica_id,
+        ADAPTER_VERSION_HEADER: gen.adapter_version_id,
+        REQUEST_ID_HEADER: request_id,
+    }
+    if trace_id:
+        headers[TRACE_ID_HEADER] = trace_id
+    return headers
 
 
 async def _client_gone(request: Request) -> None:

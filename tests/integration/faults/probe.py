@@ -10,7 +10,10 @@ nothing usable ("lost").
   is a request that hung past its deadline.
 
 `run_load` keeps `concurrency` requests in flight for `duration_s` (closed loop), alternating streamed
-and plain requests, and returns every outcome with its send and end times (monotonic seconds).
+and plain requests (or streams only), and returns every outcome with its send and end times (monotonic
+seconds). Each outcome also names the replica in the `x-collm-replica` header (the one that accepted the
+request first) and in `system_fingerprint` (the one that generated the answer): they differ when the
+gateway moved the request to another replica before its first token.
 """
 
 from __future__ import annotations
@@ -40,10 +43,28 @@ class Outcome:
     replica: str | None = None
     completion_tokens: int = 0
     retry_after: str | None = None
+    # `system_fingerprint` of the answer (`r1/base`), and when a stream's first data event arrived
+    # (its first token: the gateway sends the first chunk with it).
+    fingerprint: str | None = None
+    first_data_s: float | None = None
+    # When the response headers arrived (a stream's: when a replica had accepted it).
+    headers_s: float | None = None
 
     @property
     def latency_s(self) -> float:
         return self.end_s - self.sent_s
+
+    @property
+    def generated_by(self) -> str | None:
+        """The replica that generated the answer (from `system_fingerprint`; else the header's)."""
+        if self.fingerprint:
+            return self.fingerprint.split("/", 1)[0]
+        return self.replica
+
+    @property
+    def moved(self) -> bool:
+        """Accepted by one replica, answered by another (moved before its first token)."""
+        return self.kind == "ok" and self.replica is not None and self.generated_by != self.replica
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,10 +98,11 @@ async def one_request(
     index: int = 0,
     prompt: str = "Tell me something about faults.",
     live: dict[int, tuple[str | None, float]] | None = None,
+    waiting: dict[int, tuple[str | None, float]] | None = None,
 ) -> Outcome:
     """One chat completion, classified (module docstring). A stream whose answer has started (HTTP 200
     received) sits in `live` (index -> the replica serving it and when its answer started, monotonic)
-    until it ends."""
+    until it ends, and in `waiting` until its first data event (accepted, no token yet)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": f"{prompt} ({index})"}],
@@ -93,20 +115,48 @@ async def one_request(
         body["stream_options"] = {"include_usage": True}
     t0 = time.monotonic()
 
+    first_data_s: float | None = None
+    headers_s: float | None = None
+    fingerprint: str | None = None
+
     def done(kind: Kind, **kw: Any) -> Outcome:
-        return Outcome(index, stream, t0, time.monotonic(), kind, **kw)
+        end_s = time.monotonic()
+        first = first_data_s if stream else (end_s if kind == "ok" else None)
+        return Outcome(
+            index,
+            stream,
+            t0,
+            end_s,
+            kind,
+            fingerprint=fingerprint,
+            first_data_s=first,
+            headers_s=headers_s,
+            **kw,
+        )
 
     try:
         async with asyncio.timeout(timeout_s):
             async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
+                headers_s = time.monotonic()
                 replica = resp.headers.get("x-collm-replica")
-                if live is not None and stream and resp.status_code == 200:
-                    live[index] = (replica, time.monotonic())
+                if stream and resp.status_code == 200:
+                    now = time.monotonic()
+                    for where in (live, waiting):
+                        if where is not None:
+                            where[index] = (replica, now)
+                parts: list[str] = []
                 try:
-                    raw = (await resp.aread()).decode(errors="replace")
+                    async for part in resp.aiter_text():
+                        parts.append(part)
+                        if first_data_s is None and "data:" in part:
+                            first_data_s = time.monotonic()
+                            if waiting is not None:
+                                waiting.pop(index, None)
                 finally:
-                    if live is not None:
-                        live.pop(index, None)
+                    for where in (live, waiting):
+                        if where is not None:
+                            where.pop(index, None)
+                raw = "".join(parts)
                 retry_after = resp.headers.get("retry-after")
                 if resp.status_code != 200:
                     try:
@@ -125,6 +175,7 @@ async def one_request(
                     )
                 if not stream:
                     data = json.loads(raw)
+                    fingerprint = data.get("system_fingerprint")
                     choice = (data.get("choices") or [{}])[0]
                     if choice.get("finish_reason") in ("stop", "length"):
                         tokens = int((data.get("usage") or {}).get("completion_tokens", 0))
@@ -136,6 +187,7 @@ async def one_request(
                 finished, tokens = False, 0
                 for e in events[:-1]:
                     obj = json.loads(e)
+                    fingerprint = fingerprint or obj.get("system_fingerprint")
                     err = _envelope(obj)
                     if err is not None:
                         return done(
@@ -165,9 +217,11 @@ async def run_load(
     stop: asyncio.Event | None = None,
     on_outcome: Callable[[Outcome], None] | None = None,
     live: dict[int, tuple[str | None, float]] | None = None,
+    waiting: dict[int, tuple[str | None, float]] | None = None,
+    streams_only: bool = False,
 ) -> list[Outcome]:
     """Closed-loop load: `concurrency` workers, each sending its next request when the last one ends
-    (`live`: the streams in progress, see `one_request`)."""
+    (`live`, `waiting`: the streams in progress, see `one_request`)."""
     outcomes: list[Outcome] = []
     end_s = time.monotonic() + duration_s
     counter = iter(range(1 << 30))
@@ -180,11 +234,12 @@ async def run_load(
                 http,
                 base_url,
                 model,
-                stream=i % 2 == 0,
+                stream=streams_only or i % 2 == 0,
                 max_tokens=max_tokens,
                 timeout_s=timeout_s,
                 index=i,
                 live=live,
+                waiting=waiting,
             )
             outcomes.append(o)
             if on_outcome is not None:

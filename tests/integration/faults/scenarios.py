@@ -1,5 +1,6 @@
-"""The six faults of CoLLM, each run against a live `FaultStack` and measured as a `FaultReport`: the
-registry of the scenarios in serving_faults.py (1, 2, 5) and round_faults.py (3, 4, 6).
+"""The seven faults of CoLLM, each run against a live `FaultStack` and measured as a `FaultReport`: the
+registry of the scenarios in serving_faults.py (1, 2, 5), round_faults.py (3, 4, 6) and supervision.py
+(7).
 
 Shared by the fault tests (tests/integration/faults/test_*.py, small parameters) and the figures
 (bench/faults/run.py, larger ones). Each scenario starts from a healthy stack, injects its fault into
@@ -18,6 +19,8 @@ checks, so a figures run reports every fault even when one misbehaves.
 5. `coordinator_down`: SIGKILL the coordinator; the gateway's use of its weights decays to even routing
    and replicas fall back to their local fine-tuning share; both come back after a restart.
 6. `straggler`: a participant that never answers does not hold a round past its deadline.
+7. `replica_supervised` (supervision.py): with the launcher supervising, as `collm up` does, SIGKILL one
+   of two replicas under load; supervision restarts it while the other serves.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 from .report import FaultReport
 from .round_faults import aggregator_kill, redis_restart, straggler
 from .serving_faults import coordinator_down, nats_restart, replica_kill
+from .supervision import replica_supervised
 
 __all__ = ["FaultReport", "SCENARIOS", "VARIANTS"]
 
@@ -35,6 +39,7 @@ SCENARIOS = {
     "aggregator_kill": aggregator_kill,
     "coordinator_down": coordinator_down,
     "straggler": straggler,
+    "replica_supervised": replica_supervised,
 }
 # Harsher variants for the figures: the server process is SIGKILLed instead of stopped.
 VARIANTS = {

@@ -49,14 +49,17 @@ async def replica_kill(
 ) -> FaultReport:
     """Concurrent streamed and plain requests over two replicas; `victim` is SIGKILLed `kill_at_s` in.
 
-    Requests it had not accepted go to the other replica (retried); requests it was generating end with
-    a clear error (an SSE error event then [DONE], or a 503 envelope) as soon as the gateway sees its
-    telemetry stop; nothing hangs, nothing is lost. Then the victim is restarted and must serve again."""
+    Requests it had not accepted go to the other replica (retried), and so do those it had accepted
+    without a token yet; requests it was generating end with a clear error (an SSE error event then
+    [DONE], or a 503 envelope) as soon as the gateway sees its telemetry stop; nothing hangs, nothing is
+    lost. Then the victim is restarted by hand (no supervision here; see supervision.py) and must serve
+    again."""
     report = FaultReport("replica_kill")
     await fs.ensure_healthy()
     retries0 = await gateway_retries(fs)
     kill_at: list[float] = []
     live: dict[int, tuple[str | None, float]] = {}
+    waiting: dict[int, tuple[str | None, float]] = {}  # accepted, no token yet: moved, not failed
 
     served_ok: dict[str, int] = {}
 
@@ -73,7 +76,10 @@ async def replica_kill(
 
         def fresh_stream() -> bool:
             now = time.monotonic()
-            return any(r == victim and now - t < FRESH_STREAM_S for r, t in list(live.values()))
+            return any(
+                r == victim and now - t < FRESH_STREAM_S and i not in waiting
+                for i, (r, t) in list(live.items())
+            )
 
         await wait_for(fresh_stream, 20, f"a stream just begun on {victim}", 0.005)
         kill_at.append(time.monotonic())
@@ -88,6 +94,7 @@ async def replica_kill(
             max_tokens=max_tokens,
             timeout_s=CLIENT_TIMEOUT_S,
             live=live,
+            waiting=waiting,
             on_outcome=count,
         )
     )
