@@ -8,7 +8,14 @@ in headers and msgpack wire messages in payloads:
 * `stream` for a request answered by many messages on an inbox (token streaming);
 * `service` to register a NATS micro service (`$SRV.PING|INFO|STATS`, so `nats micro ls` sees it)
   whose endpoints decode their request, answer with a wire message, and turn refusals into error
-  replies (`Nats-Service-Error-Code` header plus an `ErrorReply` body) instead of crashing.
+  replies (micro's `Nats-Service-Error` and `Nats-Service-Error-Code` headers) instead of crashing.
+
+Every endpoint registered through `MicroService.endpoint` also speaks JSON: a request with the header
+`Content-Type: application/json` (`nats req SUBJECT '{...}' -H Content-Type:application/json`) is
+validated against the same schema, refused with the same error reply, and answered in JSON with that
+header (`collm_common.wire.decode_payload` / `encode_reply`). An empty request body is the empty message.
+Endpoints a service serves with its own handler (a replica's token stream `generate`, `cancel`,
+`evaluate`) stay msgpack only.
 
 The first connection is retried until `nats_connect_timeout_s` (nats-py does not retry it), later
 disconnects reconnect forever. Credentials (`nats_user`/`nats_password`, a token, a creds file, or
@@ -40,7 +47,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from collm_common import tracing
 from collm_common.settings import CommonSettings
-from collm_common.wire import WireError, decode, encode
+from collm_common.wire import WireError, decode, decode_payload, encode, encode_reply
 from collm_common.wire.control import ErrorReply
 
 log = logging.getLogger(__name__)
@@ -117,7 +124,7 @@ def error_of(msg: Msg, subject: str) -> BusError | None:
         type_ = "server_error"
         if msg.data:
             with contextlib.suppress(WireError):
-                body = decode(ErrorReply, msg.data)
+                body = decode_payload(ErrorReply, msg.data, headers)
                 text, type_ = body.message, body.type
         return BusError(code, text, type_)
     return None
@@ -146,7 +153,11 @@ class MicroService:
         metadata: dict[str, str] | None = None,
         queue_group: str | None = None,
     ) -> None:
-        """Serve `subject`. `handler(request, headers)` returns the reply (or None: it replies itself)."""
+        """Serve `subject`. `handler(request, headers)` returns the reply (or None: it replies itself).
+
+        The request is decoded as `request_type` from msgpack, or from JSON when its headers say
+        `Content-Type: application/json`; the reply goes back in the same format. A request that does not
+        decode, or a `ServiceFailure` from the handler, is answered with micro's error headers."""
         tracer = tracing.tracer("collm.bus")
 
         async def on_request(req: Request) -> None:
@@ -158,7 +169,7 @@ class MicroService:
                 attributes={"messaging.system": "nats", "messaging.destination.name": req.subject},
             ) as span:
                 try:
-                    parsed = decode(request_type, req.data)
+                    parsed = decode_payload(request_type, req.data, headers)
                     reply = await handler(parsed, headers)
                 except (WireError, ServiceFailure) as exc:
                     span.set_status(Status(StatusCode.ERROR, str(exc)))
@@ -166,7 +177,8 @@ class MicroService:
                     # `nats micro stats` counts it in num_errors.
                     raise ServiceError(str(exc.code), _header_safe(str(exc))) from None
                 if reply is not None:
-                    await req.respond(encode(reply))
+                    body, reply_headers = encode_reply(reply, headers)
+                    await req.respond(body, headers=reply_headers)
 
         await self.svc.add_endpoint(
             name=name, subject=subject, handler=on_request, metadata=metadata, queue_group=queue_group
@@ -185,9 +197,10 @@ def _header_safe(text: str) -> str:
 
 
 async def respond_error(req: Request | Msg, code: int, message: str, type_: str = "server_error") -> None:
-    """Answer a request with an error reply: micro's error headers plus an `ErrorReply` body."""
-    body = encode(ErrorReply(code=code, type=type_, message=message))
-    headers = {ERROR_HEADER: _header_safe(message), ERROR_CODE_HEADER: str(code)}
+    """Answer a request with an error reply: micro's error headers plus an `ErrorReply` body, in JSON
+    (with its `Content-Type`) when the request was JSON."""
+    body, body_headers = encode_reply(ErrorReply(code=code, type=type_, message=message), req.headers)
+    headers = {**(body_headers or {}), ERROR_HEADER: _header_safe(message), ERROR_CODE_HEADER: str(code)}
     if isinstance(req, Request):
         await req.respond(body, headers=headers)
     elif req.reply:

@@ -1,14 +1,18 @@
 """msgpack payloads for the NATS CLI: `collm wire encode|decode|types`.
 
-CoLLM's messages are msgpack maps (`collm_common.wire`), which a shell cannot type. `encode` turns JSON
-into the exact bytes a service expects (validated against the v1 schema, so a typo fails here and not
-on the server); `decode` turns what `nats req --raw` or `nats sub --raw` printed back into JSON:
+CoLLM's messages are msgpack maps (`collm_common.wire`). Request/reply endpoints also take JSON with a
+`Content-Type: application/json` header, so an operator rarely needs this module; events (telemetry,
+decisions, rounds, publications) are msgpack only. `encode` turns JSON into the exact bytes a service
+expects (validated against the v1 schema, so a typo fails here and not on the server); `decode` turns
+what `nats req --raw` or `nats sub --raw` printed back into JSON:
 
-    collm wire encode SetFineTuneShare '{"share": 0.2, "ttl_s": 60}' \\
-        | nats req collm.v1.replica.r0.control --force-stdin --raw | collm wire decode ControlReply
+    nats sub collm.v1.coordinator.decisions --count 1 --raw | collm wire decode CoordinatorDecisions
 
-Type names are the schema class names (`collm wire types` lists them with the subjects they travel
-on); `control` is the union of every replica control command, chosen by its `"op"` field.
+The NATS CLI prints each message followed by one to three newlines; `decode` drops trailing whitespace
+bytes only when what it was given is not one msgpack value, and then only as many as leave one (a value
+can itself end in 0x0a, which is kept). Type names are the schema
+class names (`collm wire types` lists them with the subjects they travel on); `control` is the union of
+every replica control command, chosen by its `"op"` field.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ WHERE: dict[str, str] = {
     "SetPolicy": subjects.coordinator("policy"),
     "GatewayStatusRequest": subjects.gateway("status"),
     "RoundPlan": subjects.aggregator("open_round"),
-    "StatusRequest": subjects.aggregator("status"),
+    "StatusRequest": subjects.aggregator("status") + ", " + subjects.replica("ID", "status"),
     "ListRounds": subjects.aggregator("rounds"),
     "GetRound": subjects.aggregator("round"),
     "RollbackAdapter": subjects.aggregator("rollback"),
@@ -98,12 +102,51 @@ def encode_json(type_name: str, text: str) -> bytes:
     return encode(msg)
 
 
+# What the NATS CLI may append to a message it prints (newlines; whitespace bytes in general).
+_TRAILING_WHITESPACE = b" \t\r\n"
+# What `nats req --raw` / `nats sub --raw` print for a message without a body (an error reply's, say).
+_NIL_BODY = b"nil body"
+
+
+def _one_value(data: bytes) -> bool:
+    """Whether `data` is exactly one msgpack value (nothing missing, nothing after it)."""
+    try:
+        msgpack.unpackb(data, raw=True, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - msgpack raises several unrelated exception types
+        return False
+    return True
+
+
+def payload_of(printed: bytes) -> bytes:
+    """The msgpack payload in what the NATS CLI printed: `printed` itself when it is one msgpack value,
+    else the longest prefix without trailing whitespace bytes that is one (at most one prefix can be: a
+    complete value followed by more bytes is not one value), else `printed` unchanged."""
+    if _one_value(printed):
+        return printed
+    end = len(printed)
+    while end > 0 and printed[end - 1] in _TRAILING_WHITESPACE:
+        end -= 1
+        if _one_value(printed[:end]):
+            return printed[:end]
+    return printed
+
+
 def decode_bytes(data: bytes, type_name: str | None = None) -> Any:
-    """JSON-able content of a payload: validated as `type_name`, or the raw msgpack map when None."""
+    """JSON-able content of a payload as printed by the NATS CLI (`payload_of`): validated as
+    `type_name`, or the raw msgpack map when None. ValueError when it is no payload."""
+    if data.strip() == _NIL_BODY:
+        raise ValueError(
+            "the NATS CLI printed `nil body`: the message had no payload (an error reply carries its "
+            "error in headers: run `nats req` without --raw to see Nats-Service-Error)"
+        )
+    payload = payload_of(data)
     if type_name is None:
-        return _jsonable(msgpack.unpackb(data, raw=False, strict_map_key=False))
+        try:
+            return _jsonable(msgpack.unpackb(payload, raw=False, strict_map_key=False))
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated exception types
+            raise ValueError(f"not a msgpack payload: {type(exc).__name__}") from None
     target = resolve(type_name)
-    msg = decode(target, data)
+    msg = decode(target, payload)
     return msg.model_dump(mode="json") if isinstance(msg, BaseModel) else msg
 
 

@@ -179,8 +179,8 @@ def test_fixed_bad_payloads_on_every_endpoint_and_subject(
     for what, payload in fixed_bad_payloads().items():
         for name, subject in request_subjects(fs).items():
             answers[(name, what)] = client.run(ask(bus, subject, payload))
-    # Every answer is an error reply with a 4xx code, except `replica.status`, whose request body is
-    # ignored by design (any body asks for the current telemetry).
+    # Every answer is an error reply with a 4xx code; `replica.status` may also answer with the current
+    # telemetry (a body that its request schema, all defaults, accepts).
     wrong = {
         k: v
         for k, v in answers.items()

@@ -1,10 +1,14 @@
 """Every NATS CLI recipe in docs/operations.md, proven against the running stack.
 
 The NATS CLI is not installed here, so each `nats ...` stage of a recipe is carried out with nats-py by
-sending exactly what the CLI sends (`$SRV.PING|INFO|STATS`, a core request with the given body, a
-subscription, a publish, the JetStream API), and each `collm ...` stage runs the real `collm` command
-with the previous stage's output on its stdin. The recipes are read from the document, so a recipe
-added there without a way to check it here fails this test.
+sending exactly what the CLI sends (`$SRV.PING|INFO|STATS`, a core request or publish with the body and
+the `-H K:V` headers as typed, a subscription, the JetStream API) and printing what it prints (`--raw`:
+each body followed by newlines, `nil body` for an empty one), and each `collm ...` stage runs the real
+`collm` command with the previous stage's output on its stdin. A JSON request must get a JSON reply
+(`Content-Type: application/json`) that validates as the endpoint's reply type; a recipe whose request
+is refused names the error code it expects in a trailing `# Nats-Service-Error-Code: N` comment. The
+recipes are read from the document, so a recipe added there without a way to check it here fails this
+test.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import nats
 import pytest
 
 from collm_common import subjects
-from collm_common.bus import ERROR_CODE_HEADER
-from collm_common.wire import decode
+from collm_common.bus import ERROR_CODE_HEADER, ERROR_HEADER
+from collm_common.wire import decode, wants_json
 from collm_common.wire.telemetry import ReplicaTelemetry
+from collm_ops.wire_tools import resolve
 
 from .conftest import COLLM, OpsStack
 
@@ -58,7 +63,47 @@ def stages(line: str) -> list[list[str]]:
 @dataclass
 class Result:
     stdout: bytes
-    outputs: list[bytes]  # `nats sub`: one output per message
+    outputs: list[bytes]  # the bodies: `nats sub` one per message, `nats req` the reply's
+    error_code: str | None = None  # `nats req`: the reply's Nats-Service-Error-Code
+    reply_kind: str | None = None  # `nats req` in JSON: the reply's type
+
+
+# The reply type of each request/reply subject the recipes use (`collm_common.wire`).
+REPLY_KINDS = {
+    ("replica", "status"): "ReplicaTelemetry",
+    ("replica", "control"): "ControlReply",
+    ("coordinator", "status"): "CoordinatorStatus",
+    ("coordinator", "policy"): "PolicyReply",
+    ("gateway", "status"): "GatewayStatus",
+    ("aggregator", "status"): "AggregatorStatus",
+    ("aggregator", "rounds"): "RoundList",
+    ("aggregator", "round"): "RoundDetail",
+}
+
+
+def reply_kind(subject: str) -> str:
+    tokens = subject.split(".")
+    kind = REPLY_KINDS.get((tokens[2], tokens[-1]))
+    assert kind, f"no reply type known for {subject}"
+    return kind
+
+
+def cli_headers(values: list[str]) -> dict[str, str]:
+    """Headers as the CLI builds them from `-H K:V` (split at the first colon, both sides trimmed)."""
+    out = {}
+    for value in values:
+        key, sep, val = value.partition(":")
+        assert sep, f"the NATS CLI refuses the header {value!r}"
+        out[key.strip()] = val.strip()
+    return out
+
+
+def printed_raw(body: bytes) -> bytes:
+    """What `nats req --raw` prints for a reply body: the body and a newline, then one more, then a
+    third when the body did not end in one; `nil body` for an empty body."""
+    if not body:
+        return b"nil body\n"
+    return body + (b"\n" if body.endswith(b"\n") else b"\n\n\n")
 
 
 class NatsCli:
@@ -71,19 +116,25 @@ class NatsCli:
     async def run(self, argv: list[str], stdin: bytes) -> Result:
         assert argv[0] == "nats"
         args = argv[1:]
-        flags = {a for a in args if a.startswith("--") and "=" not in a}
-        pos = [a for i, a in enumerate(args) if not a.startswith("--") and not _is_flag_value(args, i)]
+        flags = {a for a in args if a.startswith("-") and "=" not in a}
+        pos = [a for i, a in enumerate(args) if not a.startswith("-") and not _is_flag_value(args, i)]
+        headers = cli_headers(_flags(args, "-H", "--header"))
         cmd = pos[0]
         if cmd == "micro":
             return await self.micro(pos[1], pos[2] if len(pos) > 2 else None)
         if cmd in ("req", "request"):
             body = stdin if "--force-stdin" in flags else (pos[2].encode() if len(pos) > 2 else b"")
-            return await self.request(pos[1], body)
+            return await self.request(pos[1], body, headers, raw="--raw" in flags or "-r" in flags)
         if cmd in ("pub", "publish"):
             body = stdin if "--force-stdin" in flags else (pos[2].encode() if len(pos) > 2 else b"")
-            return await self.publish(pos[1], body)
+            return await self.publish(pos[1], body, headers)
         if cmd in ("sub", "subscribe"):
-            return await self.subscribe(pos[1], int(_flag(args, "--count") or 1), _flag(args, "--translate"))
+            assert "--translate" not in flags and _flag(args, "--translate") is None, (
+                "`--translate` runs its command where `nats` runs: in compose the nats-box container, "
+                "which has no `collm`; pipe into `collm wire decode` instead"
+            )
+            assert "--raw" in flags, "a `nats sub` recipe prints raw bodies for `collm wire decode`"
+            return await self.subscribe(pos[1], int(_flag(args, "--count") or 1))
         if cmd == "stream":
             return await self.stream(pos[1], pos[2] if len(pos) > 2 else None)
         if cmd == "consumer" and pos[1] in ("ls", "list"):
@@ -117,15 +168,25 @@ class NatsCli:
                 assert all("num_requests" in e for r in got for e in r["endpoints"])
         return Result(json.dumps(got).encode(), [])
 
-    async def request(self, subject: str, body: bytes) -> Result:
-        msg = await self.nc.request(subject, body, timeout=10)
-        headers = msg.headers or {}
-        assert ERROR_CODE_HEADER not in headers, f"{subject} answered an error: {headers}"
-        return Result(msg.data, [])
+    async def request(self, subject: str, body: bytes, headers: dict[str, str], raw: bool) -> Result:
+        msg = await self.nc.request(subject, body, timeout=10, headers=headers or None)
+        reply_headers = msg.headers or {}
+        if raw:
+            printed = printed_raw(msg.data)
+        else:  # the reply's headers, a blank line, then the body
+            lines = "".join(f"{k}: {v}\n" for k, v in reply_headers.items())
+            printed = (lines + "\n" if lines else "").encode() + printed_raw(msg.data)
+        if ERROR_CODE_HEADER in reply_headers:
+            assert reply_headers.get(ERROR_HEADER), reply_headers
+            return Result(printed, [], error_code=reply_headers[ERROR_CODE_HEADER])
+        if not wants_json(headers):
+            return Result(printed, [msg.data])
+        assert reply_headers.get("Content-Type") == "application/json", (subject, reply_headers)
+        return Result(printed, [msg.data], reply_kind=reply_kind(subject))
 
-    async def publish(self, subject: str, body: bytes) -> Result:
+    async def publish(self, subject: str, body: bytes, headers: dict[str, str]) -> Result:
         before = await self.replica_status(subject)
-        await self.nc.publish(subject, body)
+        await self.nc.publish(subject, body, headers=headers or None)
         await self.nc.flush()
         if before is not None:  # a training sample: the replica takes it into its local data
             rid = before.replica_id
@@ -142,20 +203,16 @@ class NatsCli:
                 return decode(ReplicaTelemetry, reply.data)
         return None
 
-    async def subscribe(self, pattern: str, count: int, translate: str | None) -> Result:
+    async def subscribe(self, pattern: str, count: int) -> Result:
         # The tap has recorded every collm.v1 message since the stack started: the latest `count` are
-        # what a `nats sub` opened just before would have printed. Wait for more if there are not enough.
+        # what a `nats sub` opened just before would have printed (`--raw`: each body and a newline).
+        # Wait for more if there are not enough.
         end = time.monotonic() + 30
         while len(msgs := self.ops.tap.matching(pattern)) < count:
             assert time.monotonic() < end, f"fewer than {count} messages on {pattern}"
             await asyncio.sleep(0.2)
-        outputs = []
-        for m in msgs[-count:]:
-            if translate:
-                outputs.append(run_collm(self.ops, shlex.split(translate), m.data))
-            else:
-                outputs.append(m.data)
-        return Result(b"".join(outputs), outputs)
+        bodies = [m.data for m in msgs[-count:]]
+        return Result(b"".join(b + b"\n" for b in bodies), bodies)
 
     async def stream(self, verb: str, name: str | None) -> Result:
         js = self.nc.jetstream()
@@ -170,16 +227,24 @@ class NatsCli:
 
 
 def _flag(args: list[str], name: str) -> str | None:
+    values = _flags(args, name)
+    return values[-1] if values else None
+
+
+def _flags(args: list[str], *names: str) -> list[str]:
+    """Every value given to the flag called any of `names` (`--name VALUE` or `--name=VALUE`)."""
+    out = []
     for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
+        for name in names:
+            if a == name and i + 1 < len(args):
+                out.append(args[i + 1])
+            elif a.startswith(name + "="):
+                out.append(a.split("=", 1)[1])
+    return out
 
 
 def _is_flag_value(args: list[str], i: int) -> bool:
-    return i > 0 and args[i - 1] in ("--count", "--translate", "--server", "--timeout")
+    return i > 0 and args[i - 1] in ("--count", "--translate", "--server", "--timeout", "-H", "--header")
 
 
 def run_collm(ops: OpsStack, argv: list[str], stdin: bytes) -> bytes:
@@ -206,13 +271,26 @@ async def run_recipe(ops: OpsStack, nc: Any, line: str) -> tuple[Result, list[st
 
 
 def check_output(line: str, result: Result, last: list[str]) -> None:
-    """What each decoded answer must say (the recipe's point, beyond "it decoded")."""
-    docs = [json.loads(o) for o in result.outputs if o.strip().startswith(b"{")]
-    if not (last[0] == "collm" or "--translate" in line):
+    """What each answer must say (the recipe's point, beyond "it decoded"): a `collm wire decode` stage's
+    JSON, or a JSON request's reply, which must also validate as the endpoint's reply type."""
+    expected_error = re.search(r"#\s*Nats-Service-Error-Code:\s*(\d+)", line)
+    if result.error_code is not None or expected_error:
+        assert expected_error and result.error_code == expected_error.group(1), (line, result.error_code)
+        if "--raw" not in last:  # the CLI shows the error headers
+            assert f"{ERROR_CODE_HEADER}: {result.error_code}".encode() in result.stdout
         return
+    if last[0] == "collm":
+        kind = last[-1]
+    elif result.reply_kind is not None:
+        kind = result.reply_kind
+        resolve(kind).model_validate_json(result.outputs[0])  # type: ignore[union-attr]
+        if "--raw" in last:  # what it prints is one JSON document (for `| jq`)
+            json.loads(result.stdout)
+    else:
+        return
+    docs = [json.loads(o) for o in result.outputs if o.strip().startswith(b"{")]
     assert docs, f"{line}: no JSON output"
     doc = docs[0]
-    kind = (shlex.split(_flag(last, "--translate") or "") or last)[-1]
     if kind == "ReplicaTelemetry":
         assert {d["replica_id"] for d in docs} <= {"r0", "r1"} and doc["model"] == "tiny"
         if "replica.r0.status" in line:
@@ -225,6 +303,10 @@ def check_output(line: str, result: Result, last: list[str]) -> None:
         assert doc["loop"] in ("fast", "slow") and doc["replicas"]
     elif kind == "GatewayStatus":
         assert {r["replica_id"] for r in doc["replicas"]} == {"r0", "r1"}
+    elif kind == "AggregatorStatus":
+        assert doc["instance_id"] and doc["last_round_id"] >= 1 and sum(doc["rounds_by_state"].values()) >= 1
+    elif kind == "RoundDetail":
+        assert doc["outcome"]["round_id"] == 1 and doc["plan"]["adapter"] == "ops"
     elif kind == "PolicyReply":
         assert doc["policy"] == "collm" and "separate" in doc["policies"]
     elif kind == "RoundList":
@@ -241,8 +323,11 @@ def test_the_document_has_recipes() -> None:
     lines = recipes()
     assert len(lines) >= 10
     assert any(ln.startswith("nats micro ls") for ln in lines)
-    assert any("nats sub 'collm.v1.telemetry.>'" in ln for ln in lines)
-    assert any(ln.startswith("nats req collm.v1.replica.r0.status ''") for ln in lines)
+    json_header = "-H Content-Type:application/json"
+    assert any(ln.startswith("nats req collm.v1.coordinator.status '{}' " + json_header) for ln in lines)
+    assert any(ln.startswith("nats pub collm.v1.samples.r0 '{") and json_header in ln for ln in lines)
+    assert any("nats sub collm.v1.telemetry.replica.r0" in ln and "collm wire decode" in ln for ln in lines)
+    assert not any("--translate" in ln for ln in lines), "nats-box has no collm to translate with"
 
 
 @pytest.mark.parametrize("line", recipes())
