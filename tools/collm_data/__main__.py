@@ -3,6 +3,7 @@
     python -m collm_data list
     python -m collm_data convert --domain math --out .collm/data/math --limit 500
     python -m collm_data convert --all --out .collm/data            # one sub-directory per domain
+    python -m collm_data demo                                       # rewrite data/demo (collm_data.demo)
 
 Output of one domain: `OUT/train/<domain>.jsonl`, `OUT/eval/<domain>.jsonl` (read by
 `collm_common.data.load_dataset`, so `COLLM_DATA_DIR=OUT` points a replica at it) and `OUT/manifest.json`
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from collm_common.data import write_jsonl
 from collm_data.converters import CONVERTERS, SourceMissing
+from collm_data.demo import DEMO_DIR, write_demo
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SOURCE = REPO.parent / "shared" / "data" / "domains"
@@ -63,7 +65,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="at most N eval examples per source (default: limit // 5)",
     )
+    dm = sub.add_parser("demo", help="rewrite the committed demo dataset (data/demo) from the sources")
+    dm.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="folder holding the domain folders")
+    dm.add_argument("--out", type=Path, default=DEMO_DIR, help=f"output directory (default {DEMO_DIR})")
     args = p.parse_args(argv)
+
+    if args.cmd == "demo":
+        try:
+            manifests = write_demo(args.source, args.out)
+        except SourceMissing as exc:
+            sys.stderr.write(f"collm_data: {exc}\n")
+            return 2
+        for d, m in manifests.items():
+            sys.stdout.write(f"{d}: {m['train']} train + {m['eval']} eval examples -> {args.out / d}\n")
+        return 0
 
     if args.cmd == "list":
         for d in sorted(CONVERTERS):

@@ -137,7 +137,8 @@ def convert_medical(
         if not (r.get("question") and r.get("answer")):
             continue
         e = Example(
-            id=f"medquad-{r.get('id', n)}",
+            # qids repeat across the collections (NIDDK, NINDS, CDC): the source makes them unique.
+            id=f"medquad-{str(r.get('source', '')).lower()}-{r.get('id', n)}",
             prompt=r["question"].strip(),
             response=truncate_words(r["answer"], max_words),
             domain="medical",
