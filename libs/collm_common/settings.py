@@ -47,6 +47,13 @@ class CommonSettings(BaseSettings):
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Port of the Prometheus /metrics endpoint (None: off, 0: any)."
     )
+    fixed_ratio_k: int = Field(
+        5,
+        ge=1,
+        description="K of the fixed-ratio baseline: K inference iterations per training step, on every "
+        "service alike (the coordinator's `fixed_ratio` policy grants the share 1/(K+1); a replica's "
+        "`fixed` co-scheduler runs one training step every K iterations).",
+    )
 
     @field_validator("nats_url")
     @classmethod

@@ -1,6 +1,6 @@
 """The `collm` command: run and operate a CoLLM stack.
 
-    collm up [--replicas N] [--model smollm2|tiny|PATH] [--port 8000] [--metrics-port-base 0] ...
+    collm up [--replicas N] [--model smollm2|tiny|PATH] [--policy P] [--no-demo] [--port 8000] ...
     collm status [--once] [--interval 2]          live table of the cluster (Ctrl-C quits)
     collm adapters list | versions NAME | rollback NAME VERSION [--reason TEXT]
     collm rounds list [--adapter A] [--state S] [--limit 20] | show ROUND_ID
@@ -23,9 +23,11 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from collm_common.settings import CommonSettings
+from collm_coordinator.core.config import COSCHEDULER_FOR_POLICY, POLICIES
+from collm_data.demo import DEMO_DIR, demo_domains, site_shares
 from collm_ops.launcher import ReplicaSpec, StackConfig, run_forever
 from collm_ops.micro import gather
 
@@ -60,34 +62,62 @@ def _fail(message: str) -> int:
 
 
 # --- up -------------------------------------------------------------------------------------------------
-def _up(args: argparse.Namespace) -> int:
+class UsageError(ValueError):
+    """Options that cannot make a stack (exit status 2, the message on stderr)."""
+
+
+def stack_config(args: argparse.Namespace, log: IO[str] | None = None) -> StackConfig:
+    """The stack that `collm up` runs for these options (also what bench/adaptation starts). With
+    neither `--data` nor `--no-demo`, every replica gets its share of the demo data (`collm_data.demo`),
+    written under the run directory."""
     data_dirs: dict[str, str] = {}
     for item in args.data or []:
         rid, _, path = item.partition("=")
         if not path:
-            sys.stderr.write(f"--data expects REPLICA=DIR, got {item!r}\n")
-            return 2
+            raise UsageError(f"--data expects REPLICA=DIR, got {item!r}")
         data_dirs[rid] = path
     ids = [f"r{i}" for i in range(args.replicas)]
     unknown = set(data_dirs) - set(ids)
     if unknown:
-        sys.stderr.write(f"--data names unknown replicas {sorted(unknown)} (replicas are {ids})\n")
-        return 2
-    cfg = StackConfig(
+        raise UsageError(f"--data names unknown replicas {sorted(unknown)} (replicas are {ids})")
+    if not args.no_demo and not data_dirs:
+        domains = demo_domains()
+        if not domains:
+            raise UsageError(f"the demo dataset is missing ({DEMO_DIR}); run with --no-demo or --data")
+        shares = site_shares(ids, Path(args.run_dir) / "demo-data")
+        data_dirs = {rid: str(path) for rid, path in shares.items()}
+        if log is not None:
+            log.write(
+                f"demo: replicas {', '.join(ids)} each hold their own share of the {', '.join(domains)} "
+                f"data ({DEMO_DIR}); the adapters {', '.join(domains)} appear within the first minute and "
+                f"improve by federated rounds (http://{args.host}:{args.port}/dashboard, "
+                "`collm rounds list`)\n"
+            )
+    cosched = COSCHEDULER_FOR_POLICY[args.policy]
+    return StackConfig(
         nats_url=args.nats_url,
         redis_url=args.redis_url,
         redis_prefix=args.redis_prefix,
         model=args.model,
         gateway_host=args.host,
         gateway_port=args.port,
-        replicas=[ReplicaSpec(rid, data_dirs.get(rid)) for rid in ids],
+        replicas=[ReplicaSpec(rid, data_dirs.get(rid), env={"COLLM_COSCHEDULER": cosched}) for rid in ids],
         coordinator_policy=args.policy,
         torch_threads=args.torch_threads,
         run_dir=Path(args.run_dir),
         log_json=args.log_json,
         metrics_port_base=None if args.metrics_port_base < 0 else args.metrics_port_base,
         otlp_endpoint=args.otlp_endpoint,
+        env={} if args.fixed_ratio_k is None else {"COLLM_FIXED_RATIO_K": str(args.fixed_ratio_k)},
     )
+
+
+def _up(args: argparse.Namespace) -> int:
+    try:
+        cfg = stack_config(args, sys.stdout)
+    except UsageError as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 2
     if args.json:
         from collm_ops.launcher import describe
 
@@ -305,9 +335,30 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     up.add_argument("--port", type=int, default=8000, help="gateway port")
     up.add_argument(
-        "--policy", default="collm", help="coordinator policy: collm, separate, fixed_ratio, leftover"
+        "--policy",
+        default="collm",
+        choices=POLICIES,
+        help="the policy the whole stack runs: the coordinator's, and the replicas' co-scheduler that goes "
+        "with it (collm and separate: slo; fixed_ratio: fixed; leftover: leftover)",
     )
-    up.add_argument("--data", action="append", metavar="REPLICA=DIR", help="local dataset of a replica")
+    up.add_argument(
+        "--fixed-ratio-k",
+        type=int,
+        default=None,
+        help="K of the fixed-ratio baseline for the coordinator and the replicas alike "
+        "(COLLM_FIXED_RATIO_K; default 5)",
+    )
+    up.add_argument(
+        "--data",
+        action="append",
+        metavar="REPLICA=DIR",
+        help="local dataset of a replica (replaces the demo data)",
+    )
+    up.add_argument(
+        "--no-demo",
+        action="store_true",
+        help="no demo data: the bare server (replicas without local data train nothing)",
+    )
     up.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica")
     up.add_argument("--run-dir", default=".collm/run", help="where own NATS/Redis keep their data")
     up.add_argument("--log-json", action="store_true", help="JSON log lines instead of text")
@@ -364,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     enc.add_argument("type", help="a type from `collm wire types` (control: any control command)")
     enc.add_argument("message", nargs="?", default=None, help="JSON object (default: read stdin)")
-    dec = wverbs.add_parser("decode", parents=[common], help="msgpack bytes on stdin -> JSON")
+    dec = wverbs.add_parser(
+        "decode", parents=[common], help="msgpack bytes on stdin (as `nats ... --raw` prints them) -> JSON"
+    )
     dec.add_argument("type", nargs="?", default=None, help="validate as this type (default: raw map)")
     wire.set_defaults(func=_wire)
 

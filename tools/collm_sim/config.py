@@ -33,7 +33,7 @@ class EngineSpec:
     max_queue: int = _R["max_queue"]
     train_micro_tokens: int = _R["train_micro_tokens"]
     train_batch_tokens: int = _R["train_batch_tokens"]
-    fixed_every_iterations: int = _R["fixed_every_iterations"]
+    fixed_every_iterations: int = _R["fixed_ratio_k"]
     ft_share_default: float = _R["ft_share_default"]
     round_deadline_margin_s: float = _R["round_deadline_margin_s"]
     ft_guard_frac: float = _R["ft_guard_frac"]
@@ -47,8 +47,7 @@ class EngineSpec:
     ft_slo_reserve_frac: float = _R["ft_slo_reserve_frac"]
     telemetry_interval_s: float = _R["telemetry_interval_s"]
     ft_slack_frac: float = _R["ft_slack_frac"]
-    # Held-out evaluations (a round job's own before and after its training and every
-    # `publish_every_steps` optimizer steps of `train_batch_tokens`; the aggregator's gate): tokens each
+    # Held-out evaluations (the aggregator's gate; a round job evaluates nothing itself): tokens each
     # scores (the replica's cap per evaluation; None: evaluations are not modelled), in batches of
     # `eval_batch_tokens` (the job's evaluation chunk), each batch in `eval_pieces_per_batch` pieces (one
     # per decoder layer and the LM head: 31 for SmolLM2-135M). Costs: the calibration's
@@ -60,7 +59,6 @@ class EngineSpec:
     # hold fewer tokens than `eval_batch_tokens`; the headline measures them on its calibration replay);
     # None: `eval_tokens` / `eval_batch_tokens`, rounded up.
     eval_batches: int | None = None
-    publish_every_steps: int = _R["publish_every_steps"]
     # The simulated replica reports the busy fractions of each interval (the coordinator's best signal).
     report_busy_fractions: bool = True
 

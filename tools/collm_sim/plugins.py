@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collm_aggregator.planner import choose_evaluators
 from collm_coordinator.core import CoordinatorCore, CoreConfig
+from collm_coordinator.core.config import COSCHEDULER_FOR_POLICY
 from collm_gateway.routing import ReplicaSnapshot, RoutingConfig, WeightsSnapshot, rank_replicas
 from collm_replica.batching import BatchConfig, SeqView, plan_iteration
 from collm_replica.cosched import (
@@ -39,7 +40,6 @@ from collm_replica.cosched import (
 )
 from collm_replica.costs import FinishedSample, LatencyWindow
 
-COSCHEDULER_FOR_POLICY = {"collm": "slo", "separate": "slo", "fixed_ratio": "fixed", "leftover": "leftover"}
 # Reference series run beside the policies (not a policy): name -> (the coordinator's policy, the replicas'
 # co-scheduler). `serving_only` is collm's coordinator and routing with fine-tuning off on every replica:
 # what the cluster serves when it trains nothing, the practical ceiling of a co-located policy's goodput.

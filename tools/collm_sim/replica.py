@@ -23,13 +23,12 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
 5. tokens are emitted at the end of the inference step: a prompt's last prefill chunk emits its first
    token (TTFT), every decode one more token.
 
-Evaluations (when the calibration has their cost, `CostModel.eval_ms`): a round job scores its start
-weights and its result (and its live copy every `publish_every_steps` optimizer steps), as part of its
-work and within its training time; the aggregator's gate asks every evaluator to score a version
-(`EvalTask`), which runs before training after the inference step, as the engine's pending evaluations
-do: within `background_budget_ms` (the slack rule without share or job), at least one piece per
-iteration, and, while the task is behind the even pace to its deadline (`behind_schedule`), up to the
-guard; training gets what is left of its window.
+Evaluations (when the calibration has their cost, `CostModel.eval_ms`): a round job only trains, as the
+engine's does; the aggregator's gate asks every evaluator to score a version (`EvalTask`), which runs
+before training after the inference step, as the engine's pending evaluations do: within
+`background_budget_ms` (the slack rule without share or job), at least one piece per iteration, and,
+while the task is behind the even pace to its deadline (`behind_schedule`), up to the guard; training
+gets what is left of its window.
 
 The co-scheduler is given the calibration's costs as its predictions (the live engine learns the same
 costs online). Telemetry is built like the live replica's (a window of `slo_window_s` for latency
@@ -114,12 +113,9 @@ class Job:
 
     __slots__ = (
         "adapter", "round_id", "base_version", "budget", "tokens_done", "stop_s", "active", "progress_ms",
-        "eval_debt_ms", "evals", "next_eval_tokens", "final_eval",
     )  # fmt: skip
 
-    def __init__(
-        self, adapter: str, round_id: int, base_version: int, budget: int, stop_s: float, eval_every: int
-    ) -> None:
+    def __init__(self, adapter: str, round_id: int, base_version: int, budget: int, stop_s: float) -> None:
         self.adapter = adapter
         self.round_id = round_id
         self.base_version = base_version
@@ -128,14 +124,10 @@ class Job:
         self.stop_s = stop_s
         self.active = True
         self.progress_ms = 0.0  # training time already spent on the micro-step in progress
-        self.eval_debt_ms = 0.0  # evaluation work due before the job goes on (its own evaluations)
-        self.evals = 0  # evaluations the job has owed so far (the first also scores the start weights)
-        self.next_eval_tokens = eval_every  # the periodic evaluation after this many tokens
-        self.final_eval = False  # the evaluation of the result is owed
 
     @property
     def done(self) -> bool:
-        return self.tokens_done >= self.budget and self.eval_debt_ms <= 1e-9
+        return self.tokens_done >= self.budget
 
 
 class EvalTask:
@@ -220,7 +212,6 @@ class SimReplica:
             self.eval_ms_each = cost.eval_ms(engine.eval_tokens, -(-engine.eval_tokens // max(1, batches)))
         if self.eval_ms_each:
             self.eval_piece_ms = self.eval_ms_each / (batches * max(1, engine.eval_pieces_per_batch))
-        self.eval_every_tokens = engine.publish_every_steps * engine.train_batch_tokens
         self.evals: deque[EvalTask] = deque()
         self.iteration = 0
         self.share: float | None = None
@@ -344,7 +335,6 @@ class SimReplica:
             base_version,
             budget,
             deadline_s - self.engine.round_deadline_margin_s,
-            self.eval_every_tokens,
         )
 
     def add_eval(self, task: EvalTask) -> None:
@@ -557,61 +547,25 @@ class SimReplica:
         return tokens, self.train_cost.ms(tokens)
 
     def _ms_to_finish(self, job: Job) -> float:
-        """Work until the job is done (its token budget and the evaluations it owes), whole pieces."""
+        """Work until the job is done (its token budget), whole pieces."""
         left = job.budget - job.tokens_done
         ms = 0.0
         if left > 0:
             micro = self.engine.train_micro_tokens
             full, rest = divmod(left, micro)
             ms = full * self.train_cost.ms(micro) + self.train_cost.ms(rest)
-        ms += job.eval_debt_ms + self._future_evals(job) * (self.eval_ms_each or 0.0) - job.progress_ms
+        ms -= job.progress_ms
         if ms <= 0:
             return 0.0
         return math.ceil(ms / self.piece_ms - 1e-9) * self.piece_ms
 
-    def _future_evals(self, job: Job) -> int:
-        """Evaluations the job will still owe: the periodic ones before its budget is done, the final one,
-        and the start weights' with the first of them."""
-        if self.eval_ms_each is None or job.final_eval:
-            return 0
-        # Periodic boundaries at next_eval_tokens, + every, ... strictly below the budget.
-        periodic = max(0, -(-(job.budget - job.next_eval_tokens) // self.eval_every_tokens))
-        return periodic + 1 + (1 if job.evals == 0 else 0)
-
-    def _owe_evals(self, job: Job) -> None:
-        """After a micro-step: the evaluation it makes due (the final one once the budget is done, else a
-        periodic one past its tokens), with the start weights' before the job's first."""
-        if self.eval_ms_each is None:
-            return
-        n = 0
-        if job.tokens_done >= job.budget:
-            if not job.final_eval:
-                job.final_eval = True
-                n = 1
-        elif job.tokens_done >= job.next_eval_tokens:
-            n = 1
-            while job.next_eval_tokens <= job.tokens_done:
-                job.next_eval_tokens += self.eval_every_tokens
-        if n:
-            n += 1 if job.evals == 0 else 0
-            job.evals += n
-            job.eval_debt_ms += n * self.eval_ms_each
-
-    def _train(self, job: Job, ms: float) -> tuple[int, float, list[tuple[int, float]]]:
-        """Spend `ms` on the job: the evaluations it owes first, then its micro-steps; (tokens of the
-        micro-steps it completed, ms of evaluation, (tokens, ms) of each micro-step completed)."""
+    def _train(self, job: Job, ms: float) -> tuple[int, list[tuple[int, float]]]:
+        """Spend `ms` on the job's micro-steps: (tokens of the micro-steps it completed, (tokens, ms) of
+        each micro-step completed)."""
         done = 0
-        eval_ms = 0.0
         micro_steps: list[tuple[int, float]] = []
         job.progress_ms += ms
         while job.active:
-            if job.eval_debt_ms > 1e-9:
-                pay = min(job.eval_debt_ms, job.progress_ms)
-                job.eval_debt_ms -= pay
-                job.progress_ms -= pay
-                eval_ms += pay
-                if job.eval_debt_ms > 1e-9:
-                    break
             if job.tokens_done >= job.budget:
                 break
             tokens, step_ms = self._micro_ms(job)
@@ -621,10 +575,9 @@ class SimReplica:
             job.tokens_done += tokens
             done += tokens
             micro_steps.append((tokens, step_ms))
-            self._owe_evals(job)
         if job.done:
             job.progress_ms = 0.0
-        return done, eval_ms, micro_steps
+        return done, micro_steps
 
     def _complete(self) -> None:
         assert self.pending is not None
@@ -679,21 +632,14 @@ class SimReplica:
         job = self.job
         if train_ms > 0 and job is not None and job.active:
             self.cosched.charge(train_ms)
-            train_tokens, job_eval_ms, micro_steps = self._train(job, train_ms)
+            train_tokens, micro_steps = self._train(job, train_ms)
             if log is not None:
                 log(
                     BackgroundWork(
-                        kind="train",
-                        t_s=t_ev,
-                        ms=max(0.0, train_ms - job_eval_ms),
-                        tokens=train_tokens,
-                        micro_steps=micro_steps,
+                        kind="train", t_s=t_ev, ms=train_ms, tokens=train_tokens, micro_steps=micro_steps
                     )
                 )
-                if job_eval_ms > 0:
-                    log(BackgroundWork(kind="eval", t_s=t_ev, ms=job_eval_ms))
-            self.busy_ms["training"] += train_ms - job_eval_ms
-            self.busy_ms["evaluation"] += job_eval_ms
+            self.busy_ms["training"] += train_ms
             self._ft_tokens += train_tokens
             self.ft_tokens_total += train_tokens
             if train_tokens:

@@ -26,7 +26,7 @@ class StartTraining(WireModel):
     op: Literal["start_training"] = "start_training"
     adapter: str
     token_budget: int = Field(ge=1)
-    learning_rate: float = Field(2e-4, gt=0)
+    learning_rate: float = Field(1e-3, gt=0)
     base_version: int | None = None
     round_id: int | None = None
     deadline_unix_s: float | None = None
@@ -53,11 +53,13 @@ class PublishNow(WireModel):
 
 
 class SyncAdapter(WireModel):
-    """Load (or refresh to the current version of) `adapter` from the store."""
+    """Load (or refresh to the current version of) `adapter` from the store. With `create`, an adapter
+    that has no version yet is created first: v1, a LoRA whose B is zero (the base model's behaviour)."""
 
     op: Literal["sync_adapter"] = "sync_adapter"
     adapter: str
     version: int | None = None
+    create: bool = False
 
 
 ControlCommand = Annotated[

@@ -18,7 +18,7 @@ from collm_common.wire.base import WireModel
 class ParticipantPlan(WireModel):
     replica_id: str
     token_budget: int = Field(ge=1)
-    learning_rate: float = Field(2e-4, gt=0)
+    learning_rate: float = Field(1e-3, gt=0)
 
 
 class RoundPlan(WireModel):
@@ -47,6 +47,7 @@ class LocalUpdate(WireModel):
     num_samples: int = Field(ge=0)
     num_tokens: int = Field(ge=0)
     train_loss: float | None = None
+    # Held-out losses the sender measured itself (None: not measured; round jobs leave that to the gate).
     eval_loss_before: float | None = None
     eval_loss_after: float | None = None
     created_unix_s: float = 0.0
@@ -85,6 +86,11 @@ class RoundOutcome(WireModel):
     deadline_unix_s: float | None = None
     trace_id: str | None = None
     policy: str = ""
+    # Additive (v1): the promotion gate's paired test (collm_aggregator.evaluation.paired_gain): the
+    # candidate's change of held-out loss per response token on the same examples, and its standard error.
+    gain_diff_nats: float | None = None
+    gain_se_nats: float | None = None
+    gain_examples: int = 0
 
 
 class EvaluateCandidate(WireModel):
@@ -123,6 +129,12 @@ class DomainLoss(WireModel):
     # Additive (v1): digest of exactly the held-out tokens scored (example ids, tokens, labels); two losses
     # are comparable only when their eval sets are equal ("" : unknown, an older replica).
     eval_set: str = ""
+    # Additive (v1): per example of the eval set, in the order of their ids, its response tokens and the
+    # summed loss (nats) of the candidate and (when scored) of the current version: the promotion gate's
+    # paired test (`collm_aggregator.evaluation.paired_gain`). Empty: not reported (an older replica).
+    example_tokens: list[int] = Field(default_factory=list)
+    candidate_example_loss: list[float] = Field(default_factory=list)
+    current_example_loss: list[float] = Field(default_factory=list)
 
 
 class EvalReport(WireModel):

@@ -9,6 +9,16 @@ does not bias it.
 The current version is scored while participants train (it does not depend on the round), the candidate
 after aggregation; `pair_with_current` joins the two only where a replica scored exactly the same tokens
 (equal eval-set digests), and otherwise says that both must be scored together.
+
+The promotion gate (`promotion_gate`) is a paired test. Replicas report, per held-out example, its
+response tokens t_i and the summed loss of each version; `paired_gain` pools every paired example of every
+replica and domain into the change of the mean loss per token, D = sum(d_i) / sum(t_i) with
+d_i = candidate_i - current_i, and its standard error by the ratio estimator,
+SE = sqrt(n / (n - 1) * sum((d_i - D * t_i)^2)) / sum(t_i). A candidate is published only when it is
+better by more than the evaluation's noise: when the upper end of the change's confidence interval,
+D + z * SE, is at most -min_gain (`GateRule`; defaults and the measurements behind them:
+services/aggregator/README.md). A candidate whose loss is higher is never published unless `min_gain` is
+set below zero.
 """
 
 from __future__ import annotations
@@ -25,6 +35,47 @@ class LossEntry:
     num_examples: int
     current_loss: float | None
     candidate_loss: float
+    # Per example (same order in all three; empty when not reported): response tokens, summed losses.
+    example_tokens: tuple[int, ...] = ()
+    candidate_examples: tuple[float, ...] = ()
+    current_examples: tuple[float, ...] = ()
+
+    @property
+    def paired_examples(self) -> bool:
+        n = len(self.example_tokens)
+        return n > 0 and len(self.candidate_examples) == n and len(self.current_examples) == n
+
+
+@dataclass(frozen=True)
+class PairedGain:
+    """The candidate's change of held-out loss against the current version on the same examples: the
+    mean per response token (`diff_nats`, negative = better) and its standard error."""
+
+    diff_nats: float
+    se_nats: float
+    examples: int
+    tokens: int
+
+
+def paired_gain(entries: Iterable[LossEntry]) -> PairedGain | None:
+    """Pool every example that both versions scored (module docstring); None with fewer than 2."""
+    d: list[float] = []
+    t: list[int] = []
+    for e in entries:
+        if e.paired_examples:
+            for cand, cur, n in zip(e.candidate_examples, e.current_examples, e.example_tokens, strict=True):
+                if n > 0:
+                    d.append(cand - cur)
+                    t.append(n)
+    n_ex, tokens = len(d), sum(t)
+    if n_ex < 2 or tokens <= 0:
+        return None
+    if not all(math.isfinite(x) for x in d):
+        return PairedGain(math.inf, math.inf, n_ex, tokens)
+    diff = sum(d) / tokens
+    resid = sum((di - diff * ti) ** 2 for di, ti in zip(d, t, strict=True))
+    se = math.sqrt(n_ex / (n_ex - 1) * resid) / tokens
+    return PairedGain(diff, se, n_ex, tokens)
 
 
 @dataclass(frozen=True)
@@ -37,6 +88,7 @@ class EvalSummary:
     domains_after: dict[str, float] = field(default_factory=dict)
     num_examples: int = 0
     replicas: tuple[str, ...] = ()
+    paired: PairedGain | None = None
 
 
 def _wmean(pairs: Iterable[tuple[float, int]]) -> float | None:
@@ -72,6 +124,7 @@ def summarize(entries: Iterable[LossEntry]) -> EvalSummary:
         domains_after={d: v for d, v in after_by_domain.items() if v is not None},
         num_examples=sum(e.num_examples for e in usable),
         replicas=tuple(sorted({e.replica_id for e in usable})),
+        paired=paired_gain(usable),
     )
 
 
@@ -107,20 +160,39 @@ class GateDecision:
     reason: str
 
 
-def promotion_gate(
-    before: float | None, after: float | None, tolerance: float, publish_without_eval: bool
-) -> GateDecision:
-    """Publish only if the candidate's held-out loss is not worse than the current's by > `tolerance`."""
+@dataclass(frozen=True)
+class GateRule:
+    """Publish when D + z * SE <= -min_gain_nats (module docstring). Without per-example losses (replicas
+    that report none) the change of the summary losses must be <= -min_gain_nats."""
+
+    min_gain_nats: float = 0.001
+    z: float = 2.0
+    publish_without_eval: bool = False
+
+
+def promotion_gate(summary: EvalSummary, rule: GateRule) -> GateDecision:
+    """Publish only a candidate that is better than the current version by more than the evaluation's
+    noise (`GateRule`); hold back anything else."""
+    before, after = summary.before, summary.after
     if after is None:
-        if publish_without_eval:
+        if rule.publish_without_eval:
             return GateDecision(True, "no held-out evaluation was available; published by setting")
         return GateDecision(False, "no held-out evaluation was available (no replica reported eval losses)")
     if not math.isfinite(after):
         return GateDecision(False, f"candidate held-out loss is not finite ({after})")
     if before is None:
         return GateDecision(True, f"candidate held-out loss {after:.4f}; no current-version loss to compare")
-    if after <= before + tolerance:
-        return GateDecision(True, f"held-out loss {before:.4f} -> {after:.4f} (tolerance {tolerance:g})")
-    return GateDecision(
-        False, f"held-out loss would rise {before:.4f} -> {after:.4f}, more than the tolerance {tolerance:g}"
-    )
+    p = summary.paired
+    losses = f"held-out loss {before:.4f} -> {after:.4f}"
+    if p is None:
+        diff = after - before
+        ok = diff <= -rule.min_gain_nats
+        test = f"change {diff:+.4f} nats/token (no per-example losses), needs <= {-rule.min_gain_nats:+.4f}"
+    else:
+        bound = p.diff_nats + rule.z * p.se_nats
+        ok = bound <= -rule.min_gain_nats
+        test = (
+            f"paired change {p.diff_nats:+.4f} +- {p.se_nats:.4f} nats/token over {p.examples} examples, "
+            f"change + {rule.z:g} SE = {bound:+.4f}, needs <= {-rule.min_gain_nats:+.4f}"
+        )
+    return GateDecision(ok, f"{losses}: {test}")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
-from collm_aggregator.evaluation import GateDecision, promotion_gate
+from collm_aggregator.evaluation import EvalSummary, GateDecision, GateRule, promotion_gate
 from collm_aggregator.validation import (
     DUPLICATE,
     NO_SAMPLES,
@@ -66,8 +66,7 @@ class RoundRules:
     staleness_weight: float = 0.5
     max_staleness: int = 1
     norm_outlier_factor: float | None = 4.0
-    gate_tolerance: float = 0.02
-    publish_without_eval: bool = False
+    gate: GateRule = GateRule()
 
     def __post_init__(self) -> None:
         if self.quorum < 1:
@@ -312,10 +311,10 @@ class RoundMachine:
     def candidate_ready(self, now_unix_s: float) -> None:
         self._to(Phase.EVALUATING, now_unix_s, (Phase.AGGREGATING,))
 
-    def decide(self, before: float | None, after: float | None) -> GateDecision:
+    def decide(self, summary: EvalSummary) -> GateDecision:
         if self.phase is not Phase.EVALUATING:
             raise PhaseError(f"round {self.round_id} is {self.phase}, not evaluating")
-        self.gate = promotion_gate(before, after, self.rules.gate_tolerance, self.rules.publish_without_eval)
+        self.gate = promotion_gate(summary, self.rules.gate)
         return self.gate
 
     def published(self, version: int, now_unix_s: float) -> None:

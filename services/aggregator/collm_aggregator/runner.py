@@ -42,7 +42,14 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from collm_aggregator import metrics
-from collm_aggregator.evaluation import EvalSummary, LossEntry, ScoredDomain, pair_with_current, summarize
+from collm_aggregator.evaluation import (
+    EvalSummary,
+    GateRule,
+    LossEntry,
+    ScoredDomain,
+    pair_with_current,
+    summarize,
+)
 from collm_aggregator.machine import (
     Abort,
     Admitted,
@@ -163,8 +170,7 @@ class RoundRunner:
             staleness_weight=s.staleness_weight,
             max_staleness=s.max_staleness,
             norm_outlier_factor=s.norm_outlier_factor,
-            gate_tolerance=s.gate_tolerance,
-            publish_without_eval=s.publish_without_eval,
+            gate=GateRule(s.gate_min_gain_nats, s.gate_z, s.publish_without_eval),
         )
         self.machine = RoundMachine(
             self.plan.round_id,
@@ -193,6 +199,7 @@ class RoundRunner:
         trace_id = None
         if self._root is not None and self._root.get_span_context().is_valid:
             trace_id = format(self._root.get_span_context().trace_id, "032x")
+        paired = summary.paired if summary else None
         return RoundOutcome(
             round_id=m.round_id,
             adapter=m.adapter,
@@ -214,6 +221,9 @@ class RoundRunner:
             deadline_unix_s=self.plan.deadline_unix_s,
             trace_id=trace_id,
             policy=self.plan.policy,
+            gain_diff_nats=paired.diff_nats if paired is not None else None,
+            gain_se_nats=paired.se_nats if paired is not None else None,
+            gain_examples=paired.examples if paired is not None else 0,
         )
 
     async def _announce(self) -> None:
@@ -334,7 +344,7 @@ class RoundRunner:
             )
             await self._evaluate(key, sha)
         assert self._summary is not None
-        gate = m.decide(self._summary.before, self._summary.after)
+        gate = m.decide(self._summary)
         if not gate.publish:
             m.held_back(clock.now())
             return
@@ -698,7 +708,14 @@ class RoundRunner:
         )
         if current is None:
             return None
-        losses = [d.model_copy(update={"current_loss": current[d.domain]}) for d in cand.losses]
+        # Same eval set (equal digests): the per-example losses are in the same order.
+        pre_examples = {d.domain: d.candidate_example_loss for d in pre.losses}
+        losses = [
+            d.model_copy(
+                update={"current_loss": current[d.domain], "current_example_loss": pre_examples[d.domain]}
+            )
+            for d in cand.losses
+        ]
         return cand.model_copy(update={"losses": losses})
 
     async def _evaluate(self, key: str, sha: str) -> None:
@@ -743,7 +760,16 @@ class RoundRunner:
             "saving the evaluations", lambda: self.deps.records.save_evals(self.round_id, reports)
         )
         entries = [
-            LossEntry(r.replica_id, d.domain, d.num_examples, d.current_loss, d.candidate_loss)
+            LossEntry(
+                r.replica_id,
+                d.domain,
+                d.num_examples,
+                d.current_loss,
+                d.candidate_loss,
+                tuple(d.example_tokens),
+                tuple(d.candidate_example_loss),
+                tuple(d.current_example_loss),
+            )  # fmt: skip
             for r in reports
             for d in r.losses
         ]

@@ -344,8 +344,9 @@ class Aggregator:
     async def _plan_once(self) -> None:
         s = self.settings
         now = self.clock.now()
+        # A coordinator that starts beside the aggregator is given default_plan_idle_s for its first plan.
         last = self.last_coordinator_plan_unix_s
-        if last is not None and now - last < s.default_plan_idle_s:
+        if now - (self.started_unix_s if last is None else last) < s.default_plan_idle_s:
             return
         adapters = {a: list(d) for a, d in s.default_plan_adapters.items()}
         for name in await self.store.list_adapters():

@@ -94,10 +94,17 @@ class AggregatorSettings(CommonSettings):
         description="Score the current version while participants train (at the round's opening) and only "
         "the candidate after aggregation; a replica whose held-out set changed meanwhile scores both.",
     )
-    gate_tolerance: float = Field(
-        0.02,
+    gate_min_gain_nats: float = Field(
+        0.001,
+        description="Promotion gate: publish only a candidate whose held-out loss is lower than the "
+        "current version's by at least this (nats per response token, on the same examples) plus "
+        "`gate_z` standard errors; below 0 lets a worse candidate through (tests).",
+    )
+    gate_z: float = Field(
+        2.0,
         ge=0,
-        description="Publish if candidate loss <= current loss + this (nats/token); else held back.",
+        description="Promotion gate: standard errors of the paired per-example difference that the gain "
+        "must clear besides `gate_min_gain_nats` (services/aggregator/README.md: the rule, measured).",
     )
     publish_without_eval: bool = Field(
         False, description="Publish when no replica could evaluate (default: hold back, the safe choice)."
@@ -129,12 +136,15 @@ class AggregatorSettings(CommonSettings):
         60.0, gt=0, description="Seconds between built-in rounds of an adapter."
     )
     default_plan_idle_s: float = Field(
-        180.0, gt=0, description="Built-in plans start only when no coordinator plan arrived for this long."
+        180.0,
+        gt=0,
+        description="Built-in plans start only when no coordinator plan arrived for this long (counted from "
+        "the aggregator's start until a first plan arrives).",
     )
     default_token_budget: int = Field(
         4096, ge=1, description="Built-in plans: training tokens per participant."
     )
-    default_learning_rate: float = Field(2e-4, gt=0, description="Built-in plans: local learning rate.")
+    default_learning_rate: float = Field(1e-3, gt=0, description="Built-in plans: local learning rate.")
     default_plan_adapters: dict[str, list[str]] = Field(
         default_factory=lambda: {"shared": []},
         description='Built-in plans: adapter -> domains (JSON, e.g. {"shared": [], "math": ["math"]}; '

@@ -46,12 +46,19 @@ from collm_common.wire.control import (
     RoutingWeights,
     SetFineTuneShare,
     SetPolicy,
+    SyncAdapter,
 )
 from collm_common.wire.rounds import RoundOutcome
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_coordinator import convert, metrics
 from collm_coordinator.core import POLICIES, CoordinatorCore, Decisions, TickInputs, share_command_due
-from collm_coordinator.core.types import AdapterVersionView, ReplicaObservation, RoundEvent, RoundPlanDecision
+from collm_coordinator.core.types import (
+    AdapterCreation,
+    AdapterVersionView,
+    ReplicaObservation,
+    RoundEvent,
+    RoundPlanDecision,
+)
 from collm_coordinator.priors import cost_prior, quality_prior
 from collm_coordinator.settings import CoordinatorSettings
 
@@ -203,6 +210,8 @@ class Coordinator:
             metrics.ATTAINMENT.set(diag.attainment)
         for note in diag.notes:
             log.info("coordinator: %s", note)
+        for c in d.creates:
+            self._spawn(self._create_adapter(c))
         if d.slow is not None:
             metrics.TICKS.labels("slow").inc()
             metrics.FORECAST.set(d.slow.forecast_demand)
@@ -268,6 +277,20 @@ class Coordinator:
             log.warning("replica %s refused its share: %s", rid, reply.message)
 
     # --- rounds ---------------------------------------------------------------------------------------
+    async def _create_adapter(self, c: AdapterCreation) -> None:
+        """Ask a replica holding the adapter's data to create its v1 (`SyncAdapter` with `create`)."""
+        try:
+            reply = await self.bus.request(
+                subjects.replica(c.replica_id, "control"),
+                SyncAdapter(adapter=c.adapter, create=True),
+                ControlReply,
+                timeout_s=self.settings.coordinator_open_round_timeout_s,
+            )
+        except BusError as exc:
+            log.warning("could not have %s create %s: %s %s", c.replica_id, c.adapter, exc.code, exc.message)
+            return
+        log.info("asked %s to create %s: %s", c.replica_id, c.adapter, reply.message)
+
     async def _open_round(self, plan: RoundPlanDecision) -> None:
         with tracing.tracer("collm.coordinator").start_as_current_span(
             "round.plan", kind=SpanKind.INTERNAL, attributes=plan_attributes(plan, self.core.policy)

@@ -38,7 +38,7 @@ class CoordinatorSettings(CommonSettings):
         description="Slow loop period: one federated round plan per adapter. Must exceed the fast one.",
     )
     coordinator_round_deadline_s: float = Field(
-        45.0,
+        55.0,
         gt=0,
         description="Round length: deadline of a planned round, from its opening (<= slow interval).",
     )
@@ -152,6 +152,14 @@ class CoordinatorSettings(CommonSettings):
     coordinator_quality_prior_weight: float = Field(
         2.0, gt=0, description="How many log-ratio units of evidence the prior counts as."
     )
+    coordinator_quality_memory: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Weight a round's observed gain keeps in an adapter's gain estimate at each later "
+        "round of that adapter (1: every round alike): the estimate follows what rounds gain now, so an "
+        "adapter whose gains have run out stops outbidding the others.",
+    )
     coordinator_data_tokens_per_sample: float = Field(
         256.0, gt=0, description="Tokens of one local training sample (data volume estimate)."
     )
@@ -162,7 +170,7 @@ class CoordinatorSettings(CommonSettings):
         0.5, ge=0, le=1, description="Weight of samples a site already trained on (fresh ones count 1)."
     )
     # --- round plans ---------------------------------------------------------------------------------
-    coordinator_learning_rate: float = Field(2e-4, gt=0, description="Learning rate of planned rounds.")
+    coordinator_learning_rate: float = Field(1e-3, gt=0, description="Learning rate of planned rounds.")
     coordinator_quorum_frac: float = Field(
         0.5, gt=0, le=1, description="Quorum as a fraction of participants."
     )
@@ -179,9 +187,6 @@ class CoordinatorSettings(CommonSettings):
     # --- baselines -----------------------------------------------------------------------------------
     coordinator_separate_train_frac: float = Field(
         0.25, gt=0, lt=1, description="separate: fraction of replicas that only train."
-    )
-    coordinator_fixed_ratio_k: int = Field(
-        5, ge=1, description="fixed_ratio: K inference iterations per training step (share 1/(K+1))."
     )
     coordinator_leftover_share: float = Field(1.0, gt=0, le=1, description="leftover: the share granted.")
     # --- shell ---------------------------------------------------------------------------------------
@@ -239,6 +244,7 @@ class CoordinatorSettings(CommonSettings):
             if key in type(self).model_fields:
                 values[f.name] = getattr(self, key)
         values["adapters"] = {a: tuple(d) for a, d in self.coordinator_adapters.items()}
+        values["fixed_ratio_k"] = self.fixed_ratio_k
         if cost_prior is not None:
             values["cost_prior"] = cost_prior
         if quality_prior is not None:

@@ -136,7 +136,7 @@ class EngineConfig:
     default_tpot_slo_ms: float = 250.0
     ft_share_default: float = 0.3
     coscheduler: str = "slo"
-    fixed_every_iterations: int = 8
+    fixed_every_iterations: int = 5
     job: JobConfig = field(default_factory=JobConfig)
     slo_window_s: float = 30.0
     round_deadline_margin_s: float = 3.0
@@ -166,7 +166,7 @@ class EngineConfig:
             default_tpot_slo_ms=s.default_tpot_slo_ms,
             ft_share_default=s.ft_share_default,
             coscheduler=s.coscheduler,
-            fixed_every_iterations=s.fixed_every_iterations,
+            fixed_every_iterations=s.fixed_ratio_k,
             job=JobConfig(
                 micro_tokens=s.train_micro_tokens,
                 batch_tokens=s.train_batch_tokens,

@@ -283,14 +283,6 @@ class LiveLora:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for ab in self.params.values() for p in ab]
 
-    def frozen_copy(self) -> LiveLora:
-        """A copy of the weights as they are now, not trained (what an evaluation of them reads)."""
-        params = {
-            k: (torch.nn.Parameter(a, requires_grad=False), torch.nn.Parameter(b, requires_grad=False))
-            for k, (a, b) in self.snapshot().items()
-        }
-        return LiveLora(params, self.spec, self.base_model)
-
     def snapshot(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         """A detached copy (what a shadow refresh or an update publishes)."""
         return {k: (a.detach().clone(), b.detach().clone()) for k, (a, b) in self.params.items()}

@@ -12,7 +12,10 @@ Micro service `collm-replica` (metadata: replica_id, model) with endpoints on `s
 * `cancel`: `CancelRequest` (reply optional) stops a generation.
 * `control`: `CONTROL_COMMAND` -> `ControlReply` (share with TTL, start/stop training, pause/resume,
   publish now, sync adapter).
-* `status`: any body -> the current `ReplicaTelemetry`.
+* `status`: `StatusRequest` (an empty body is one) -> the current `ReplicaTelemetry`.
+
+`control` and `status` go through the bus's endpoint path, so they also take and answer JSON
+(`Content-Type: application/json`); `generate`, `cancel` and `evaluate` are msgpack only.
 * `evaluate`: `EvaluateCandidate` -> `EvalReport` (held-out loss of a candidate blob or stored version and,
   unless `score_current=False`, of the current version on the local eval split, per domain, with the
   digest of the items scored). Handed to a task; the engine scores a publication's candidate before
@@ -21,7 +24,8 @@ Micro service `collm-replica` (metadata: replica_id, model) with endpoints on `s
 Background: telemetry every `telemetry_interval_s` on `subjects.telemetry(id)`; adapter sync from
 `subjects.adapter_published_all()` plus a re-read of the store's pointers at start and every
 `adapter_sync_interval_s` (events can be lost); a durable JetStream consumer of `subjects.samples(id)` that
-persists samples in `samples_dir` (`<data_dir>/samples/`) before acking; round jobs that end in
+persists samples (msgpack, or JSON when published with `Content-Type: application/json`) in `samples_dir`
+(`<data_dir>/samples/`) before acking; round jobs that end in
 `store.put_update` and a `LocalUpdate` on JetStream (`Nats-Msg-Id` dedupe). While Redis is unreachable
 (a restart) the upload is retried with backoff until `UPDATE_SEND_MARGIN_S` before the round's deadline
 (`UPDATE_RETRY_BOUND_S` for a round without one); an update that could not be stored or announced by
@@ -61,8 +65,9 @@ from collm_common.store import (
     version_id,
 )
 from collm_common.streams import ensure_streams
-from collm_common.wire import WireError, decode, encode
+from collm_common.wire import WireError, decode, decode_payload, encode
 from collm_common.wire.adapters import AdapterPublished, TrainingSample
+from collm_common.wire.admin import StatusRequest
 from collm_common.wire.control import (
     CONTROL_COMMAND,
     ControlReply,
@@ -214,9 +219,7 @@ class Replica:
         await svc.svc.add_endpoint(
             name="cancel", subject=subjects.replica(self.rid, "cancel"), handler=self._on_cancel
         )
-        await svc.svc.add_endpoint(
-            name="status", subject=subjects.replica(self.rid, "status"), handler=self._on_status
-        )
+        await svc.endpoint("status", subjects.replica(self.rid, "status"), StatusRequest, self._on_status)
         await svc.endpoint(
             "control", subjects.replica(self.rid, "control"), CONTROL_COMMAND, self._on_control
         )
@@ -515,7 +518,13 @@ class Replica:
             return ControlReply(ok=True, message=f"published {vid}", detail={"version_id": vid})
         if isinstance(cmd, SyncAdapter):
             try:
-                vid = await self.ensure_adapter(cmd.adapter, cmd.version)
+                name = subjects.check_token(cmd.adapter, "adapter name")
+            except ValueError as exc:
+                raise ServiceFailure(400, str(exc), "invalid_request") from None
+            try:
+                if cmd.create and cmd.version is None and await self.store.current(name) is None:
+                    await self._create_v1(name)
+                vid = await self.ensure_adapter(name, cmd.version)
             except Refusal as exc:
                 raise ServiceFailure(exc.code, exc.message, exc.type) from None
             return ControlReply(ok=True, message=f"{vid} resident", detail={"version_id": vid})
@@ -803,17 +812,23 @@ class Replica:
         cur_run = runs.get("current")
         cand_loss = cand_run.per_domain()
         cur_loss = cur_run.per_domain() if cur_run is not None else {}
-        losses = [
-            DomainLoss(
-                domain=d,
-                num_examples=cand_run.examples.get(d, 0),
-                num_tokens=cand_run.tokens.get(d, 0),
-                current_loss=cur_loss.get(d),
-                candidate_loss=cand_loss[d],
-                eval_set=cand_run.eval_set.get(d, ""),
+        losses = []
+        for d in sorted(cand_loss):
+            cand_examples, tokens = cand_run.example_losses(d)
+            cur_examples = cur_run.example_losses(d)[0] if cur_run is not None else []
+            losses.append(
+                DomainLoss(
+                    domain=d,
+                    num_examples=cand_run.examples.get(d, 0),
+                    num_tokens=cand_run.tokens.get(d, 0),
+                    current_loss=cur_loss.get(d),
+                    candidate_loss=cand_loss[d],
+                    eval_set=cand_run.eval_set.get(d, ""),
+                    example_tokens=tokens,
+                    candidate_example_loss=cand_examples,
+                    current_example_loss=cur_examples,
+                )
             )
-            for d in sorted(cand_loss)
-        ]
         return EvalReport(replica_id=self.rid, adapter=req.adapter, losses=losses)
 
     # ================================================================================== telemetry
@@ -889,9 +904,8 @@ class Replica:
                 self.step_log.flush()
             await asyncio.sleep(self.s.telemetry_interval_s)
 
-    async def _on_status(self, req: Request) -> None:
-        with contextlib.suppress(ValueError):
-            await req.respond(encode(self.telemetry()))
+    async def _on_status(self, _req: StatusRequest, _headers: Mapping[str, str]) -> ReplicaTelemetry:
+        return self.telemetry()
 
     # ================================================================================== samples
     async def _samples_loop(self) -> None:
@@ -931,7 +945,7 @@ class Replica:
             examples = []
             for m in msgs:
                 try:
-                    s = decode(TrainingSample, m.data)
+                    s = decode_payload(TrainingSample, m.data, m.headers)
                 except WireError as exc:
                     log.warning("dropping a malformed training sample: %s", exc)
                     await m.term()

@@ -88,7 +88,6 @@ class ReplicaSettings(CommonSettings):
         description="Training co-scheduler: `slo` (SLO-aware slack), `fixed` (one full step every K "
         "iterations), `leftover` (train in spare token budget), `off`.",
     )
-    fixed_every_iterations: int = Field(8, ge=1, description="K of the `fixed` co-scheduler.")
     ft_guard_frac: float = Field(
         0.4,
         gt=0,
@@ -120,7 +119,7 @@ class ReplicaSettings(CommonSettings):
     )
     train_batch_tokens: int = Field(512, ge=8, description="Tokens per optimizer step (grad accumulation).")
     train_max_seq_len: int = Field(256, ge=16, description="Training/eval examples are cut to this length.")
-    learning_rate: float = Field(2e-4, gt=0, description="AdamW learning rate of local jobs.")
+    learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate of local jobs.")
     publish_every_steps: int = Field(
         4, ge=1, description="Evaluate the live copy every K optimizer steps; refresh the shadow if better."
     )

@@ -10,9 +10,12 @@ example, a large micro-batch) fits whatever time the co-scheduler grants, and re
 iteration; an idle replica chains pieces back to back. `step(max_tokens)` runs one whole micro-step (or
 evaluation chunk) at once, for benchmarks and tests.
 
-Phases: (round jobs) evaluate the start weights -> train until the token budget (or the round's deadline)
--> evaluate the result -> done. Every `publish_every_steps` optimizer steps the live copy is evaluated and
-the job offers it for a local shadow refresh when its held-out loss improved. A job never writes the bank:
+Phases: a local job evaluates its start weights -> trains until its token budget -> evaluates the result
+-> done; every `publish_every_steps` optimizer steps its live copy is evaluated and the job offers it for a
+local shadow refresh when its held-out loss improved. A round job only trains, until its token budget or
+the round's deadline: the aggregator's promotion gate scores the round's candidate against the current
+version on the same held-out examples, so the job's own evaluations would repeat that work with the
+replica's training time, and its update reports no losses of its own. A job never writes the bank:
 the engine copies `live.snapshot()` into a new slot, so served versions stay immutable.
 """
 
@@ -201,6 +204,9 @@ class EvalRun:
     tokens: dict[str, int] = field(default_factory=dict)
     examples: dict[str, int] = field(default_factory=dict)
     eval_set: dict[str, str] = field(default_factory=dict)  # per domain: digest of the items scored
+    # Per domain, per example id: (summed response-token loss in nats, response tokens): the promotion
+    # gate pairs two versions example by example (`EvalRun.example_losses`).
+    by_example: dict[str, dict[str, tuple[float, int]]] = field(default_factory=dict)
     cache_key: tuple[str, str] | None = None  # (weights digest, eval set) when the engine caches it
     _pass: LayerPass | None = None
     _batch: list[Rendered] = field(default_factory=list)
@@ -278,6 +284,10 @@ class EvalRun:
             self.loss_sum[r.domain] = self.loss_sum.get(r.domain, 0.0) + float(p.example_loss[i])
             self.tokens[r.domain] = self.tokens.get(r.domain, 0) + int(p.example_labels[i])
             self.examples[r.domain] = self.examples.get(r.domain, 0) + 1
+            self.by_example.setdefault(r.domain, {})[r.example_id] = (
+                float(p.example_loss[i]),
+                int(p.example_labels[i]),
+            )
         self._pass = None
         self._batch = []
 
@@ -300,6 +310,12 @@ class EvalRun:
 
     def per_domain(self) -> dict[str, float]:
         return {d: self.loss_sum[d] / self.tokens[d] for d in self.loss_sum if self.tokens[d] > 0}
+
+    def example_losses(self, domain: str) -> tuple[list[float], list[int]]:
+        """The domain's per-example summed losses (nats) and response tokens, ordered by example id: the
+        same order for every version scored on the same eval set, so two runs pair element by element."""
+        rows = sorted(self.by_example.get(domain, {}).items())
+        return [loss for _, (loss, _) in rows], [n for _, (_, n) in rows]
 
     def mean(self) -> float | None:
         n = sum(self.tokens.values())
@@ -324,7 +340,7 @@ class JobSpec:
     base_version: int | None
     live: LiveLora
     token_budget: int
-    learning_rate: float = 2e-4
+    learning_rate: float = 1e-3
     round_id: int | None = None
     deadline_unix_s: float | None = None
 
@@ -350,7 +366,9 @@ class TrainingJob:
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         rend = render or (lambda e: render_example(tokenizer, e, cfg.max_seq_len))
         self.train_items = [r for e in train if (r := rend(e)) is not None]
-        self.eval_items = [r for e in held_out[: cfg.eval_max_examples] if (r := rend(e)) is not None]
+        # A round job evaluates nothing itself (module docstring).
+        held = held_out[: cfg.eval_max_examples] if spec.round_id is None else []
+        self.eval_items = [r for e in held if (r := rend(e)) is not None]
         random.Random(cfg.seed).shuffle(self.train_items)
         self.live = spec.live
         self.opt = torch.optim.AdamW(self.live.parameters(), lr=spec.learning_rate, weight_decay=0.0)
@@ -373,11 +391,6 @@ class TrainingJob:
         self.slot_wait_since: float | None = None  # a local refresh is waiting for a LoRA-bank slot
         self._eval: EvalRun | None = None
         self._eval_purpose = ""
-        # A round job trains at once: the aggregator scores its starting version while it trains, and
-        # its own baseline (for local refreshes and its update's report) is scored on a copy of the
-        # starting weights only when first needed, before its first periodic or its final evaluation.
-        self._start_copy: LiveLora | None = None
-        self._then = ""  # the evaluation that follows a deferred baseline
         self._pass: LayerPass | None = None  # the micro-step in progress
         self._pass_batch: list[Rendered] = []
         self._pass_ms = 0.0
@@ -390,8 +403,6 @@ class TrainingJob:
         if not self.train_items:
             self.state = "failed"
             self.message = "no local training examples for this adapter"
-        elif self.eval_items and spec.round_id is not None:
-            self._start_copy = self.live.frozen_copy()
         elif self.eval_items:
             self._start_eval("before")  # the baseline a later shadow refresh must beat
 
@@ -406,10 +417,7 @@ class TrainingJob:
         return self._pass is not None or (self._eval is not None and self._eval._pass is not None)
 
     def _start_eval(self, purpose: str) -> None:
-        live = self.live
-        if self._start_copy is not None:  # the deferred baseline first
-            self._then, purpose, live = purpose, "before", self._start_copy
-        self._eval = EvalRun(self.eval_items, live, self.cfg.eval_chunk_tokens)
+        self._eval = EvalRun(self.eval_items, self.live, self.cfg.eval_chunk_tokens)
         self._eval_purpose = purpose
 
     def due(self, deadline_margin_s: float) -> bool:
@@ -607,10 +615,6 @@ class TrainingJob:
         if purpose == "before":
             self.eval_loss_before = loss
             self.best_eval = loss
-            self._start_copy = None
-            if self._then:
-                then, self._then = self._then, ""
-                self._start_eval(then)
         elif purpose == "after":
             self.eval_loss = self.eval_loss_after = loss
             self._complete()

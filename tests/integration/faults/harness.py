@@ -86,7 +86,8 @@ AGGREGATOR_ENV = {
     "COLLM_TELEMETRY_STALE_S": "3",
     # The tiny model's losses move at random with training: a wide gate lets every round publish, so
     # the scenarios exercise the publication path (the gate itself is tested in tests/unit/aggregator).
-    "COLLM_GATE_TOLERANCE": "100",
+    "COLLM_GATE_MIN_GAIN_NATS": "-100",
+    "COLLM_GATE_Z": "0",
 }
 DOMAINS = {"r0": "med", "r1": "math", "r2": "code"}
 

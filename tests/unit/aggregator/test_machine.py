@@ -2,6 +2,7 @@
 
 import pytest
 
+from collm_aggregator.evaluation import EvalSummary, GateRule
 from collm_aggregator.machine import (
     Abort,
     Admitted,
@@ -164,11 +165,11 @@ def test_norm_outliers_can_abort_the_round() -> None:
 
 
 def test_gate_publishes_or_holds_back() -> None:
-    m = machine(quorum=1, gate_tolerance=0.05)
+    m = machine(quorum=1, gate=GateRule(min_gain_nats=0.05))
     submit(m, "a", T0 + 1)
     m.close(T0 + 2)
     m.candidate_ready(T0 + 3)
-    assert m.decide(2.0, 2.04).publish
+    assert m.decide(EvalSummary(2.0, 1.94)).publish
     m.published(4, T0 + 4)
     assert (m.phase, m.new_version) == (Phase.PUBLISHED, 4)
     assert m.timeline == {
@@ -179,12 +180,12 @@ def test_gate_publishes_or_holds_back() -> None:
         "published": T0 + 4,
     }
 
-    h = machine(quorum=1, gate_tolerance=0.05)
+    h = machine(quorum=1, gate=GateRule(min_gain_nats=0.05))
     submit(h, "a", T0 + 1)
     h.close(T0 + 2)
     h.candidate_ready(T0 + 3)
-    g = h.decide(2.0, 2.2)
-    assert not g.publish and "would rise" in g.reason
+    g = h.decide(EvalSummary(2.0, 1.97))
+    assert not g.publish and "needs <= -0.0500" in g.reason
     with pytest.raises(PhaseError):
         h.published(4, T0 + 4)
     h.held_back(T0 + 4)
@@ -193,11 +194,11 @@ def test_gate_publishes_or_holds_back() -> None:
 
 def test_gate_without_eval_holds_back_unless_configured() -> None:
     for allow, publish in ((False, False), (True, True)):
-        m = machine(quorum=1, publish_without_eval=allow)
+        m = machine(quorum=1, gate=GateRule(publish_without_eval=allow))
         submit(m, "a", T0 + 1)
         m.close(T0 + 2)
         m.candidate_ready(T0 + 3)
-        assert m.decide(None, None).publish is publish
+        assert m.decide(EvalSummary(None, None)).publish is publish
 
 
 def test_illegal_transitions_raise() -> None:
@@ -205,7 +206,7 @@ def test_illegal_transitions_raise() -> None:
     with pytest.raises(PhaseError):
         m.candidate_ready(T0)
     with pytest.raises(PhaseError):
-        m.decide(1.0, 1.0)
+        m.decide(EvalSummary(1.0, 1.0))
     m.abort("stop", T0 + 1)
     with pytest.raises(PhaseError):
         m.abort("again", T0 + 2)

@@ -5,7 +5,15 @@ import math
 import numpy as np
 import pytest
 
-from collm_aggregator.evaluation import LossEntry, promotion_gate, summarize
+from collm_aggregator.evaluation import (
+    EvalSummary,
+    GateRule,
+    LossEntry,
+    PairedGain,
+    paired_gain,
+    promotion_gate,
+    summarize,
+)
 from collm_aggregator.planner import (
     PlanConfig,
     PlanDraft,
@@ -92,14 +100,55 @@ def test_summary_weights_by_examples_and_pairs_before_after() -> None:
     assert nan.after == math.inf
 
 
-def test_gate() -> None:
-    assert promotion_gate(2.0, 2.0, 0.0, False).publish
-    assert promotion_gate(2.0, 2.05, 0.1, False).publish
-    assert not promotion_gate(2.0, 2.2, 0.1, False).publish
-    assert not promotion_gate(2.0, math.inf, 0.1, False).publish
-    assert promotion_gate(None, 2.0, 0.1, False).publish
-    assert not promotion_gate(None, None, 0.1, False).publish
-    assert promotion_gate(None, None, 0.1, True).publish
+def test_gate_without_per_example_losses_needs_the_minimum_gain() -> None:
+    rule = GateRule(min_gain_nats=0.01)
+    assert promotion_gate(EvalSummary(2.0, 1.98), rule).publish
+    assert not promotion_gate(EvalSummary(2.0, 1.995), rule).publish  # better, but by less than the gain
+    assert not promotion_gate(EvalSummary(2.0, 2.0), rule).publish
+    assert not promotion_gate(EvalSummary(2.0, 2.2), rule).publish
+    assert promotion_gate(EvalSummary(2.0, 2.05), GateRule(min_gain_nats=-0.1)).publish  # a test's wide gate
+    assert not promotion_gate(EvalSummary(2.0, math.inf), rule).publish
+    assert promotion_gate(EvalSummary(None, 2.0), rule).publish
+    assert not promotion_gate(EvalSummary(None, None), rule).publish
+    assert promotion_gate(EvalSummary(None, None), GateRule(publish_without_eval=True)).publish
+
+
+def _entry(rid: str, cur: list[float], cand: list[float], tokens: list[int]) -> LossEntry:
+    n = sum(tokens)
+    return LossEntry(
+        rid, "math", len(tokens), sum(cur) / n, sum(cand) / n, tuple(tokens), tuple(cand), tuple(cur)
+    )
+
+
+def test_paired_gain_pools_examples_per_token_with_the_ratio_estimators_error() -> None:
+    a = _entry("r0", [10.0, 20.0, 30.0], [9.0, 18.0, 29.0], [10, 20, 30])
+    b = _entry("r1", [8.0, 12.0], [8.0, 10.0], [8, 12])
+    g = paired_gain([a, b, LossEntry("r2", "math", 4, 1.0, 0.5)])  # r2 reports no examples: not pooled
+    assert g is not None and (g.examples, g.tokens) == (5, 80)
+    d = [-1.0, -2.0, -1.0, 0.0, -2.0]
+    t = [10, 20, 30, 8, 12]
+    diff = sum(d) / 80
+    se = math.sqrt(5 / 4 * sum((di - diff * ti) ** 2 for di, ti in zip(d, t, strict=True))) / 80
+    assert g.diff_nats == pytest.approx(diff) and g.se_nats == pytest.approx(se)
+    assert summarize([a, b]).paired == g
+    assert paired_gain([_entry("r0", [1.0], [0.5], [4])]) is None  # one example: no error to estimate
+
+
+def test_paired_gate_publishes_only_a_gain_beyond_its_noise() -> None:
+    rule = GateRule(min_gain_nats=0.005, z=2.0)
+
+    def gate(diff: float, se: float) -> bool:
+        return promotion_gate(
+            EvalSummary(2.0, 2.0 + diff, paired=PairedGain(diff, se, 64, 4000)), rule
+        ).publish
+
+    assert gate(-0.05, 0.01)  # -0.05 + 2 * 0.01 = -0.03 <= -0.005
+    assert not gate(-0.05, 0.03)  # within its noise: -0.05 + 0.06 > 0
+    assert not gate(-0.004, 0.0)  # no noise, but below the minimum gain
+    assert not gate(0.02, 0.001)  # worse: never
+    assert not gate(math.inf, math.inf)
+    reason = promotion_gate(EvalSummary(2.0, 1.95, paired=PairedGain(-0.05, 0.01, 64, 4000)), rule).reason
+    assert "-0.0500 +- 0.0100" in reason and "64 examples" in reason
 
 
 CFG = PlanConfig(

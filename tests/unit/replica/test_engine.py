@@ -347,7 +347,7 @@ def round_update_catcher() -> tuple[list, threading.Event, Callable[[object], No
     return events, got, on_job
 
 
-def test_round_job_produces_update_and_local_refresh(tiny: LoadedModel) -> None:
+def test_round_job_produces_an_update_and_no_local_version(tiny: LoadedModel) -> None:
     events, got, on_job = round_update_catcher()
 
     cfg = EngineConfig(job=JobConfig(micro_tokens=64, batch_tokens=64, publish_every_steps=1))
@@ -361,12 +361,11 @@ def test_round_job_produces_update_and_local_refresh(tiny: LoadedModel) -> None:
         assert got.wait(60)
         upd = next(e for e in events if e.kind == "round_update")
         assert upd.round_id == 7 and upd.base_version == 1 and upd.weights is not None
-        assert upd.num_tokens >= 600 and upd.eval_loss_before is not None and upd.eval_loss_after is not None
-        refreshes = [e for e in events if e.kind == "refresh"]
-        if refreshes:  # held-out loss improved at least once: the shadow was refreshed locally
-            assert refreshes[0].version_id == "med@v1+r0.1"
-            assert eng.current_version("med") == refreshes[-1].version_id
-        assert upd.eval_loss_after < upd.eval_loss_before
+        # It only trained: no losses of its own (the gate scores the candidate), and no replica-local
+        # version (what serves changes when the round publishes).
+        assert upd.num_tokens >= 600 and upd.eval_loss_before is None and upd.eval_loss_after is None
+        assert upd.train_loss is not None
+        assert not [e for e in events if e.kind == "refresh"] and eng.current_version("med") == "med@v1"
 
 
 def test_evaluate_candidates(tiny: LoadedModel) -> None:
@@ -546,16 +545,16 @@ def test_jobs_take_turns_and_a_due_round_job_sends_in_time(tiny: LoadedModel) ->
     assert min(upd.num_tokens, jobs["loc"].tokens_done) > 0.2 * max(upd.num_tokens, jobs["loc"].tokens_done)
 
 
-def test_a_round_job_trains_first_and_scores_its_starting_point_when_needed(tiny: LoadedModel) -> None:
-    """A local job scores its starting point before it trains; a round job trains at once (the
-    aggregator pre-scores its starting version) and scores a copy of its starting weights before its
-    final evaluation, so its update still reports both losses."""
+def test_a_round_job_only_trains_and_a_local_job_scores_its_starting_point(tiny: LoadedModel) -> None:
+    """A local job scores its starting point before it trains (the baseline of its shadow refreshes); a
+    round job evaluates nothing itself (the aggregator's gate scores the candidate) and spends its whole
+    time on its token budget."""
     from collm_replica.executor import Executor
     from collm_replica.training import TrainingJob
 
     ex = Executor(tiny)
     ds = dataset()
-    cfg = JobConfig(micro_tokens=32, batch_tokens=32, eval_max_examples=4)
+    cfg = JobConfig(micro_tokens=32, batch_tokens=32, eval_max_examples=4, publish_every_steps=1)
 
     def job(round_id: int | None) -> TrainingJob:
         live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, "tiny", seed=3)
@@ -564,17 +563,15 @@ def test_a_round_job_trains_first_and_scores_its_starting_point_when_needed(tiny
 
     local, shared = job(None), job(4)
     assert local._next(0.0)[0].startswith("eval_")
-    assert not shared._next(0.0)[0].startswith("eval_")
     start = {k: (a.detach().clone(), b.detach().clone()) for k, (a, b) in shared.live.params.items()}
+    kinds = set()
     while shared.active:
+        nxt = shared._next(0.0)
+        kinds.add(nxt[0] if nxt else None)
         shared.step(64)
-    assert shared.steps_done > 0 and shared.finished_update
-    # The baseline is the loss of the starting weights: the same as the local job's, which scored the
-    # very same weights (same seed) before training.
-    while local.eval_loss_before is None:
-        local.step(64)
-    assert shared.eval_loss_before == pytest.approx(local.eval_loss_before, rel=1e-6)
-    assert shared.eval_loss_after is not None and shared.eval_loss_after != shared.eval_loss_before
+    assert not any(k and k.startswith("eval_") for k in kinds)
+    assert shared.steps_done > 0 and shared.finished_update and shared.tokens_done >= 64
+    assert shared.eval_loss_before is None and shared.eval_loss_after is None and not shared.refreshes
     moved = max(float((shared.live.params[k][1].detach() - b).abs().max()) for k, (_a, b) in start.items())
     assert moved > 0
 

@@ -332,32 +332,29 @@ def eval_replica(
     )  # fmt: skip
 
 
-def test_a_round_job_spends_its_own_evaluations_within_its_training_time() -> None:
-    """As the engine's job: the start weights and the live copy every `publish_every_steps` optimizer
-    steps are scored, and the result after the last micro-step; the job is done (its update sent) only
-    then, and the co-scheduler's training time pays for it."""
+def test_a_round_job_only_trains_as_the_engines_does() -> None:
+    """As the engine's round job: no evaluation of its own (the aggregator's gate scores the candidate),
+    so its whole training time goes to its micro-steps, with or without evaluation costs known."""
     from collm_replica.cosched import LeftoverCoScheduler
 
     engine = EngineSpec(
-        train_micro_tokens=128, train_pieces_per_micro_step=4, train_batch_tokens=128, publish_every_steps=1,
+        train_micro_tokens=128, train_pieces_per_micro_step=4, train_batch_tokens=128,
         eval_tokens=100, eval_batch_tokens=100, eval_pieces_per_batch=2,
     )  # fmt: skip
     done: list[object] = []
     rep = eval_replica(engine, LeftoverCoScheduler(), done)
     assert rep.eval_ms_each == pytest.approx(60.0)  # type: ignore[attr-defined]  # 10 + 100 x 0.5 ms
     rep.start_job("med", 1, 1, budget=256, deadline_s=1e9, now=0.0)  # type: ignore[attr-defined]
-    # Two micro-steps of 148 ms, three evaluations of 60 ms (the start weights and the periodic one after
-    # the first 128 tokens, the result after the last): 476 ms, 13 whole pieces of 37 ms.
-    assert rep._ms_to_finish(rep.job) == pytest.approx(13 * 37.0)  # type: ignore[attr-defined]
+    # Two micro-steps of 148 ms: 296 ms, 8 whole pieces of 37 ms.
+    assert rep._ms_to_finish(rep.job) == pytest.approx(8 * 37.0)  # type: ignore[attr-defined]
     t = 0.0
     while (nxt := rep.step(t)) is not None:  # type: ignore[attr-defined]
         t = nxt
     (job,) = done
-    assert job.tokens_done == 256 and job.evals == 3 and job.done  # type: ignore[attr-defined]
-    assert t == pytest.approx(0.481)
-    assert rep.busy_ms["evaluation"] == pytest.approx(180.0)  # type: ignore[attr-defined]
-    assert rep.busy_ms["training"] == pytest.approx(481.0 - 180.0)  # type: ignore[attr-defined]
-    # A calibration without the evaluation cost models none: the micro-steps alone.
+    assert job.tokens_done == 256 and job.done  # type: ignore[attr-defined]
+    assert rep.busy_ms["evaluation"] == 0.0  # type: ignore[attr-defined]
+    assert rep.busy_ms["training"] == pytest.approx(1e3 * t)  # type: ignore[attr-defined]
+    # A calibration without the evaluation cost: the same micro-steps.
     from collm_sim.replica import SimReplica
 
     plain = SimReplica(

@@ -12,6 +12,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 POLICIES = ("collm", "separate", "fixed_ratio", "leftover")
+# The replicas' co-scheduler (`COLLM_COSCHEDULER`) that runs each policy whole: the two-timescale policy and
+# the static split grant shares that the SLO-aware co-scheduler spends, the fixed-ratio baseline trains one
+# step every K iterations (Loquetier), the leftover baseline trains in what inference leaves (FlexLLM).
+COSCHEDULER_FOR_POLICY = {"collm": "slo", "separate": "slo", "fixed_ratio": "fixed", "leftover": "leftover"}
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class CoreConfig:
     # --- cadences ----------------------------------------------------------------------------------
     fast_interval_s: float = 1.0
     slow_interval_s: float = 60.0
-    round_deadline_s: float = 45.0
+    round_deadline_s: float = 55.0
     stale_after_s: float = 3.0
     warmup_s: float = 20.0
     # A round whose outcome has not come this long after its deadline is forgotten; one the aggregator
@@ -85,11 +89,12 @@ class CoreConfig:
     quality_token_scale: float = 20_000.0
     quality_prior_gain: float = 0.1
     quality_prior_weight: float = 2.0
+    quality_memory: float = 0.5
     data_tokens_per_sample: float = 256.0
     data_useful_epochs: float = 2.0
     stale_data_weight: float = 0.5
     # --- round plans ---------------------------------------------------------------------------------
-    learning_rate: float = 2e-4
+    learning_rate: float = 1e-3
     quorum_frac: float = 0.5
     min_budget_tokens: int = 64
     probe_budget_tokens: int = 512
@@ -155,6 +160,7 @@ class CoreConfig:
             ("quality_token_scale must be > 0", self.quality_token_scale > 0),
             ("quality_prior_gain must be >= 0", self.quality_prior_gain >= 0),
             ("quality_prior_weight must be > 0", self.quality_prior_weight > 0),
+            ("quality_memory must be in (0, 1]", 0 < self.quality_memory <= 1),
             ("data_tokens_per_sample must be > 0", self.data_tokens_per_sample > 0),
             ("data_useful_epochs must be > 0", self.data_useful_epochs > 0),
             ("stale_data_weight must be in [0, 1]", 0 <= self.stale_data_weight <= 1),

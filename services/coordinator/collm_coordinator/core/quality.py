@@ -11,7 +11,11 @@ less than the previous one, so the planner spreads tokens over adapters instead 
 one. k_a starts from a prior (fitted to the calibration's quality curve of the adapter's domain when the
 caller has one, else `quality_prior_gain`) and is re-estimated from every finished round, where the
 observed loss drop d = eval_loss_before - eval_loss_after is compared with the drop the model predicts
-for k = 1 (a shrinkage estimate: k = (sum d + k0 * w) / (sum l + w)).
+for k = 1 (a shrinkage estimate: k = (sum d + k0 * w) / (sum l + w)). Older rounds weigh less: at each
+new round of the adapter both sums are first multiplied by `quality_memory` (m), so the estimate follows
+what rounds gain now. An adapter that learns fast at first and then saturates (a classification task
+learnt in a few rounds) would otherwise keep the large coefficient of its first rounds and take every
+share of training from the others for many rounds after its gains ran out.
 
 Data volume and freshness enter through the effective tokens of one participant: a site with E useful
 data tokens turns a budget of b tokens into E * (1 - exp(-b / E)) effective tokens, so repeated epochs
@@ -63,6 +67,7 @@ class AdapterQuality:
 
     prior_gain: float
     prior_weight: float
+    memory: float = 1.0
     trained_tokens: float = 0.0
     sum_drop: float = 0.0
     sum_predicted: float = 0.0
@@ -84,8 +89,8 @@ class AdapterQuality:
         """Record a finished round: the tokens it trained and, when evaluated, the drop it achieved."""
         if effective_tokens_trained > 0 and loss_before is not None and loss_after is not None:
             predicted = log_gain(1.0, tau, self.trained_tokens, effective_tokens_trained)
-            self.sum_drop += loss_before - loss_after
-            self.sum_predicted += predicted
+            self.sum_drop = self.memory * self.sum_drop + (loss_before - loss_after)
+            self.sum_predicted = self.memory * self.sum_predicted + predicted
             self.rounds_observed += 1
         if published:
             self.trained_tokens += max(0.0, effective_tokens_trained)

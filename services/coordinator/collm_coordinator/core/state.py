@@ -233,18 +233,28 @@ class ClusterState:
         self.version_losses[v.adapter] = dict(v.losses)
 
     def quality_of(self, adapter: str) -> AdapterQuality:
+        """The adapter's quality model. Its prior: the calibration's curve of its domains when there is
+        one; else, while it has no round of its own observed, the mean gain coefficient of the adapters
+        that have (what training on this cluster has shown so far), else `quality_prior_gain`. An adapter
+        without evidence thus competes for training on the evidence of the others instead of a fixed
+        prior that an adapter with large observed gains would outbid for many rounds."""
         q = self.quality.get(adapter)
+        cfg = self.config
+        domains = self.adapter_domains().get(adapter, (adapter,))
+        priors = [cfg.quality_prior[d] for d in domains if d in cfg.quality_prior]
         if q is None:
-            cfg = self.config
-            domains = self.adapter_domains().get(adapter, (adapter,))
-            priors = [cfg.quality_prior[d] for d in domains if d in cfg.quality_prior]
             prior = (
                 sum(priors) / len(priors)
                 if priors
                 else cfg.quality_prior.get(adapter, cfg.quality_prior_gain)
             )
-            q = AdapterQuality(prior_gain=prior, prior_weight=cfg.quality_prior_weight)
+            q = AdapterQuality(
+                prior_gain=prior, prior_weight=cfg.quality_prior_weight, memory=cfg.quality_memory
+            )
             self.quality[adapter] = q
+        if q.rounds_observed == 0 and not priors and adapter not in cfg.quality_prior:
+            observed = [o.gain_coefficient for o in self.quality.values() if o.rounds_observed > 0]
+            q.prior_gain = sum(observed) / len(observed) if observed else cfg.quality_prior_gain
         return q
 
     def add_plan(self, plan: RoundPlanDecision, data_tokens: Mapping[str, float]) -> None:

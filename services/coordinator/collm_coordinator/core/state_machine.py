@@ -4,7 +4,7 @@ This module does no I/O: no NATS, Redis, asyncio, Prometheus or clock of its own
 service, the simulator, a test) calls `on_tick` with its clock's time and everything new since the
 previous call; the core runs each loop that is due and says when it wants to be called next
 (`Decisions.next_tick_s`). The fast loop is due every `fast_interval_s`, the slow loop every
-`slow_interval_s` (the first one `warmup_s` after the first tick, once telemetry has arrived). When
+`slow_interval_s` (the first one `warmup_s` after the first tick at which telemetry has arrived). When
 both are due the slow loop runs first and the fast loop second, so a new plan's shares are already
 capped by the current load in the same tick: the fast loop always has the last word.
 
@@ -23,6 +23,11 @@ holding its data was at SLO risk at that tick (collm leaves such replicas out of
 the first fast tick where one of them no longer is: a risk that clears within the slow interval (a
 burst the fast loop already cut shares for, a slow request leaving the replica's latency window) does
 not cost the adapter a whole slow interval without a round.
+
+An adapter to train that has no version yet (one per domain the replicas report, unless configured) is
+created at the first fast tick where a live replica holds its data: the core asks that replica
+(`Decisions.creates`, the first holder by id) to create v1, the base model's behaviour, and asks again
+every `CREATE_RETRY_S` until a version is known. Its first round then follows as above.
 """
 
 from __future__ import annotations
@@ -33,7 +38,17 @@ from collm_coordinator.core.config import CoreConfig
 from collm_coordinator.core.policies import Policy, make_policy
 from collm_coordinator.core.slow_loop import adapters_to_plan
 from collm_coordinator.core.state import ClusterState, ClusterView
-from collm_coordinator.core.types import Decisions, Diagnostics, FastDecision, SlowDecision, TickInputs
+from collm_coordinator.core.types import (
+    AdapterCreation,
+    Decisions,
+    Diagnostics,
+    FastDecision,
+    SlowDecision,
+    TickInputs,
+)
+
+# How long a request to create an adapter's v1 is given before it is sent again (to the first holder then).
+CREATE_RETRY_S = 10.0
 
 
 class CoordinatorCore:
@@ -52,6 +67,8 @@ class CoordinatorCore:
         self._waiting: frozenset[str] = frozenset()
         # ... and those it did not plan while every replica holding their data was at SLO risk.
         self._risk_waiting: frozenset[str] = frozenset()
+        # Adapter -> when a replica was last asked to create its v1.
+        self._create_asked: dict[str, float] = {}
 
     @property
     def policy(self) -> str:
@@ -78,11 +95,11 @@ class CoordinatorCore:
         st.expire(now_s)
         if self._next_fast_s is None:
             self._next_fast_s = now_s
+        if self._next_slow_s is None and st.latest:
             self._next_slow_s = now_s + cfg.warmup_s
-        assert self._next_slow_s is not None
 
         fast_due = now_s >= self._next_fast_s - 1e-9
-        slow_due = now_s >= self._next_slow_s - 1e-9
+        slow_due = self._next_slow_s is not None and now_s >= self._next_slow_s - 1e-9
         if fast_due:
             dt = cfg.fast_interval_s if self._last_fast_s is None else now_s - self._last_fast_s
             st.update_virtual_queue(dt)
@@ -97,6 +114,7 @@ class CoordinatorCore:
         if slow_due or catch_up:
             if slow_due:
                 slow = self._policy.slow(view)
+                assert self._next_slow_s is not None
                 self._next_slow_s = _next_due(self._next_slow_s, cfg.slow_interval_s, now_s)
                 self._waiting = _not_ready(view)
                 self._risk_waiting = _held_by_risk(view, {p.adapter for p in slow.plans})
@@ -145,11 +163,26 @@ class CoordinatorCore:
             policy=self._policy.name,
             fast=fast,
             slow=slow,
-            next_tick_s=min(self._next_fast_s, self._next_slow_s),
+            next_tick_s=min(self._next_fast_s, self._next_slow_s or self._next_fast_s),
             diagnostics=diag,
+            creates=self._creations(view, now_s) if fast_due else (),
         )
         self.last = decisions
         return decisions
+
+    def _creations(self, view: ClusterView, now_s: float) -> tuple[AdapterCreation, ...]:
+        out = []
+        for adapter in sorted(view.adapter_domains):
+            if view.versions.get(adapter) or adapter in view.rounds:
+                self._create_asked.pop(adapter, None)
+                continue
+            holders = view.replicas_for(adapter)
+            asked = self._create_asked.get(adapter)
+            if not holders or (asked is not None and now_s - asked < CREATE_RETRY_S):
+                continue
+            self._create_asked[adapter] = now_s
+            out.append(AdapterCreation(adapter, holders[0]))
+        return tuple(out)
 
 
 def _not_ready(view: ClusterView) -> frozenset[str]:

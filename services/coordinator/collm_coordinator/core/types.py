@@ -221,6 +221,14 @@ class Diagnostics:
 
 
 @dataclass(frozen=True)
+class AdapterCreation:
+    """Ask `replica_id` (a live holder of the adapter's data) to create `adapter@v1` in the store."""
+
+    adapter: str
+    replica_id: str
+
+
+@dataclass(frozen=True)
 class Decisions:
     """What one tick decided. `fast`/`slow` are None when that loop was not due at this tick."""
 
@@ -230,3 +238,4 @@ class Decisions:
     slow: SlowDecision | None
     next_tick_s: float
     diagnostics: Diagnostics
+    creates: tuple[AdapterCreation, ...] = ()
