@@ -369,7 +369,11 @@ class TrainingJob:
         # A round job evaluates nothing itself (module docstring).
         held = held_out[: cfg.eval_max_examples] if spec.round_id is None else []
         self.eval_items = [r for e in held if (r := rend(e)) is not None]
-        random.Random(cfg.seed).shuffle(self.train_items)
+        # Each job its own order of the local examples (a round trains a few hundred tokens: with one
+        # order every round of an adapter would train the same first examples, and a round repeated from
+        # a held-back candidate's base would train the very same candidate again).
+        order = f"{cfg.seed}:{spec.adapter}:{spec.base_version_id}:{spec.round_id}"
+        random.Random(order).shuffle(self.train_items)
         self.live = spec.live
         self.opt = torch.optim.AdamW(self.live.parameters(), lr=spec.learning_rate, weight_decay=0.0)
         self.state = "running"

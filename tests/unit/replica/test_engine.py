@@ -760,3 +760,26 @@ def test_the_step_log_and_the_co_scheduler_see_a_round_jobs_wrap_up(tiny: Loaded
     assert sum(r.tokens for r in train) == eng.ft_tokens_total == upd.num_tokens
     assert sum(r.ms for r in train) == pytest.approx(eng.train_ms_total)
     assert sum(charged) == pytest.approx(eng.train_ms_total + eng.eval_ms_total)
+
+
+def test_every_round_job_trains_its_examples_in_its_own_order(tiny: LoadedModel) -> None:
+    """Rounds train a few hundred tokens each: each round starts at other examples, and a round repeated
+    from the same base (its candidate held back) does not train the same candidate again."""
+    from collm_replica.executor import Executor
+    from collm_replica.training import TrainingJob
+
+    ex = Executor(tiny)
+    ds = dataset(40)
+    cfg = JobConfig(micro_tokens=32, batch_tokens=32)
+
+    def first_ids(round_id: int | None, base: str = "med@v3") -> list[str]:
+        live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, "tiny", seed=3)
+        spec = JobSpec("med", base, 3, live, token_budget=64, round_id=round_id)
+        return [
+            r.example_id for r in TrainingJob(spec, ex, tiny.tokenizer, ds.train, ds.eval, cfg).train_items
+        ]
+
+    assert first_ids(7) == first_ids(7)  # reproducible
+    assert first_ids(7)[:5] != first_ids(8)[:5]
+    assert first_ids(7)[:5] != first_ids(7, "med@v4")[:5]
+    assert sorted(first_ids(7)) == sorted(first_ids(8))
