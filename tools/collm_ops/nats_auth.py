@@ -234,6 +234,7 @@ def aggregator(consumer: str = AGGREGATOR_CONSUMER) -> User:
         subscribe=(
             subjects.telemetry_all(),
             subjects.aggregator("*"),
+            subjects.coordinator_decisions(),  # a coordinator that decides is present: no built-in plans
             *sub_micro,
             inbox_prefix(name) + ".>",
         ),

@@ -75,7 +75,7 @@ from collm_common.wire.admin import (
     StatusRequest,
     UpdateRecord,
 )
-from collm_common.wire.control import ControlReply, StartTraining
+from collm_common.wire.control import ControlReply, CoordinatorDecisions, StartTraining
 from collm_common.wire.rounds import LocalUpdate, ParticipantPlan, RejectedUpdate, RoundOutcome, RoundPlan
 from collm_common.wire.telemetry import ReplicaTelemetry
 
@@ -130,6 +130,8 @@ class Aggregator:
         self.runners: dict[int, RoundRunner] = {}
         self.replicas: dict[str, ReplicaView] = {}
         self.last_coordinator_plan_unix_s: float | None = None
+        # When the coordinator last published a decision (it decides every fast tick, planning or not).
+        self.last_coordinator_seen_unix_s: float | None = None
         self._last_builtin: dict[str, float] = {}
         self._skip_reasons: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -142,6 +144,7 @@ class Aggregator:
     async def start(self) -> None:
         await ensure_streams(self.bus.js)
         await self.bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, self._on_telemetry)
+        await self.bus.subscribe(subjects.coordinator_decisions(), CoordinatorDecisions, self._on_decisions)
         await self._resume()
         svc = await self.bus.service(
             subjects.SERVICE_AGGREGATOR,
@@ -213,6 +216,9 @@ class Aggregator:
             self._spawn(RoundRunner(self._deps(), plan, resumed_state=outcome.state))
 
     # --- telemetry and domains --------------------------------------------------------------------------
+    async def _on_decisions(self, _d: CoordinatorDecisions, _msg: object) -> None:
+        self.last_coordinator_seen_unix_s = self.clock.now()
+
     async def _on_telemetry(self, t: ReplicaTelemetry, _msg: object) -> None:
         # Receive time, not the replica's clock: staleness must not depend on clock skew.
         self.replicas[t.replica_id] = ReplicaView(
@@ -344,9 +350,11 @@ class Aggregator:
     async def _plan_once(self) -> None:
         s = self.settings
         now = self.clock.now()
-        # A coordinator that starts beside the aggregator is given default_plan_idle_s for its first plan.
-        last = self.last_coordinator_plan_unix_s
-        if now - (self.started_unix_s if last is None else last) < s.default_plan_idle_s:
+        # Built-in plans stand in for a coordinator that is not there: not for one that decides not to
+        # plan (every data holder at SLO risk) nor one starting beside the aggregator, which is given
+        # default_plan_idle_s for its first decision.
+        seen = [t for t in (self.last_coordinator_plan_unix_s, self.last_coordinator_seen_unix_s) if t]
+        if now - max(seen, default=self.started_unix_s) < s.default_plan_idle_s:
             return
         adapters = {a: list(d) for a, d in s.default_plan_adapters.items()}
         for name in await self.store.list_adapters():

@@ -138,8 +138,9 @@ class AggregatorSettings(CommonSettings):
     default_plan_idle_s: float = Field(
         180.0,
         gt=0,
-        description="Built-in plans start only when no coordinator plan arrived for this long (counted from "
-        "the aggregator's start until a first plan arrives).",
+        description="Built-in plans start only when neither a coordinator plan nor a coordinator decision "
+        "arrived for this long (counted from the aggregator's start until the first one): they stand in for "
+        "a coordinator that is not running, not for one that plans nothing while SLOs are at risk.",
     )
     default_token_budget: int = Field(
         4096, ge=1, description="Built-in plans: training tokens per participant."

@@ -471,6 +471,40 @@ async def test_built_in_plan_runs_rounds_for_replicas_with_data(cluster: Cluster
     assert out.participants == ["r0", "r1"]
 
 
+async def test_built_in_plans_wait_while_a_coordinator_decides(cluster: Cluster) -> None:
+    """A coordinator that publishes decisions but plans nothing (its data holders at SLO risk) is
+    present: the built-in plans do not stand in for it; once it falls silent, they do."""
+    from collm_common.wire.control import CoordinatorDecisions
+
+    await cluster.seed_v1()
+    await cluster.add("r0", domain="math")
+    await cluster.add("r1", domain="code")
+    deciding = True
+
+    async def decide() -> None:
+        while deciding:
+            msg = CoordinatorDecisions(ts_unix_s=time.time(), policy="collm", loop="fast")
+            await cluster.client.publish(subjects.coordinator_decisions(), msg)
+            await asyncio.sleep(0.2)
+
+    task = asyncio.create_task(decide())
+    try:
+        await cluster.start_aggregator(
+            default_plan=True,
+            default_plan_period_s=1,
+            default_plan_idle_s=1,
+            round_deadline_s=10,
+            default_plan_adapters={ADAPTER: ["math", "code"]},
+        )
+        await asyncio.sleep(3.0)
+        assert cluster.events == [] and cluster.agg is not None and not cluster.agg.runners
+    finally:
+        deciding = False
+        await task
+    out = await cluster.wait_final(1, timeout_s=20)
+    assert out.policy == "builtin"
+
+
 async def test_import_and_export_through_the_endpoint(cluster: Cluster, tmp_path: Path) -> None:
     await cluster.start_aggregator()
     src = tiny_adapter(seed=3)
