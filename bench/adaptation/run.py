@@ -1,0 +1,254 @@
+"""Adaptation out of the box: the stack `collm up` starts, its adapters' held-out loss over a long window.
+
+    .venv/bin/python bench/adaptation/run.py run --minutes 15 --load-frac 0      # the stack otherwise idle
+    .venv/bin/python bench/adaptation/run.py run --minutes 15 --load-frac 0.5    # a trace at half capacity
+    .venv/bin/python bench/adaptation/run.py report [RESULT.json ...]           # table and PNG again
+
+`run` starts exactly what `collm up` starts with no options (`collm_ops.cli.stack_config`: two replicas
+with SmolLM2, each holding its share of every demo domain, the collm policy), on its own NATS and Redis
+on free ports, and waits until it is ready (time 0). With `--load-frac F > 0` it replays the Azure
+conversation trace (the headline's length scaling and SLO rule, from the calibration file) through the
+gateway at F x the estimated capacity, every request naming a demo adapter (equal mix); otherwise the
+stack only trains. After `--minutes` it reads every adapter version with its creation time and quality
+record and every round from the stack, stops it, and writes the compact result
+`bench/results/adaptation/<name>.json` (`collm_bench.adaptation`), its table and its figure
+`bench/adaptation/figures/<name>.png`. Run it under the machine's heavy-work lock, on an otherwise idle
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results" / "adaptation"
+FIGURES = REPO / "bench" / "adaptation" / "figures"
+CALIBRATION = REPO / "bench" / "calibration" / "smollm2.json"
+
+
+def _stack_config(run_dir: Path) -> Any:
+    from collm_ops.cli import build_parser, stack_config
+    from collm_ops.servers import free_port
+
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--port", str(free_port()),
+            "--nats-url", f"nats://127.0.0.1:{free_port()}",
+            "--redis-url", f"redis://127.0.0.1:{free_port()}/0",
+            "--run-dir", str(run_dir),
+            "--metrics-port-base", "-1",
+        ]
+    )  # fmt: skip
+    cfg = stack_config(args)
+    cfg.log_dir = run_dir / "logs"
+    return cfg
+
+
+def _load_plan(load_frac: float, window_s: float) -> dict[str, Any]:
+    """Rate and SLO of the replay: the headline's length policy and SLO rule on the conv trace."""
+    from collm_bench.headline.config import HeadlineConfig
+    from collm_bench.headline.rates import capacity_estimate_rps
+    from collm_bench.headline.setup import lengths, resolve_sources, slo_for
+    from collm_bench.traces import fit_lengths
+    from collm_common.calibration import Calibration
+
+    hc = HeadlineConfig(traces=("conv",))
+    cal = Calibration.load(CALIBRATION)
+    source = resolve_sources(hc)[0]
+    slo = slo_for(hc, source, cal, max_batch=16)
+    fitted = fit_lengths(list(source.requests[:2000]), lengths(hc))
+    mean_in = sum(r.input_tokens for r in fitted) / len(fitted)
+    mean_out = sum(r.output_tokens for r in fitted) / len(fitted)
+    cost = cal.cost
+    capacity = capacity_estimate_rps(
+        cost.prefill_ms_per_token, cost.decode_ms(16), 16, cost.lora_overhead_frac_per_adapter, mean_in,
+        mean_out, replicas=2,
+    )  # fmt: skip
+    return {
+        "trace": source.label(hc),
+        "load_frac": load_frac,
+        "capacity_estimate_rps": round(capacity, 4),
+        "rate_rps": round(load_frac * capacity, 4),
+        "window_s": window_s,
+        "slo_ttft_ms": slo.ttft_ms,
+        "slo_tpot_ms": slo.tpot_ms,
+        "mean_input_tokens": round(mean_in, 1),
+        "mean_output_tokens": round(mean_out, 1),
+        "hc": hc,
+    }
+
+
+def _loadgen(gateway_url: str, plan: dict[str, Any], out: Path) -> subprocess.Popen[bytes]:
+    hc = plan["hc"]
+    cmd = [
+        sys.executable, "-m", "collm_bench", "loadgen",
+        "--url", gateway_url,
+        "--trace", "conv",
+        "--rate", str(plan["rate_rps"]),
+        "--duration", str(plan["window_s"]),
+        "--input-scale", str(hc.input_scale),
+        "--output-scale", str(hc.output_scale),
+        "--max-output-tokens", str(hc.max_output_tokens),
+        "--max-context-tokens", str(hc.max_context_tokens),
+        "--domains-dir", str(REPO / "data" / "demo"),
+        "--slo-ttft-ms", str(plan["slo_ttft_ms"]),
+        "--slo-tpot-ms", str(plan["slo_tpot_ms"]),
+        "--send-slo",
+        "--drain-timeout-s", "120",
+        "--progress-interval-s", "60",
+        "--out", str(out),
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=(out.parent / "loadgen.log").open("wb"), stderr=subprocess.STDOUT)
+
+
+async def _read_stack(redis_url: str, prefix: str, nats_url: str) -> dict[str, Any]:
+    """Every adapter's versions and quality records (store) and every round (the aggregator)."""
+    from collm_common import subjects
+    from collm_common.bus import Bus
+    from collm_common.settings import CommonSettings
+    from collm_common.store import AdapterStore
+    from collm_common.wire.admin import ListRounds, RoundList
+
+    store = AdapterStore.from_url(redis_url, prefix)
+    adapters: dict[str, Any] = {}
+    try:
+        for name in await store.list_adapters():
+            versions = await store.list_versions(name)
+            adapters[name] = {
+                "versions": [
+                    {"version": v.version, "created_unix_s": v.created_unix_s, "source": v.source}
+                    for v in versions
+                ],
+                "quality": {v.version: await store.quality(name, v.version) for v in versions},
+            }
+    finally:
+        await store.close()
+    bus = await Bus.connect(CommonSettings(nats_url=nats_url), "collm-bench-adaptation")
+    try:
+        rounds = await bus.request(
+            subjects.aggregator("rounds"), ListRounds(limit=1000), RoundList, timeout_s=10
+        )
+    finally:
+        await bus.close()
+    return {"adapters": adapters, "rounds": [r.model_dump() for r in rounds.rounds]}
+
+
+def _stop_on_sigterm(*_: object) -> None:
+    raise KeyboardInterrupt  # the stack and the load generator are stopped on the way out
+
+
+def run(args: argparse.Namespace) -> int:
+    from collm_bench import adaptation
+    from collm_ops.launcher import Stack
+
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+
+    name = args.name or ("idle" if args.load_frac <= 0 else f"load{args.load_frac:g}")
+    run_dir = Path(args.run_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    window_s = args.minutes * 60.0
+    plan = _load_plan(args.load_frac, window_s) if args.load_frac > 0 else None
+    cfg = _stack_config(run_dir)
+    stack = Stack(cfg)
+    print(f"adaptation: starting the default stack (logs in {cfg.log_dir})", flush=True)
+    stack.start()
+    t0 = time.time()
+    print(f"adaptation: ready in {stack.ready_s:.1f} s; {args.minutes:g} min window", flush=True)
+    gen = None
+    try:
+        if plan is not None:
+            print(f"adaptation: replaying at {plan['rate_rps']:.3f} req/s", flush=True)
+            gen = _loadgen(stack.gateway_url, plan, run_dir / "loadgen")
+        while time.time() - t0 < window_s:
+            time.sleep(min(30.0, window_s - (time.time() - t0)))
+            print(f"adaptation: {(time.time() - t0) / 60:.1f} min", flush=True)
+        snap = asyncio.run(_read_stack(cfg.redis_url, cfg.redis_prefix, cfg.nats_url))
+        if gen is not None:
+            gen.wait(timeout=300)
+    finally:
+        if gen is not None and gen.poll() is None:
+            gen.terminate()
+        stack.stop()
+    result: dict[str, Any] = {
+        "schema": adaptation.RESULT_SCHEMA,
+        "name": name,
+        "title": f"collm up: demo adapters, {'idle' if plan is None else f'{args.load_frac:g} x capacity'}",
+        "command": " ".join(["bench/adaptation/run.py", *sys.argv[1:]]),
+        "started_unix_s": round(t0, 1),
+        "window_s": window_s,
+        "ready_s": round(stack.ready_s or 0.0, 1),
+        "adapters": {},
+        "rounds": adaptation.round_summary(snap["rounds"], t0),
+        "serving": None,
+    }
+    for adapter, a in sorted(snap["adapters"].items()):
+        points = adaptation.version_points(a["versions"], a["quality"], adapter, t0)
+        result["adapters"][adapter] = {
+            "versions": points,
+            "summary": adaptation.adapter_summary(points, window_s),
+        }
+    if plan is not None:
+        s = json.loads((run_dir / "loadgen" / "summary.json").read_text())
+        lat = s["latency_ms"]
+        result["serving"] = {
+            k: plan[k]
+            for k in ("trace", "load_frac", "capacity_estimate_rps", "rate_rps", "slo_ttft_ms", "slo_tpot_ms")
+        } | {
+            "requests": s["counts"]["submitted"],
+            "completed": s["counts"]["completed"],
+            "attainment": s["attainment"],
+            "goodput_rps": s["goodput_rps"],
+            "ttft_ms_p50": lat["ttft"]["p50"],
+            "ttft_ms_p99": lat["ttft"]["p99"],
+            "tpot_ms_p50": lat["tpot"]["p50"],
+            "tpot_ms_p99": lat["tpot"]["p99"],
+            "by_status": s["counts"]["by_status"],
+        }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"adaptation: wrote {path.relative_to(REPO)}", flush=True)
+    return report_one(path)
+
+
+def report_one(path: Path) -> int:
+    from collm_bench import adaptation
+
+    result = json.loads(path.read_text())
+    print(adaptation.table(result))
+    fig = adaptation.plot(result, FIGURES / f"{result['name']}.png")
+    print(f"figure: {fig.relative_to(REPO)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the default stack for a window and write the result")
+    r.add_argument("--minutes", type=float, default=15.0)
+    r.add_argument("--load-frac", type=float, default=0.0, help="trace rate / estimated capacity (0: idle)")
+    r.add_argument("--name", default=None, help="result name (default: idle or load<F>)")
+    r.add_argument("--run-dir", default=str(REPO / ".collm" / "bench-adaptation"))
+    rep = sub.add_parser("report", help="print the table and draw the figure of result files")
+    rep.add_argument("results", nargs="*", type=Path)
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        return run(args)
+    paths = args.results or sorted(RESULTS.glob("*.json"))
+    for path in paths:
+        print(f"## {path.relative_to(REPO) if path.is_absolute() else path}")
+        report_one(path.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

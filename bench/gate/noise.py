@@ -1,0 +1,215 @@
+"""The promotion gate's noise, measured: how often each rule publishes a candidate that is no better out of
+sample, and how often it publishes one that is.
+
+    flock /tmp/collm-heavy.lock .venv/bin/python bench/gate/noise.py [--tokens 1024] [--lr 1e-3]
+    .venv/bin/python bench/gate/noise.py --report        # the analysis and table again, from the result
+
+Per demo domain (data/demo), on SmolLM2 with the replicas' own training and evaluation code
+(`collm_replica.training`):
+
+* the numeric floor: the base model's held-out losses scored twice, in evaluation batches of 512 and of
+  128 tokens (other batch compositions and padding): the largest per-token change between two scorings
+  of the same weights;
+* two candidates A and B trained from v1 (a zero-B LoRA, the base model's behaviour) as a round trains
+  them (`--tokens` each, AdamW at `--lr`, optimizer steps of 512 tokens) on the two halves of the
+  domain's training pairs: the same recipe on disjoint data of one distribution;
+* every example of the held-out split scored by base, A and B (kept in the result file, per example);
+* then, for each comparison (A over B, B over A, A over the base) and each rule (z, min gain), 2000
+  random splits of the held-out examples into the gate's sample (`--gate-examples`, as 2 replicas x
+  32 score) and the rest: how often the rule publishes on the gate's sample, and how often what it
+  published is no better on the rest (its paired change there >= 0): the false publications.
+
+Result: `bench/results/gate/noise.json` (committed), the table printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULT = REPO / "bench" / "results" / "gate" / "noise.json"
+RULES = [(0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (3.0, 0.0), (0.0, 0.001), (2.0, 0.001), (2.0, 0.005)]
+
+
+def _paired(cand: list[float], cur: list[float], tokens: list[int], idx: list[int]) -> tuple[float, float]:
+    d = [cand[i] - cur[i] for i in idx]
+    t = [tokens[i] for i in idx]
+    tot = sum(t)
+    diff = sum(d) / tot
+    n = len(d)
+    se = math.sqrt(n / (n - 1) * sum((di - diff * ti) ** 2 for di, ti in zip(d, t, strict=True))) / tot
+    return diff, se
+
+
+def analyse(
+    cand: list[float], cur: list[float], tokens: list[int], k: int, draws: int, seed: int = 0
+) -> dict[str, dict[str, float]]:
+    """Per rule: the share of random splits whose gate sample (k examples) publishes, and the share of
+    those publications whose other examples show no gain (paired change >= 0)."""
+    rng = random.Random(seed)
+    n = len(tokens)
+    published = dict.fromkeys(RULES, 0)
+    false = dict.fromkeys(RULES, 0)
+    for _ in range(draws):
+        order = list(range(n))
+        rng.shuffle(order)
+        gate, rest = order[:k], order[k:]
+        diff, se = _paired(cand, cur, tokens, gate)
+        rest_diff = _paired(cand, cur, tokens, rest)[0] if len(rest) >= 2 else diff
+        for z, g in RULES:
+            if diff + z * se <= -g:
+                published[(z, g)] += 1
+                false[(z, g)] += rest_diff >= 0
+    return {
+        f"z={z:g},min_gain={g:g}": {
+            "publish": published[(z, g)] / draws,
+            "false": false[(z, g)] / published[(z, g)] if published[(z, g)] else 0.0,
+        }
+        for z, g in RULES
+    }
+
+
+KEYS = ("diff_nats", "se_nats")
+COMPARISONS = {"A over B": ("a", "b"), "B over A": ("b", "a"), "A over base": ("a", "base")}
+
+
+def measure(tokens_budget: int, lr: float) -> dict[str, Any]:
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench" / "engine"))
+    from common import load_smollm2
+
+    from collm_common.data import load_dataset
+    from collm_common.lora import LoraSpec
+    from collm_data.demo import DEMO_DIR, demo_domains
+    from collm_replica.executor import Executor
+    from collm_replica.lora_bank import LiveLora
+    from collm_replica.training import EvalRun, JobConfig, JobSpec, TrainingJob, render_example
+
+    loaded = load_smollm2(1)
+    ex = Executor(loaded)
+    tok = loaded.tokenizer
+    pad = int(tok.pad_token_id or 0)
+    out: dict[str, Any] = {}
+    for domain in demo_domains():
+        t0 = time.time()
+        ds = load_dataset(DEMO_DIR / domain, domain=domain)
+        items = [r for e in ds.eval if (r := render_example(tok, e, 256))]
+
+        def score(
+            live: Any, chunk: int = 512, items: list[Any] = items, domain: str = domain
+        ) -> tuple[list[float], list[int]]:
+            run = EvalRun(items, live, chunk).run_all(ex, pad)
+            return run.example_losses(domain)
+
+        base, tokens = score(None)
+        base_128, _ = score(None, 128)
+        floor = max(abs(a - b) / n for a, b, n in zip(base, base_128, tokens, strict=True))
+        cands = []
+        for half in (ds.train[0::2], ds.train[1::2]):
+            live = LiveLora.init_new(LoraSpec(), ex.n_layers, ex.shapes, loaded.name, seed=1)
+            job = TrainingJob(
+                JobSpec(domain, f"{domain}@v1", 1, live, token_budget=tokens_budget, learning_rate=lr),
+                ex,
+                tok,
+                list(half),
+                [],
+                JobConfig(micro_tokens=128, batch_tokens=512, max_seq_len=256),
+            )
+            with torch.enable_grad():
+                while job.active:
+                    if job.step(128) == 0:
+                        break
+            cands.append(score(live)[0])
+        a, b = cands
+        all_idx = list(range(len(tokens)))
+        out[domain] = {
+            "held_out_examples": len(tokens),
+            "held_out_tokens": sum(tokens),
+            "numeric_floor_nats_per_token": floor,
+            "base_loss": sum(base) / sum(tokens),
+            "a_vs_base_full": dict(
+                zip(("diff_nats", "se_nats"), _paired(a, base, tokens, all_idx), strict=True)
+            ),
+            "a_vs_b_full": dict(zip(("diff_nats", "se_nats"), _paired(a, b, tokens, all_idx), strict=True)),
+            "examples": {"tokens": tokens, "base": base, "a": a, "b": b},
+            "seconds": round(time.time() - t0, 1),
+        }
+        print(f"{domain}: scored in {out[domain]['seconds']} s", flush=True)
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    k, draws = result["gate_examples"], result["draws"]
+    lines = [
+        f"Candidates trained {result['tokens']} tokens each at lr {result['lr']:g}; gate sample {k} held-out "
+        f"examples, the rest out of sample; {draws} random splits.",
+        "",
+        "| domain | numeric floor (nats/token) | base loss | A - base (all) | A - B (all) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    analyses = {}
+    for d, r in result["domains"].items():
+        a0, ab = r["a_vs_base_full"], r["a_vs_b_full"]
+        lines.append(
+            f"| {d} | {r['numeric_floor_nats_per_token']:.1e} | {r['base_loss']:.3f} | "
+            f"{a0['diff_nats']:+.4f} +- {a0['se_nats']:.4f} | {ab['diff_nats']:+.4f} +- {ab['se_nats']:.4f} |"
+        )
+        ex = r["examples"]
+        analyses[d] = {
+            name: analyse(ex[c], ex[u], ex["tokens"], k, draws) for name, (c, u) in COMPARISONS.items()
+        }
+    lines += [
+        "",
+        "Share of splits whose gate sample publishes / of those, the share no better on the other examples:",
+        "",
+        "| domain | comparison | change (all examples) | "
+        + " | ".join(f"z={z:g}, min {g:g}" for z, g in RULES)
+        + " |",
+        "|---|---|---:|" + "---:|" * len(RULES),
+    ]
+    for d, by in analyses.items():
+        ex = result["domains"][d]["examples"]
+        for name, (c, u) in COMPARISONS.items():
+            diff, se = _paired(ex[c], ex[u], ex["tokens"], list(range(len(ex["tokens"]))))
+            cells = []
+            for z, g in RULES:
+                r = by[name][f"z={z:g},min_gain={g:g}"]
+                cells.append(f"{100 * r['publish']:.0f}% / {100 * r['false']:.0f}%")
+            lines.append(f"| {d} | {name} | {diff:+.4f} +- {se:.4f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=2048, help="training tokens of each candidate")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--gate-examples", type=int, default=50)
+    p.add_argument("--draws", type=int, default=2000)
+    p.add_argument("--report", action="store_true", help="print the table of the committed result")
+    args = p.parse_args(argv)
+    if not args.report:
+        result = {
+            "command": "bench/gate/noise.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "measured_unix_s": round(time.time()),
+            "tokens": args.tokens,
+            "lr": args.lr,
+            "gate_examples": args.gate_examples,
+            "draws": args.draws,
+            "domains": measure(args.tokens, args.lr),
+        }
+        RESULT.parent.mkdir(parents=True, exist_ok=True)
+        RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(json.loads(RESULT.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
