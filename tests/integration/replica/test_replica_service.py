@@ -268,7 +268,8 @@ async def test_round_participation_sends_a_local_update(replica: Running) -> Non
         and upd.base_version == 1
     )
     assert upd.num_tokens >= 256 and upd.num_samples > 0
-    assert upd.eval_loss_before is not None and upd.eval_loss_after is not None
+    # A round job only trains: the aggregator's gate scores the candidate, the update reports no losses.
+    assert upd.eval_loss_before is None and upd.eval_loss_after is None and upd.train_loss is not None
     blob = await replica.store.get_update(upd.blob_key, upd.sha256)
     w = decode_adapter(blob)
     assert w.spec == replica.settings.lora_spec and w.extra["collm.round_id"] == "5"
