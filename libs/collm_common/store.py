@@ -1,6 +1,6 @@
 """The adapter store: immutable, digest-checked adapter versions in Redis, and a CAS pointer per name.
 
-Semantics (DESIGN.md, adapter identity):
+Semantics (docs/architecture.md, Adapter identity):
 
 * A version is `name@vN`. N comes from a per-name counter, so it only grows and is never reused, even
   when a write fails halfway. A version record is written once (a Lua script refuses to overwrite it)

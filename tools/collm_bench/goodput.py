@@ -1,6 +1,6 @@
 """Goodput, SLO attainment and latency statistics of a run (pure: records in, numbers out).
 
-Definitions (DESIGN.md; vLLM `bench serve`, DistServe):
+Definitions (docs/architecture.md, Goodput and SLO attainment; vLLM `bench serve`, DistServe):
 
 * TTFT: time from sending the request to the first non-empty text chunk. A request that completes
   without any text has TTFT = its end-to-end latency.

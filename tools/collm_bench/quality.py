@@ -1,7 +1,8 @@
 """Served quality: join each request with the eval loss of the adapter version that served it (pure).
 
 Quality of a request = the held-out eval loss, on the request's domain, of the exact version that
-served it (DESIGN.md); quality gain = base-model loss on that domain - served loss (higher is better).
+served it (docs/architecture.md, Served quality); quality gain = base-model loss on that domain -
+served loss (higher is better).
 
 The table maps version ids to per-domain losses, as the adapter store's quality records do
 (`AdapterStore.quality(name, version)` -> {domain: loss}), plus the base model's loss per domain.

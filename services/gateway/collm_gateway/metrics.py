@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics (`collm_gateway_*`, units in names), declared once.
 
 Latencies are what the client sees from the gateway: TTFT from the request's arrival to the first
-token chunk, TPOT = (e2e - TTFT) / (completion tokens - 1) as in DESIGN.md, e2e to the last event.
+token chunk, TPOT = (e2e - TTFT) / (completion tokens - 1), e2e to the last event (definitions:
+docs/architecture.md, Goodput and SLO attainment).
 
 Request counts and latencies are labelled by model (the base model id or the adapter name) and by the
 exact adapter version that served (`medical@v7`, `base`). Versions only grow, so `VersionSeries` keeps
@@ -28,7 +29,7 @@ REQUESTS = Counter(
 )
 GOOD_REQUESTS = Counter(
     "collm_gateway_requests_good_total",
-    "Requests that completed within their TTFT and TPOT targets (DESIGN.md goodput)",
+    "Requests that completed within their TTFT and TPOT targets (docs/architecture.md, Goodput)",
     ["model"],
 )
 TTFT = Histogram(

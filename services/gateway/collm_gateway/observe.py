@@ -1,7 +1,8 @@
 """One record per request: latencies, SLO verdict, replica and exact adapter version, written once.
 
-`latencies` and `is_good` are pure (DESIGN.md definitions: TPOT = (e2e - TTFT) / (output tokens - 1); a
-request is good when it completed without error and met both targets). `record` writes the outcome to
+`latencies` and `is_good` are pure (definitions: docs/architecture.md, Goodput and SLO attainment; TPOT =
+(e2e - TTFT) / (output tokens - 1); a request is good when it completed without error and met both
+targets). `record` writes the outcome to
 the metrics, one structured log line and the request's HTTP span.
 
 Span attributes follow OpenTelemetry's GenAI semantic conventions where they fit (`gen_ai.request.model`,

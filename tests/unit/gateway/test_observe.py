@@ -1,4 +1,4 @@
-"""Per-request latencies (DESIGN.md TPOT definition) and the SLO verdict."""
+"""Per-request latencies (TPOT as in docs/architecture.md, Goodput and SLO attainment) and the SLO verdict."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""The simulator: deterministic for a seed, DESIGN.md's goodput accounting, the engine's timing."""
+"""The simulator: deterministic for a seed, goodput accounting (docs/architecture.md, Goodput), the engine's
+timing."""
 
 from __future__ import annotations
 

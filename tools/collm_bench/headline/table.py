@@ -1,7 +1,8 @@
 """Figures of a run, the ratios collm / each baseline, the goals, and the one Markdown table (pure).
 
-Definitions (DESIGN.md): goodput = good requests / run duration, a request being good when it
-completes without error with TTFT and TPOT within its SLO; attainment = good / submitted. Quality gain
+Definitions (docs/architecture.md, Goodput and SLO attainment, and Served quality): goodput = good
+requests / run duration, a request being good when it completes without error with TTFT and TPOT
+within its SLO; attainment = good / submitted. Quality gain
 of a served request = base-model held-out loss - held-out loss of the version that served it, on the
 request's domain (nats per token); "end" is the mean over domains of the gain of the version that
 served each domain's last request, "mean" the average over every completed request.
