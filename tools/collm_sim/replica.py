@@ -176,8 +176,14 @@ class SimReplica:
         self.domain = domain
         self.samples = samples
         self.versions = versions  # the cluster's current version of each adapter (shared, read-only here)
+        # The replica's own planner with reserve admission: the simulator does not model paged blocks and
+        # preemption yet, so it admits as the replica's `COLLM_KV_ADMISSION=reserve` does.
         self.batch_cfg = BatchConfig(
-            engine.max_batch, engine.max_batch_tokens, engine.prefill_chunk_tokens, engine.kv_budget_tokens
+            engine.max_batch,
+            engine.max_batch_tokens,
+            engine.prefill_chunk_tokens,
+            engine.kv_budget_tokens,
+            kv_admission="reserve",
         )
         # Decode step cost by number of decoding sequences, computed once (the cost model interpolates).
         self.decode_ms = [0.0] + [cost.decode_ms(b) for b in range(1, engine.max_batch_tokens + 1)]

@@ -158,7 +158,14 @@ class EngineConfig:
         return cls(
             replica_id=s.replica_id,
             max_queue=s.max_queue,
-            batch=BatchConfig(s.max_batch, s.max_batch_tokens, s.prefill_chunk_tokens, s.kv_budget_tokens),
+            batch=BatchConfig(
+                s.max_batch,
+                s.max_batch_tokens,
+                s.prefill_chunk_tokens,
+                s.kv_budget_tokens,
+                block_size=s.kv_block_tokens,
+                kv_admission=s.kv_admission,
+            ),
             max_resident_adapters=s.max_resident_adapters,
             lora_targets=tuple(s.lora_target_modules.split(",")),
             lora_max_rank=s.lora_max_rank,
@@ -252,8 +259,22 @@ class _Seq:
         self.done = False
         self.eos = set() if req.ignore_eos else eos
 
-    def view(self) -> SeqView:
-        return SeqView(self.req.request_id, self.prompt_len, self.computed, self.reserve)
+    def view(self, cfg: BatchConfig) -> SeqView:
+        return SeqView(
+            self.req.request_id,
+            self.prompt_len,
+            self.computed,
+            kv_reserve=cfg.reserve_tokens(self.reserve),
+            output_len=len(self.output),
+            blocks_held=len(self.kv.blocks) if self.kv is not None else 0,
+        )
+
+    def next_tokens(self, n: int) -> list[int]:
+        """The `n` known tokens after those in the KV cache (prompt, then output after a preemption)."""
+        c = self.computed
+        if c + n <= self.prompt_len:
+            return self.req.prompt_ids[c : c + n]
+        return (self.req.prompt_ids + self.output)[c : c + n]
 
 
 @dataclass
@@ -361,7 +382,9 @@ class Engine:
         # Engine-thread state.
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
-        self.kv_reserved = 0
+        self.kv_reserved = 0  # reserve admission: tokens reserved by running sequences (whole blocks)
+        self.kv_pool = self.executor.init_kv_pool(self.cfg.batch.num_blocks, self.cfg.batch.block_size)
+        self.preemptions_total = 0
         self.jobs: dict[str, TrainingJob] = {}
         self._job_rr = 0
         # Pending evaluations, highest priority first (then FIFO).
@@ -448,11 +471,12 @@ class Engine:
                 f"model's context of {limit} tokens",
                 param="max_tokens",
             )
-        if n + req.max_tokens > self.cfg.batch.kv_budget_tokens:
+        pool_tokens = self.cfg.batch.num_blocks * self.cfg.batch.block_size
+        if self.cfg.batch.reserve_tokens(n + req.max_tokens) > pool_tokens:
             raise EngineRefusal(
                 400,
-                f"prompt + max_tokens = {n + req.max_tokens} tokens exceeds this replica's KV budget of "
-                f"{self.cfg.batch.kv_budget_tokens} tokens",
+                f"prompt + max_tokens = {n + req.max_tokens} tokens exceeds this replica's KV cache of "
+                f"{pool_tokens} tokens",
                 param="max_tokens",
             )
         with self._lock:
@@ -739,7 +763,7 @@ class Engine:
             queue_len=queue_len,
             running=len(self.running),
             max_batch=self.cfg.batch.max_batch,
-            kv_used_frac=self.kv_reserved / self.cfg.batch.kv_budget_tokens,
+            kv_used_frac=self.kv_pool.blocks.num_used / self.kv_pool.blocks.num_blocks,
             generated_tokens_total=self.generated_tokens_total,
             prefill_tokens_total=self.prefill_tokens_total,
             arrivals_total=self.arrivals_total,
@@ -837,19 +861,25 @@ class Engine:
         self._expire(now)
         self.iteration += 1
 
-        running_views = [s.view() for s in self.running]
+        b = self.cfg.batch
         plan = plan_iteration(
-            self.cfg.batch, running_views, [s.view() for s in self.waiting], self.kv_reserved
+            b,
+            [s.view(b) for s in self.running],
+            [s.view(b) for s in self.waiting],
+            self.kv_reserved,
+            free_blocks=self.kv_pool.blocks.num_free,
         )
+        self._preempt(plan.preempted)
         by_id = {s.req.request_id: s for s in self.waiting}
         for sid in plan.admitted:
             seq = by_id[sid]
             self.waiting.remove(seq)
             with self._lock:
                 self._n_waiting -= 1
-            seq.t_admit = now
-            seq.kv = self.executor.new_kv(seq.reserve, min(seq.reserve, seq.prompt_len + 64))
-            self.kv_reserved += seq.reserve
+            if seq.t_admit is None:
+                seq.t_admit = now
+            seq.kv = self.kv_pool.sequence(seq.reserve)
+            self.kv_reserved += b.reserve_tokens(seq.reserve)
             self.running.append(seq)
             if seq.req.span is not None:
                 seq.req.span.add_event("prefill_start", {"queue_ms": (now - seq.t_arrival) * 1e3})
@@ -880,6 +910,27 @@ class Engine:
         if bg_ms > self.longest_background_ms:
             self.longest_background_ms = bg_ms
         return worked
+
+    def _preempt(self, seq_ids: list[str]) -> None:
+        """Preempted sequences give back their KV blocks and return to the front of the queue, in
+        arrival order, to recompute their prompt and output so far when readmitted."""
+        if not seq_ids:
+            return
+        by_id = {s.req.request_id: s for s in self.running}
+        out = sorted((by_id[sid] for sid in seq_ids), key=lambda s: s.t_arrival)
+        for seq in out:
+            self.running.remove(seq)
+            self.kv_reserved -= self.cfg.batch.reserve_tokens(seq.reserve)
+            if seq.kv is not None:
+                seq.kv.free()
+            seq.kv = None
+            seq.computed = 0
+            if seq.req.span is not None:
+                seq.req.span.add_event("preempted", {"output_tokens": len(seq.output)})
+        self.waiting[:0] = out
+        self.preemptions_total += len(out)
+        with self._lock:
+            self._n_waiting += len(out)
 
     # --- scheduling helpers ---------------------------------------------------------------------------
     def _decode_ms_at(self, batch: int) -> float:
@@ -913,8 +964,8 @@ class Engine:
                 s.t_arrival,
                 keep * s.ttft_slo,
                 keep * s.tpot_slo,
-                prompt_left=s.prompt_len,
-                tokens_left=s.req.max_tokens,
+                prompt_left=s.prompt_len + len(s.output) - s.computed,
+                tokens_left=s.req.max_tokens - len(s.output),
             )
             for s in self.waiting
         ]
@@ -1050,12 +1101,11 @@ class Engine:
         decode_context = 0  # tokens of context before the decoding sequences' new tokens
         for seq, n in work:
             assert seq.kv is not None
-            if seq.computed < seq.prompt_len:
-                toks = seq.req.prompt_ids[seq.computed : seq.computed + n]
+            toks = seq.next_tokens(n)
+            if seq.prompt_len + len(seq.output) - seq.computed > 1:  # a prefill (or recompute) chunk
                 prefill_tokens += len(toks)
                 chunks.append((len(toks), seq.computed))
             else:
-                toks = [seq.output[-1]]
                 decode_context += seq.computed
             fitems.append(ForwardItem(toks, seq.computed, seq.kv, seq.slot))
         t_clock = self.clock()
@@ -1070,10 +1120,9 @@ class Engine:
         for (seq, n), lg in zip(work, logits, strict=True):
             if seq.done:
                 continue
-            was_prefill = seq.computed < seq.prompt_len
             seq.computed += n
-            if was_prefill and seq.computed < seq.prompt_len:
-                continue  # more prompt chunks to come
+            if seq.computed < seq.prompt_len + len(seq.output):
+                continue  # more prompt (or recompute) chunks to come
             try:
                 tok = sample_token(lg, seq.req.temperature, seq.req.top_p, seq.gen)
                 self._on_token(seq, tok, now)
@@ -1186,7 +1235,9 @@ class Engine:
         seq.done = True
         if seq in self.running:
             self.running.remove(seq)
-            self.kv_reserved -= seq.reserve
+            self.kv_reserved -= self.cfg.batch.reserve_tokens(seq.reserve)
+        if seq.kv is not None:
+            seq.kv.free()
         seq.kv = None
         with self._lock:
             self._active.pop(seq.req.request_id, None)

@@ -14,6 +14,8 @@ a `LiveLora` only (base weights are frozen), so training never touches the bank 
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from collm_replica.costs import PieceCosts
+from collm_replica.kv_blocks import BlockManager
 from collm_replica.lora_bank import MODULE_PATHS, LiveLora, LoraBank, module_shapes
 from collm_replica.models import LoadedModel, check_architecture
 
@@ -30,38 +33,69 @@ LoraFn = Callable[[int, str, torch.Tensor, torch.Tensor], torch.Tensor]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class SeqKV:
-    """KV cache of one sequence, `[layers, 2, kv_heads, capacity, head_dim]`, grown by doubling."""
+class KVPool:
+    """The paged KV cache's storage: for every layer, keys and values of `num_blocks * block_size` token
+    slots (`[layers, slots, kv_heads, head_dim]` each), handed out in blocks by a `BlockManager`.
+
+    The tensors are allocated uninitialised: the OS maps a page when it is first written, and blocks are
+    handed out lowest first, so resident memory follows the blocks in use, not the pool's size."""
 
     def __init__(
-        self, n_layers: int, n_kv: int, head_dim: int, capacity: int, limit: int, dtype: torch.dtype,
+        self, n_layers: int, n_kv: int, head_dim: int, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device,
     ) -> None:  # fmt: skip
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.block_size = block_size
+        shape = (n_layers, num_blocks * block_size, n_kv, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.token_bytes = 2 * n_layers * n_kv * head_dim * self.k.element_size()
+        self._ids = itertools.count()
+
+    def sequence(self, limit_tokens: int) -> SeqKV:
+        """A new sequence's handle, holding no blocks yet, that may grow to `limit_tokens` tokens."""
+        return SeqKV(self, f"kv{next(self._ids)}", limit_tokens)
+
+
+class SeqKV:
+    """One sequence's share of a `KVPool`: its block table and how many of its tokens are written.
+
+    `ensure(n)` takes the blocks `n` tokens need from the pool (all or none: `OutOfBlocks`); `free()`
+    returns them all at once (also done when the handle is garbage-collected)."""
+
+    def __init__(self, pool: KVPool, seq_id: str, limit: int) -> None:
+        self.pool = pool
+        self.seq_id = seq_id
         self.limit = limit
-        self.buf = torch.empty(
-            n_layers, 2, n_kv, max(1, min(capacity, limit)), head_dim, dtype=dtype, device=device
-        )
         self.length = 0  # tokens whose keys/values are written
+        self._finalizer = weakref.finalize(self, pool.blocks.free, seq_id)
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.pool.blocks.table(self.seq_id)
 
     @property
     def capacity(self) -> int:
-        return int(self.buf.shape[3])
+        return len(self.blocks) * self.pool.block_size
 
     @property
     def nbytes(self) -> int:
-        return self.buf.numel() * self.buf.element_size()
+        return self.capacity * self.pool.token_bytes
 
     def ensure(self, n: int) -> None:
         if n > self.limit:
             raise ValueError(f"sequence of {n} tokens exceeds its KV limit of {self.limit}")
-        if n <= self.capacity:
-            return
-        cap = min(self.limit, max(n, 2 * self.capacity))
-        new = torch.empty(
-            *self.buf.shape[:3], cap, self.buf.shape[4], dtype=self.buf.dtype, device=self.buf.device
-        )
-        new[:, :, :, : self.length] = self.buf[:, :, :, : self.length]
-        self.buf = new
+        self.pool.blocks.grow(self.seq_id, n)
+
+    def free(self) -> None:
+        self.pool.blocks.free(self.seq_id)
+        self.length = 0
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Pool slots of the sequence's tokens `start..end-1` (their blocks must be held)."""
+        bs = self.pool.block_size
+        table = self.blocks
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
 @dataclass
@@ -70,7 +104,7 @@ class ForwardItem:
 
     token_ids: list[int]
     start_pos: int
-    kv: SeqKV
+    kv: SeqKV  # all items of one forward share one pool
     slot: int = -1  # LoRA bank slot of its adapter version; -1 = base model
     all_logits: bool = False  # tests: logits of every position, not just the last
 
@@ -81,6 +115,9 @@ class StepCost:
     ms: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
+
+# Token slots of the pool `new_kv` makes when the executor was given none (`init_kv_pool`).
+DEFAULT_POOL_TOKENS = 1 << 16
 
 # Above this many (tokens x distinct adapters), LoRA is applied per adapter segment instead of grouped.
 GROUPED_MAX_ROWS = 512
@@ -112,6 +149,7 @@ class Executor:
         self.dtype = loaded.dtype
         self.shapes = module_shapes(loaded.model)
         self.bank = bank
+        self.kv_pool: KVPool | None = None
         self.kv_bytes_per_token = (
             self.n_layers * 2 * self.n_kv * self.head_dim * torch.finfo(self.dtype).bits // 8
         )
@@ -174,10 +212,23 @@ class Executor:
         return out + bias if bias is not None else out
 
     # --- KV ------------------------------------------------------------------------------------------
-    def new_kv(self, reserve_tokens: int, initial_tokens: int | None = None) -> SeqKV:
-        """A cache that may grow to `reserve_tokens` (the engine reserved that much KV budget)."""
-        cap = initial_tokens if initial_tokens is not None else reserve_tokens
-        return SeqKV(self.n_layers, self.n_kv, self.head_dim, cap, reserve_tokens, self.dtype, self.device)
+    def init_kv_pool(self, num_blocks: int, block_size: int = 16) -> KVPool:
+        """Give this executor its paged KV pool (replacing any earlier one, whose handles stay valid)."""
+        self.kv_pool = KVPool(
+            self.n_layers, self.n_kv, self.head_dim, num_blocks, block_size, self.dtype, self.device
+        )
+        return self.kv_pool
+
+    def new_kv(self, limit_tokens: int, initial_tokens: int | None = None) -> SeqKV:
+        """A sequence's KV handle that may grow to `limit_tokens`, from this executor's pool (one of
+        `DEFAULT_POOL_TOKENS` tokens is made on first use); `initial_tokens` are allocated now."""
+        if self.kv_pool is None:
+            self.init_kv_pool(DEFAULT_POOL_TOKENS // 16, 16)
+        assert self.kv_pool is not None
+        kv = self.kv_pool.sequence(limit_tokens)
+        if initial_tokens:
+            kv.ensure(min(initial_tokens, limit_tokens))
+        return kv
 
     # --- the decoder layer, shared by inference and training ------------------------------------------
     def _proj(
@@ -240,10 +291,13 @@ class Executor:
         ranges: list[tuple[int, int]] = []
         ids: list[int] = []
         pos: list[int] = []
+        pool = items[0].kv.pool
         for it in items:
             n = len(it.token_ids)
             if n == 0:
                 raise ValueError("a forward item needs at least one token")
+            if it.kv.pool is not pool:
+                raise ValueError("the items of one forward must share one KV pool")
             it.kv.ensure(it.start_pos + n)
             ranges.append((len(ids), len(ids) + n))
             ids.extend(it.token_ids)
@@ -282,33 +336,7 @@ class Executor:
                     bank.apply(layer, module, xin, out, segments)
                     return out
 
-        hd = self.n_heads * self.head_dim
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(q.shape[0], hd, dtype=q.dtype, device=q.device)
-            for it, (s, e) in zip(items, ranges, strict=True):
-                p, n = it.start_pos, e - s
-                buf = it.kv.buf[layer]
-                buf[0, :, p : p + n] = k[s:e].transpose(0, 1)
-                buf[1, :, p : p + n] = v[s:e].transpose(0, 1)
-                keys = buf[0, :, : p + n][None]
-                vals = buf[1, :, : p + n][None]
-                qh = q[s:e].transpose(0, 1)[None]
-                if n == 1:
-                    o = F.scaled_dot_product_attention(qh, keys, vals, scale=self.scaling, enable_gqa=True)
-                elif p == 0:
-                    o = F.scaled_dot_product_attention(
-                        qh, keys, vals, is_causal=True, scale=self.scaling, enable_gqa=True
-                    )
-                else:
-                    qpos = torch.arange(p, p + n, device=q.device)[:, None]
-                    kpos = torch.arange(0, p + n, device=q.device)[None, :]
-                    o = F.scaled_dot_product_attention(
-                        qh, keys, vals, attn_mask=kpos <= qpos, scale=self.scaling, enable_gqa=True
-                    )
-                out[s:e] = o[0].transpose(0, 1).reshape(n, hd)
-            return out
-
+        attend = PagedAttention(self, items, ranges)
         for i in range(self.n_layers):
             x = self._layer(i, x, cos, sin, attend, lora)
         for it, (s, e) in zip(items, ranges, strict=True):
@@ -403,6 +431,81 @@ class Executor:
             return x.sum() * 0.0, 0
         logits = self.model.lm_head(self.inner.norm(x[p.rows])).float()
         return F.cross_entropy(logits, p.targets, reduction="sum"), p.n_labels
+
+
+class PagedAttention:
+    """The attention of one inference iteration over the paged KV cache: per layer, the new tokens'
+    keys and values are written into their pool slots, then every sequence's queries attend to its whole
+    context in one `scaled_dot_product_attention` call per group of the step: one for all decoding
+    sequences (one query each) and one for all prefill chunks (queries padded to the longest chunk), each
+    over keys and values gathered from the sequences' blocks into a padded batch with a mask. Two groups,
+    not one, because padding every decode to the longest prefill chunk multiplies the attention's work by
+    the chunk's length. The gather indices and masks are built once per iteration and reused by every
+    layer."""
+
+    def __init__(self, ex: Executor, items: list[ForwardItem], ranges: list[tuple[int, int]]) -> None:
+        pool = items[0].kv.pool
+        dev = ex.device
+        self.pool = pool
+        self.n_heads, self.head_dim, self.scaling = ex.n_heads, ex.head_dim, ex.scaling
+        self.total = ranges[-1][1] if ranges else 0
+        write: list[int] = []
+        for it, (s, e) in zip(items, ranges, strict=True):
+            write.extend(it.kv.slots(it.start_pos, it.start_pos + e - s))
+        self.write = torch.tensor(write, dtype=torch.long, device=dev)
+        decodes = [i for i, (s, e) in enumerate(ranges) if e - s == 1]
+        chunks = [i for i, (s, e) in enumerate(ranges) if e - s > 1]
+        self.groups = [
+            self._group(ex, [items[i] for i in g], [ranges[i] for i in g]) for g in (decodes, chunks) if g
+        ]
+
+    @staticmethod
+    def _group(
+        ex: Executor, items: list[ForwardItem], ranges: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query rows [B, Q], key slots [B, L], mask [B, 1, Q, L], output rows, their rows in [B*Q])."""
+        dev = ex.device
+        q_len = max(e - s for s, e in ranges)
+        k_len = max(it.start_pos + e - s for it, (s, e) in zip(items, ranges, strict=True))
+        rows = torch.zeros(len(items), q_len, dtype=torch.long)
+        keys = torch.zeros(len(items), k_len, dtype=torch.long)
+        qpos = torch.full((len(items), q_len), -1, dtype=torch.long)
+        dest: list[int] = []
+        src: list[int] = []
+        for b, (it, (s, e)) in enumerate(zip(items, ranges, strict=True)):
+            n, end = e - s, it.start_pos + e - s
+            rows[b, :n] = torch.arange(s, e)
+            keys[b, :end] = torch.tensor(it.kv.slots(0, end))
+            qpos[b, :n] = torch.arange(it.start_pos, end)
+            dest.extend(range(s, e))
+            src.extend(range(b * q_len, b * q_len + n))
+        kpos = torch.arange(k_len)
+        mask = kpos[None, None, :] <= qpos[:, :, None]  # causal within the sequence's own context
+        mask[:, :, 0] |= qpos < 0  # padded query rows see one key (their output is dropped): no NaN
+        return (
+            rows.to(dev),
+            keys.to(dev),
+            mask[:, None].to(dev),
+            torch.tensor(dest, dtype=torch.long, device=dev),
+            torch.tensor(src, dtype=torch.long, device=dev),
+        )
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pk, pv = self.pool.k[layer], self.pool.v[layer]
+        pk.index_copy_(0, self.write, k)
+        pv.index_copy_(0, self.write, v)
+        hd = self.n_heads * self.head_dim
+        out = torch.empty(self.total, hd, dtype=q.dtype, device=q.device)
+        for rows, keys, mask, dest, src in self.groups:
+            b, q_len = rows.shape
+            qh = q[rows].transpose(1, 2)  # [B, H, Q, d]
+            kh = pk[keys].transpose(1, 2)  # [B, Hkv, L, d]
+            vh = pv[keys].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )
+            out[dest] = o.transpose(1, 2).reshape(b * q_len, hd)[src]
+        return out
 
 
 class LayerPass:

@@ -62,7 +62,15 @@ class ReplicaSettings(CommonSettings):
     )
     prefill_chunk_tokens: int = Field(128, ge=1, description="Largest prefill chunk of one sequence.")
     kv_budget_tokens: int = Field(
-        32768, ge=16, description="KV-cache tokens that running sequences may reserve (prompt + max_tokens)."
+        32768,
+        ge=16,
+        description="Tokens of the paged KV cache (its pool: kv_budget_tokens / kv_block_tokens blocks).",
+    )
+    kv_block_tokens: int = Field(16, ge=1, description="Tokens per block of the paged KV cache.")
+    kv_admission: Literal["paged", "reserve"] = Field(
+        "paged",
+        description="paged: admit by the KV blocks a request needs now, preempting (recompute) when the "
+        "pool runs out; reserve: reserve prompt + max_tokens at admission, never preempt.",
     )
     default_ttft_slo_ms: float = Field(2000.0, gt=0, description="TTFT SLO of requests that carry none.")
     default_tpot_slo_ms: float = Field(250.0, gt=0, description="TPOT SLO of requests that carry none.")

@@ -46,8 +46,14 @@ def test_budget_cuts_the_last_prefill_chunk() -> None:
     assert plan.items == [("d", 1), ("a", 8), ("b", 1)]
 
 
-def test_admission_respects_max_batch_and_kv_budget_fcfs() -> None:
-    cfg = BatchConfig(max_batch=2, max_batch_tokens=100, prefill_chunk_tokens=8, kv_budget_tokens=100)
+def test_reserve_admission_respects_max_batch_and_kv_budget_fcfs() -> None:
+    cfg = BatchConfig(
+        max_batch=2,
+        max_batch_tokens=100,
+        prefill_chunk_tokens=8,
+        kv_budget_tokens=100,
+        kv_admission="reserve",
+    )
     plan = plan_iteration(cfg, [sv("r", 4, 5, 20)], [sv("a", 10, 0, 90), sv("b", 4, 0, 10)], 20)
     assert plan.admitted == []  # a does not fit the KV budget; b must not overtake it (FCFS)
     plan = plan_iteration(cfg, [sv("r", 4, 5, 20)], [sv("b", 4, 0, 10), sv("c", 4, 0, 10)], 20)
