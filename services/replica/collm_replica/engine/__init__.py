@@ -1,0 +1,34 @@
+"""The replica engine (`loop.Engine`) and its public types.
+
+`loop` runs the iteration thread; `types` holds the settings, requests, events, the snapshot and the
+refusals; `slots` the adapter slot table; `scheduler` the background-work decision (pure);
+`background` the evaluations and training jobs run between iterations.
+"""
+
+from collm_replica.engine.loop import Engine
+from collm_replica.engine.types import (
+    BASE,
+    EngineConfig,
+    EngineRefusal,
+    EngineRequest,
+    EngineSnapshot,
+    EventSink,
+    JobEvent,
+    NotResident,
+    eval_dtype,
+    parse_version_id,
+)
+
+__all__ = [
+    "BASE",
+    "Engine",
+    "EngineConfig",
+    "EngineRefusal",
+    "EngineRequest",
+    "EngineSnapshot",
+    "EventSink",
+    "JobEvent",
+    "NotResident",
+    "eval_dtype",
+    "parse_version_id",
+]

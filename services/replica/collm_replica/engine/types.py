@@ -1,0 +1,189 @@
+"""The engine's plain types: settings, requests, job events, the telemetry snapshot, refusals, version ids."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from collm_common.lora import AdapterWeights
+from collm_common.wire.telemetry import ResidentAdapter, TrainingJobStatus
+from collm_replica.batching import BatchConfig
+from collm_replica.training import JobConfig
+
+BASE = "base"
+_VERSION_RE = re.compile(r"^(?P<name>[A-Za-z0-9_-]+)@v(?P<n>\d+)(?:\+(?P<local>[A-Za-z0-9_.-]+))?$")
+
+EventSink = Callable[[Any], None]
+
+
+def parse_version_id(version_id: str) -> tuple[str, int, str | None]:
+    """`medical@v3+r0.2` -> ("medical", 3, "r0.2")."""
+    m = _VERSION_RE.match(version_id)
+    if not m:
+        raise ValueError(f"malformed adapter version id {version_id!r}")
+    return m.group("name"), int(m.group("n")), m.group("local")
+
+
+def eval_dtype(setting: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of evaluation's matrix products when it differs from the model's (None: the model's)."""
+    if setting == "bfloat16":
+        return None if model_dtype == torch.bfloat16 else torch.bfloat16
+    if setting != "auto" or device.type != "cpu" or model_dtype != torch.float32:
+        return None
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return torch.bfloat16 if amx is not None and amx() else None
+
+
+class EngineRefusal(Exception):
+    """A request the engine does not accept; `code` is HTTP-like (400, 404, 429, 503)."""
+
+    def __init__(
+        self, code: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+    ):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.type = type_
+        self.param = param
+
+
+class NotResident(Exception):
+    """The adapter (version) a request names is not in the bank: the service fetches it and retries."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    replica_id: str = "r0"
+    max_queue: int = 64
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    max_resident_adapters: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_max_rank: int = 16
+    default_ttft_slo_ms: float = 2000.0
+    default_tpot_slo_ms: float = 250.0
+    ft_share_default: float = 0.3
+    coscheduler: str = "slo"
+    fixed_every_iterations: int = 5
+    job: JobConfig = field(default_factory=JobConfig)
+    slo_window_s: float = 30.0
+    round_deadline_margin_s: float = 3.0
+    eval_fraction: float = 0.1
+    train_guard_frac: float = 0.4  # background work between iterations: at most this share of the TTFT SLO
+    train_slack_frac: float = 0.5  # share of the requests' slack that background work may use
+    # Background work plans against each request's SLOs less this fraction (a reserve for what the step
+    # model cannot see: steps slower than predicted, prompts arriving after the decision).
+    train_slo_reserve_frac: float = 0.1
+    eval_max_tokens: int | None = 4096  # held-out tokens per domain an evaluation request scores at most
+    eval_cache_entries: int = 64  # evaluation results kept (by weights digest and eval set)
+    # Precision of the base model's products in evaluation passes: "auto" (bfloat16 on a CPU with AMX,
+    # else the model's dtype), "bfloat16", or "float32"/"model" (the model's own dtype).
+    eval_matmul_dtype: str = "auto"
+    refresh_slot_wait_s: float = 60.0  # a local job whose refreshes find no slot this long fails
+
+    @classmethod
+    def from_settings(cls, s: Any) -> EngineConfig:
+        return cls(
+            replica_id=s.replica_id,
+            max_queue=s.max_queue,
+            batch=BatchConfig(
+                s.max_batch,
+                s.max_batch_tokens,
+                s.prefill_chunk_tokens,
+                s.kv_budget_tokens,
+                block_size=s.kv_block_tokens,
+                kv_admission=s.kv_admission,
+            ),
+            max_resident_adapters=s.max_resident_adapters,
+            lora_targets=tuple(s.lora_target_modules.split(",")),
+            lora_max_rank=s.lora_max_rank,
+            default_ttft_slo_ms=s.default_ttft_slo_ms,
+            default_tpot_slo_ms=s.default_tpot_slo_ms,
+            ft_share_default=s.ft_share_default,
+            coscheduler=s.coscheduler,
+            fixed_every_iterations=s.fixed_ratio_k,
+            job=JobConfig(
+                micro_tokens=s.train_micro_tokens,
+                batch_tokens=s.train_batch_tokens,
+                max_seq_len=s.train_max_seq_len,
+                publish_every_steps=s.publish_every_steps,
+                eval_max_examples=s.eval_max_examples,
+            ),
+            slo_window_s=s.slo_window_s,
+            round_deadline_margin_s=s.round_deadline_margin_s,
+            eval_fraction=s.eval_fraction,
+            train_guard_frac=s.ft_guard_frac,
+            train_slack_frac=s.ft_slack_frac,
+            train_slo_reserve_frac=s.ft_slo_reserve_frac,
+            eval_max_tokens=s.eval_max_tokens,
+            eval_matmul_dtype=s.eval_matmul_dtype,
+        )
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None = None  # None: the base model
+    version_id: str | None = None  # exact version (pinned); None: the adapter's current version
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    deadline_unix_s: float | None = None
+    span: Any = None  # an OpenTelemetry span started by the service (context captured at admission)
+
+
+@dataclass
+class JobEvent:
+    """Told to the service (from the engine thread) when a job refreshes, finishes or fails."""
+
+    kind: str  # "refresh", "round_update", "done", "failed"
+    adapter: str
+    status: TrainingJobStatus
+    version_id: str | None = None
+    weights: AdapterWeights | None = None
+    num_samples: int = 0
+    num_tokens: int = 0
+    round_id: int | None = None
+    base_version: int | None = None
+    train_loss: float | None = None
+    eval_loss_before: float | None = None
+    eval_loss_after: float | None = None
+
+
+@dataclass
+class EngineSnapshot:
+    """Plain numbers for telemetry and metrics (read from any thread)."""
+
+    queue_len: int
+    running: int
+    max_batch: int
+    kv_used_frac: float
+    generated_tokens_total: int
+    prefill_tokens_total: int
+    arrivals_total: int
+    ft_tokens_total: int
+    infer_ms_total: float
+    train_ms_total: float
+    ft_share: float
+    ft_share_source: str
+    ft_loss: float | None
+    training_paused: bool
+    latency: dict[str, float | int | None]
+    decode_step_ms: float | None
+    prefill_ms_per_token: float | None
+    train_step_ms: float | None
+    jobs: list[TrainingJobStatus]
+    adapters: list[ResidentAdapter]
+    local_samples: int
+    domains: list[str]
+    iterations: int
+    train_limits: dict[str, int] = field(default_factory=dict)
