@@ -145,8 +145,9 @@ class _Seq:
 
 
 class _Serving:
-    """The request side of the engine: admission (`submit`), cancellation, deadlines, executing a
-    planned step, tokens, finishing and releasing. `Engine` owns the state these methods use."""
+    """The request side of the engine: the command queue into the engine thread, admission (`submit`),
+    cancellation, deadlines, executing a planned step, tokens, finishing and releasing. `Engine` owns
+    the state these methods use (declared here)."""
 
     cfg: EngineConfig
     tok: Any
@@ -175,9 +176,27 @@ class _Serving:
     _active: dict[str, _Seq]
     _stop: threading.Event
     _wake: threading.Event
+    _cmds: queue.SimpleQueue[Callable[[], None]]
 
     def _command(self, fn: Callable[[], None]) -> None:
-        raise NotImplementedError
+        self._cmds.put(fn)
+        self._wake.set()
+
+    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - delivered to the caller
+                fut.set_exception(exc)
+
+        self._command(run)
+        return fut
+
+    def _news(self) -> bool:
+        """New requests or commands are waiting: background work yields to the next iteration."""
+        return bool(self._inbox) or not self._cmds.empty()
 
     def submit(self, req: EngineRequest, sink: EventSink) -> Accepted:
         """Admit a request into the queue or raise EngineRefusal / NotResident. The sink gets `Accepted`
@@ -755,23 +774,6 @@ class Engine(_Serving):
         return dict(self.step_costs.decode_ms)
 
     # ===================================================================================== internals
-    # ===================================================================================== internals
-    def _command(self, fn: Callable[[], None]) -> None:
-        self._cmds.put(fn)
-        self._wake.set()
-
-    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn())
-            except Exception as exc:  # noqa: BLE001 - delivered to the caller
-                fut.set_exception(exc)
-
-        self._command(run)
-        return fut
-
     def _log_background(self, work: BackgroundWork) -> None:
         if self.step_log is not None:
             self.step_log(work)
@@ -779,10 +781,6 @@ class Engine(_Serving):
     def _emit_job_event(self, event: JobEvent) -> None:
         if self.on_job_event is not None:
             self.on_job_event(event)
-
-    def _news(self) -> bool:
-        """New requests or commands are waiting: background work yields to the next iteration."""
-        return bool(self._inbox) or not self._cmds.empty()
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
