@@ -108,7 +108,6 @@ class Evaluations:
         loaded: LoadedModel,
         examples: Examples,
         piece_costs: PieceCosts,
-        pad_id: int,
         clock: Callable[[], float],
         wall: Callable[[], float],
         min_ttft_slo_ms: Callable[[], float],
@@ -120,7 +119,6 @@ class Evaluations:
         self.loaded = loaded
         self.examples = examples
         self.piece_costs = piece_costs
-        self.pad_id = pad_id
         self.clock = clock
         self.wall = wall
         self._min_ttft_slo_ms = min_ttft_slo_ms
@@ -209,7 +207,7 @@ class Evaluations:
         """Evaluation pieces (highest priority first) while the next is predicted to end by `until`;
         at least one piece, so an evaluation progresses under any load; past `until` while the first
         evaluation is behind its deadline's pace, up to the guard for the next arrival."""
-        pad = self.pad_id
+        pad = int(self.examples.tok.pad_token_id or 0)
         ran = False
         catch_up_until = self.clock() + self.cfg.train_guard_frac * self._min_ttft_slo_ms() / 1e3
         while self._evals:

@@ -568,9 +568,17 @@ class Engine(_Serving):
         )
         self.examples = Examples(dataset or LocalDataset([], []), self.tok, self.cfg)
         self.evals = Evaluations(
-            self.cfg, self.executor, loaded, self.examples, self.piece_costs, int(self.tok.pad_token_id or 0),
-            clock, wall, self._min_ttft_slo_ms, self._news, self._log_background,
-        )  # fmt: skip
+            self.cfg,
+            self.executor,
+            loaded,
+            self.examples,
+            self.piece_costs,
+            clock,
+            wall,
+            self._min_ttft_slo_ms,
+            self._news,
+            self._log_background,
+        )
         self.training = Training(
             self.cfg, self.executor, self.examples, self.slots, self.piece_costs, self.cosched, self._lock,
             clock, wall, self._min_ttft_slo_ms, self._news, self._log_background, self._emit_job_event,
