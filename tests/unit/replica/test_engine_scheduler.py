@@ -192,6 +192,10 @@ def test_timings_apply_the_plan_and_the_slo_reserve() -> None:
     assert model.decode_step_s == pytest.approx(0.012)
     assert model.prefill_s_per_token == pytest.approx(0.0002)
     assert model.max_batch == 8
+    # A preempted request waits to recompute its prompt and the output it has so far.
+    preempted = _request("p", arrived_s_ago=1.0, prompt_len=40, computed=0, n_output=5, max_tokens=8)
+    _, wait, _ = timings(NOW, [], [preempted], [], SETTINGS, 12.0, 0.2)
+    assert wait[0].prompt_left == 45 and wait[0].tokens_left == 3
 
 
 def test_arrival_history_keeps_the_window() -> None:
