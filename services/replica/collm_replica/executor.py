@@ -35,7 +35,8 @@ AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 
 class KVPool:
     """The paged KV cache's storage: for every layer, keys and values of `num_blocks * block_size` token
-    slots (`[layers, slots, kv_heads, head_dim]` each), handed out in blocks by a `BlockManager`.
+    slots (`[layers, kv_heads, slots, head_dim]` each: head-major, so the keys a step gathers for a
+    head lie contiguous per sequence), handed out in blocks by a `BlockManager`.
 
     The tensors are allocated uninitialised: the OS maps a page when it is first written, and blocks are
     handed out lowest first, so resident memory follows the blocks in use, not the pool's size."""
@@ -46,7 +47,7 @@ class KVPool:
     ) -> None:  # fmt: skip
         self.blocks = BlockManager(num_blocks, block_size)
         self.block_size = block_size
-        shape = (n_layers, num_blocks * block_size, n_kv, head_dim)
+        shape = (n_layers, n_kv, num_blocks * block_size, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.token_bytes = 2 * n_layers * n_kv * head_dim * self.k.element_size()
@@ -468,7 +469,7 @@ class PagedAttention:
         q_len = max(e - s for s, e in ranges)
         k_len = max(it.start_pos + e - s for it, (s, e) in zip(items, ranges, strict=True))
         rows = torch.zeros(len(items), q_len, dtype=torch.long)
-        keys = torch.zeros(len(items), k_len, dtype=torch.long)
+        keys = torch.zeros(len(items), k_len, dtype=torch.long)  # pool slots; padding reads slot 0
         qpos = torch.full((len(items), q_len), -1, dtype=torch.long)
         dest: list[int] = []
         src: list[int] = []
@@ -484,23 +485,26 @@ class PagedAttention:
         mask[:, :, 0] |= qpos < 0  # padded query rows see one key (their output is dropped): no NaN
         return (
             rows.to(dev),
-            keys.to(dev),
+            keys.view(-1).to(dev),
             mask[:, None].to(dev),
             torch.tensor(dest, dtype=torch.long, device=dev),
             torch.tensor(src, dtype=torch.long, device=dev),
         )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        pk, pv = self.pool.k[layer], self.pool.v[layer]
-        pk.index_copy_(0, self.write, k)
-        pv.index_copy_(0, self.write, v)
+        pk, pv = self.pool.k[layer], self.pool.v[layer]  # [Hkv, slots, d]
+        pk.index_copy_(1, self.write, k.transpose(0, 1))
+        pv.index_copy_(1, self.write, v.transpose(0, 1))
         hd = self.n_heads * self.head_dim
+        n_kv = pk.shape[0]
         out = torch.empty(self.total, hd, dtype=q.dtype, device=q.device)
         for rows, keys, mask, dest, src in self.groups:
             b, q_len = rows.shape
+            k_len = keys.shape[0] // b
             qh = q[rows].transpose(1, 2)  # [B, H, Q, d]
-            kh = pk[keys].transpose(1, 2)  # [B, Hkv, L, d]
-            vh = pv[keys].transpose(1, 2)
+            # index_select along the slots, then a view: [B, Hkv, L, d] without a second copy
+            kh = pk.index_select(1, keys).view(n_kv, b, k_len, self.head_dim).transpose(0, 1)
+            vh = pv.index_select(1, keys).view(n_kv, b, k_len, self.head_dim).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )
