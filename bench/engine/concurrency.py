@@ -69,9 +69,9 @@ def run_engine(variant: str, n: int, kv_budget: int) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import load_smollm2, token_prompts
 
-    from collm_replica.batching import BatchConfig
     from collm_replica.cosched import NoTraining
     from collm_replica.engine import Engine, EngineConfig, EngineRequest
+    from collm_replica.engine.scheduler import BatchConfig
 
     loaded = load_smollm2()
     kw: dict[str, Any] = {}

@@ -49,7 +49,6 @@ from collm_bench.calibrate import (  # noqa: E402
 )
 from collm_common.data import LocalDataset  # noqa: E402
 from collm_common.lora import LoraSpec, decode_adapter, encode_adapter  # noqa: E402
-from collm_replica.batching import BatchConfig  # noqa: E402
 from collm_replica.cosched import (  # noqa: E402
     CoScheduler,
     FixedRatioCoScheduler,
@@ -57,6 +56,7 @@ from collm_replica.cosched import (  # noqa: E402
     SloAwareCoScheduler,
 )
 from collm_replica.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from collm_replica.engine.scheduler import BatchConfig  # noqa: E402
 from collm_replica.lora_bank import MODULE_PATHS, LiveLora, parse_adapter  # noqa: E402
 from collm_replica.naming import served_name  # noqa: E402
 from collm_replica.settings import ReplicaSettings  # noqa: E402

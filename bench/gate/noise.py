@@ -89,7 +89,7 @@ def measure(tokens_budget: int, lr: float) -> dict[str, Any]:
     from collm_common.data import load_dataset
     from collm_common.lora import LoraSpec
     from collm_data.demo import DEMO_DIR, demo_domains
-    from collm_replica.executor import Executor
+    from collm_replica.engine.executor import Executor
     from collm_replica.lora_bank import LiveLora
     from collm_replica.training import EvalRun, JobConfig, JobSpec, TrainingJob, render_example
 

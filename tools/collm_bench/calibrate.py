@@ -50,7 +50,7 @@ from collm_common.calibration import Calibration, CostModel, QualityCurve
 from collm_common.data import Example
 from collm_common.lora import AdapterWeights, LoraSpec
 from collm_replica.engine import eval_dtype
-from collm_replica.executor import Executor, ForwardItem
+from collm_replica.engine.executor import Executor, ForwardItem
 from collm_replica.lora_bank import LiveLora, LoraBank
 from collm_replica.models import LoadedModel, load_model
 from collm_replica.training import EvalRun, JobConfig, JobSpec, Rendered, TrainingJob, render_example

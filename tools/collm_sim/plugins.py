@@ -6,7 +6,7 @@ The simulator does not model these decisions: it calls the very code the service
 * gateway routing: `collm_gateway.routing.rank_replicas` (weighted draw on fresh coordinator weights,
   least-loaded otherwise, stale replicas never ranked);
 * aggregator: `collm_aggregator.planner.choose_evaluators` (which replicas score a round's versions);
-* replica: `collm_replica.batching.plan_iteration` (continuous batching with chunked prefill) and the
+* replica: `collm_replica.engine.scheduler.plan_iteration` (continuous batching with chunked prefill) and the
   co-schedulers of `collm_replica.cosched` (`slo`, `fixed`, `leftover`), with `effective_share` for the
   coordinator's share and its TTL, and the engine's inputs to them: each request's deadline
   (`request_deadlines`) and the guard for the next arrival (`arrival_guard_s`).
@@ -22,7 +22,6 @@ from collm_aggregator.planner import choose_evaluators
 from collm_coordinator.core import CoordinatorCore, CoreConfig
 from collm_coordinator.core.config import COSCHEDULER_FOR_POLICY
 from collm_gateway.routing import ReplicaSnapshot, RoutingConfig, WeightsSnapshot, rank_replicas
-from collm_replica.batching import BatchConfig, SeqView, plan_iteration
 from collm_replica.cosched import (
     CoSchedInput,
     CoScheduler,
@@ -39,6 +38,7 @@ from collm_replica.cosched import (
     running_timing,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow
+from collm_replica.engine.scheduler import BatchConfig, SeqView, plan_iteration
 
 # Reference series run beside the policies (not a policy): name -> (the coordinator's policy, the replicas'
 # co-scheduler). `serving_only` is collm's coordinator and routing with fine-tuning off on every replica:

@@ -3,7 +3,8 @@
 Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtual time:
 
 1. drop waiting requests past their deadline;
-2. `batching.plan_iteration` picks decode tokens and prefill chunks (and admits FCFS);
+2. the replica's `engine.scheduler.plan_iteration` picks decode tokens and prefill chunks (and admits
+   FCFS, with reserve admission);
 3. the replica's co-scheduler (`collm_replica.cosched`) decides the training time after the step
    (`budget_ms`), given the coordinator's share (with its TTL: `effective_share`), each request's
    deadline as it will be after the step (`request_deadlines`, on the SLOs less `ft_slo_reserve_frac`)

@@ -33,7 +33,7 @@ import torch
 
 from collm_common.data import Example
 from collm_replica.costs import PieceCosts
-from collm_replica.executor import Executor, LayerPass
+from collm_replica.engine.executor import Executor, LayerPass
 from collm_replica.lora_bank import LiveLora
 
 EVAL_HEAD_ROWS = 128

@@ -10,7 +10,7 @@ import torch
 
 from collm_common.lora import AdapterWeights, LoraSpec
 from collm_replica.engine import Engine, EngineRequest
-from collm_replica.executor import Executor
+from collm_replica.engine.executor import Executor
 from collm_replica.lora_bank import LiveLora
 from collm_replica.models import LoadedModel
 

@@ -13,9 +13,9 @@ import torch
 from collm_common.data import Example, LocalDataset
 from collm_common.lora import LoraSpec
 from collm_common.step_log import BackgroundWork, InferenceStep
-from collm_replica.batching import BatchConfig
 from collm_replica.cosched import NoTraining, SloAwareCoScheduler
 from collm_replica.engine import Engine, EngineConfig, EngineRefusal, EngineRequest, NotResident
+from collm_replica.engine.scheduler import BatchConfig
 from collm_replica.lora_bank import LiveLora
 from collm_replica.models import LoadedModel, load_model
 from collm_replica.training import JobConfig, JobSpec
@@ -549,7 +549,7 @@ def test_a_round_job_only_trains_and_a_local_job_scores_its_starting_point(tiny:
     """A local job scores its starting point before it trains (the baseline of its shadow refreshes); a
     round job evaluates nothing itself (the aggregator's gate scores the candidate) and spends its whole
     time on its token budget."""
-    from collm_replica.executor import Executor
+    from collm_replica.engine.executor import Executor
     from collm_replica.training import TrainingJob
 
     ex = Executor(tiny)
@@ -585,7 +585,7 @@ def test_a_round_job_completes_its_first_micro_step_at_the_deadline(
     the aggregator would reject it. The wrap-up's tokens and time are reported by `work`, as the
     pieces' are."""
     from collm_replica.costs import PieceCosts
-    from collm_replica.executor import Executor
+    from collm_replica.engine.executor import Executor
     from collm_replica.training import TrainingJob
 
     ex = Executor(tiny)
@@ -765,7 +765,7 @@ def test_the_step_log_and_the_co_scheduler_see_a_round_jobs_wrap_up(tiny: Loaded
 def test_every_round_job_trains_its_examples_in_its_own_order(tiny: LoadedModel) -> None:
     """Rounds train a few hundred tokens each: each round starts at other examples, and a round repeated
     from the same base (its candidate held back) does not train the same candidate again."""
-    from collm_replica.executor import Executor
+    from collm_replica.engine.executor import Executor
     from collm_replica.training import TrainingJob
 
     ex = Executor(tiny)

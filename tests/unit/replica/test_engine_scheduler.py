@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from collm_replica.batching import BatchConfig
 from collm_replica.cosched import NoTraining, SloAwareCoScheduler, TrainCost
 from collm_replica.engine.scheduler import (
     ArrivalHistory,
     BackgroundInput,
     BackgroundSettings,
+    BatchConfig,
     JobView,
     RequestView,
     decide_background,

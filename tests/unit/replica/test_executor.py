@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from collm_common.lora import AdapterWeights, LoraSpec, decode_adapter, encode_adapter
-from collm_replica.executor import Executor, ForwardItem, LayerPass
+from collm_replica.engine.executor import Executor, ForwardItem, LayerPass
 from collm_replica.lora_bank import AdapterMismatch, LiveLora, LoraBank
 from collm_replica.models import LoadedModel, build_tiny_model, load_model
 
@@ -179,7 +179,7 @@ def test_tiny_model_dir_loads_as_a_local_hf_directory(tiny_model_dir, tiny: Load
 
 
 def test_grouped_and_per_segment_lora_agree(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    import collm_replica.executor as executor_mod
+    import collm_replica.engine.executor as executor_mod
 
     ex = Executor(tiny)
     ex.bank = make_bank(ex)
@@ -196,7 +196,7 @@ def test_grouped_and_per_segment_lora_agree(tiny: LoadedModel, monkeypatch: pyte
 def test_layer_pass_in_pieces_equals_the_whole_loss_and_gradients(tiny: LoadedModel) -> None:
     """A micro-step run piece by piece (one layer, one LM-head chunk of 3 rows at a time) gives the same
     loss and the same LoRA gradients as the whole graph at once, and never touches the base weights."""
-    from collm_replica.executor import LayerPass
+    from collm_replica.engine.executor import LayerPass
 
     ex = Executor(tiny)
     w = random_adapter(tiny, 4)

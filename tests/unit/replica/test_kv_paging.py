@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from collm_replica.batching import BatchConfig, SeqView, plan_iteration
-from collm_replica.kv_blocks import BlockManager, OutOfBlocks, blocks_for
+from collm_replica.engine.kv import BlockManager, OutOfBlocks, blocks_for
+from collm_replica.engine.scheduler import BatchConfig, SeqView, plan_iteration
 
 
 # --- block manager -------------------------------------------------------------------------------------

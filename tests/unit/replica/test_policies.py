@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from collm_replica.batching import BatchConfig, SeqView, plan_iteration
 from collm_replica.cosched import (
     CoSchedInput,
     FixedRatioCoScheduler,
@@ -23,6 +22,7 @@ from collm_replica.cosched import (
     running_timing,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, StepCosts, percentile
+from collm_replica.engine.scheduler import BatchConfig, SeqView, plan_iteration
 from collm_replica.lru import VersionLru
 from collm_replica.sampling import StopMatcher
 

@@ -23,9 +23,9 @@ from collm_common.step_log import BackgroundWork
 from collm_common.wire.telemetry import TrainingJobStatus
 from collm_replica.cosched import CoScheduler, behind_schedule
 from collm_replica.costs import PieceCosts
+from collm_replica.engine.executor import Executor
 from collm_replica.engine.slots import Slots
 from collm_replica.engine.types import EngineConfig, EngineRefusal, JobEvent
-from collm_replica.executor import Executor
 from collm_replica.lora_bank import LiveLora
 from collm_replica.models import LoadedModel
 from collm_replica.training import (

@@ -10,7 +10,8 @@ that must be thread-safe (the service wraps `loop.call_soon_threadsafe`).
 Each iteration:
 1. take new requests and commands (adapter installs and shadow refreshes happen here, at the boundary,
    as a copy into a free LoRA-bank slot: running requests keep reading their own slot);
-2. `batching.plan_iteration` picks decode tokens and prefill chunks within the token and KV budgets;
+2. `scheduler.plan_iteration` picks decode tokens and prefill chunks within the token budget and the
+   paged KV pool (admitting, and preempting when the pool runs out, by blocks: `kv.BlockManager`);
 3. the co-scheduler decides how much background time fits after this step (the slack of every request,
    from the cost model's estimates of this step and the next: `scheduler.decide_background`);
 4. the executor runs the ragged multi-adapter batch; tokens are sampled, detokenized, stop-checked and
@@ -25,8 +26,9 @@ refresh `name@vN+<replica>.<k>`), which pins its slot until it finishes; `Accept
 that id.
 
 The parts: `types` (settings, requests, events, the snapshot), `slots.Slots` (the adapter slot table),
-`scheduler` (the background-work decision, pure), `background.Evaluations` and `background.Training`
-(the work between iterations). `Engine` composes them and runs the loop.
+`scheduler` (the batch plan and the background-work decision, pure), `kv` (the block manager),
+`executor` (the model's forward over the paged KV pool, and training passes), `background.Evaluations`
+and `background.Training` (the work between iterations). `Engine` composes them and runs the loop.
 """
 
 from __future__ import annotations
@@ -48,17 +50,21 @@ from collm_common.lora import AdapterWeights
 from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.inference import Accepted, Finished, GenerateError, TokenChunk
 from collm_common.wire.telemetry import TrainingJobStatus
-from collm_replica.batching import BatchConfig, Plan, SeqView, plan_iteration
 from collm_replica.cosched import CoScheduler, TrainCost, effective_share, make_coscheduler
 from collm_replica.costs import FinishedSample, LatencyWindow, PieceCosts, StepCosts
 from collm_replica.engine.background import Evaluations, Examples, Training
+from collm_replica.engine.executor import Executor, ForwardItem, SeqKV
 from collm_replica.engine.scheduler import (
     ArrivalHistory,
     BackgroundInput,
     BackgroundSettings,
+    BatchConfig,
     JobView,
+    Plan,
     RequestView,
+    SeqView,
     decide_background,
+    plan_iteration,
 )
 from collm_replica.engine.slots import Slots
 from collm_replica.engine.types import (
@@ -72,7 +78,6 @@ from collm_replica.engine.types import (
     NotResident,
     eval_dtype,
 )
-from collm_replica.executor import Executor, ForwardItem, SeqKV
 from collm_replica.lora_bank import LoraBank
 from collm_replica.models import LoadedModel
 from collm_replica.sampling import IncrementalDetokenizer, StopMatcher, make_generator, sample_token

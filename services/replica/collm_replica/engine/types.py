@@ -11,7 +11,7 @@ import torch
 
 from collm_common.lora import AdapterWeights
 from collm_common.wire.telemetry import ResidentAdapter, TrainingJobStatus
-from collm_replica.batching import BatchConfig
+from collm_replica.engine.scheduler import BatchConfig
 from collm_replica.training import JobConfig
 
 BASE = "base"

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from collm_replica.costs import PieceCosts
-from collm_replica.kv_blocks import BlockManager
+from collm_replica.engine.kv import BlockManager
 from collm_replica.lora_bank import MODULE_PATHS, LiveLora, LoraBank, module_shapes
 from collm_replica.models import LoadedModel, check_architecture
 
@@ -92,11 +92,14 @@ class SeqKV:
         self.pool.blocks.free(self.seq_id)
         self.length = 0
 
-    def slots(self, start: int, end: int) -> list[int]:
-        """Pool slots of the sequence's tokens `start..end-1` (their blocks must be held)."""
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Pool slots of the sequence's tokens `start..end-1` (their blocks must be held), as a CPU
+        tensor of longs."""
         bs = self.pool.block_size
-        table = self.blocks
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        first = start // bs
+        table = torch.tensor(self.blocks[first : (end - 1) // bs + 1], dtype=torch.long)
+        slots = (table[:, None] * bs + torch.arange(bs)).view(-1)
+        return slots[start - first * bs : end - first * bs]
 
 
 @dataclass
@@ -450,10 +453,9 @@ class PagedAttention:
         self.pool = pool
         self.n_heads, self.head_dim, self.scaling = ex.n_heads, ex.head_dim, ex.scaling
         self.total = ranges[-1][1] if ranges else 0
-        write: list[int] = []
-        for it, (s, e) in zip(items, ranges, strict=True):
-            write.extend(it.kv.slots(it.start_pos, it.start_pos + e - s))
-        self.write = torch.tensor(write, dtype=torch.long, device=dev)
+        pairs = zip(items, ranges, strict=True)
+        self.write = torch.cat([it.kv.slots(it.start_pos, it.start_pos + e - s) for it, (s, e) in pairs])
+        self.write = self.write.to(dev)
         decodes = [i for i, (s, e) in enumerate(ranges) if e - s == 1]
         chunks = [i for i, (s, e) in enumerate(ranges) if e - s > 1]
         self.groups = [
@@ -476,7 +478,7 @@ class PagedAttention:
         for b, (it, (s, e)) in enumerate(zip(items, ranges, strict=True)):
             n, end = e - s, it.start_pos + e - s
             rows[b, :n] = torch.arange(s, e)
-            keys[b, :end] = torch.tensor(it.kv.slots(0, end))
+            keys[b, :end] = it.kv.slots(0, end)
             qpos[b, :n] = torch.arange(it.start_pos, end)
             dest.extend(range(s, e))
             src.extend(range(b * q_len, b * q_len + n))
