@@ -18,11 +18,13 @@ Variants, each in its own process, one after the other in one invocation:
   `generate` (plain, no batching), for output tokens/s.
 
 All engine variants use one batch configuration (`max_batch` 64, 256 tokens per iteration, 128-token
-prefill chunks, a KV budget of `--kv-budget` tokens). Writes `bench/results/engine/concurrency.json`;
-`--table` prints its table again from that file.
+prefill chunks, a KV budget of `--kv-budget` tokens). With `--repeat N` the engine variants run N
+rounds, interleaved (paged, reserve, before, paged, ...), and each variant's figures are the medians of
+its rounds, so a machine that slows down for a minute weighs on every variant alike. Writes
+`bench/results/engine/concurrency_kv<budget>.json`; `--table` prints its table again from that file.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/concurrency.py --before f6ec4a0
-    .venv/bin/python bench/engine/concurrency.py --table
+    flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/concurrency.py --before f6ec4a0 --repeat 2
+    .venv/bin/python bench/engine/concurrency.py --kv-budget 32768 --table
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
-RESULT = ROOT / "bench" / "results" / "engine" / "concurrency.json"
+RESULTS = ROOT / "bench" / "results" / "engine"
 SOURCE_DIRS = (
     "libs",
     "services/gateway",
@@ -71,7 +73,11 @@ def run_engine(variant: str, n: int, kv_budget: int) -> dict[str, Any]:
 
     from collm_replica.cosched import NoTraining
     from collm_replica.engine import Engine, EngineConfig, EngineRequest
-    from collm_replica.engine.scheduler import BatchConfig
+
+    try:
+        from collm_replica.engine.scheduler import BatchConfig
+    except ImportError:  # an engine from before the engine package (`--before`)
+        from collm_replica.batching import BatchConfig  # type: ignore[no-redef]
 
     loaded = load_smollm2()
     kw: dict[str, Any] = {}
@@ -168,14 +174,32 @@ def child(args: list[str], pythonpath: str | None = None) -> dict[str, Any]:
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), *args],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr[-4000:])
+        raise SystemExit(f"variant {args[-1]} failed (exit {out.returncode})")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def result_path(kv_budget: int) -> Path:
+    return RESULTS / f"concurrency_kv{kv_budget}.json"
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's figures over its rounds: medians, and every round's output tok/s."""
+    out = dict(rounds[0])
+    for k in ("wall_s", "output_tok_s", "running_mean", "running_peak", "preemptions"):
+        if k in out:
+            out[k] = round(median([r[k] for r in rounds]), 2)
+    out["rounds_output_tok_s"] = [r["output_tok_s"] for r in rounds]
+    return out
 
 
 def table(res: dict[str, Any]) -> str:
@@ -195,9 +219,9 @@ def table(res: dict[str, Any]) -> str:
         if r is None:
             continue
         running = f"{r['running_mean']} / {r['running_peak']}" if "running_mean" in r else ""
-        lines.append(
-            f"| {labels[v]} | {r['output_tok_s']} | {r['wall_s']} | {running} | {r.get('preemptions', '')} |"
-        )
+        rounds = r.get("rounds_output_tok_s", [])
+        tok_s = f"{r['output_tok_s']}" + (f" ({', '.join(map(str, rounds))})" if len(rounds) > 1 else "")
+        lines.append(f"| {labels[v]} | {tok_s} | {r['wall_s']} | {running} | {r.get('preemptions', '')} |")
     rt = res["ratios"]
     lines.append("")
     lines.append(
@@ -214,11 +238,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--generate-requests", type=int, default=8)
     ap.add_argument("--kv-budget", type=int, default=32768)
+    ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds of the engine variants")
     ap.add_argument("--table", action="store_true", help="print the table of the committed result")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # one variant in this process (internal)
     a = ap.parse_args()
     if a.table:
-        print(table(json.loads(RESULT.read_text())))
+        print(table(json.loads(result_path(a.kv_budget).read_text())))
         return
     if a.variant:
         res = (
@@ -229,19 +254,20 @@ def main() -> None:
         print(json.dumps(res), flush=True)
         os._exit(0)  # the result is out; torch's worker threads need no orderly teardown
     common = ["--requests", str(a.requests), "--kv-budget", str(a.kv_budget)]
-    runs = []
-    for v in ("paged", "reserve"):
-        runs.append(child([*common, "--variant", v]))
-        print(runs[-1], flush=True)
+    rounds: dict[str, list[dict[str, Any]]] = {"paged": [], "reserve": [], "before": []}
     with tempfile.TemporaryDirectory(prefix="collm-before-") as tmp:
         wt = Path(tmp) / "tree"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt), a.before], check=True)
         try:
-            path = os.pathsep.join(str(wt / d) for d in SOURCE_DIRS)
-            runs.append(child([*common, "--variant", "before"], pythonpath=path))
-            print(runs[-1], flush=True)
+            before_path = os.pathsep.join(str(wt / d) for d in SOURCE_DIRS)
+            for _ in range(a.repeat):
+                for v in rounds:
+                    path = before_path if v == "before" else None
+                    rounds[v].append(child([*common, "--variant", v], pythonpath=path))
+                    print(rounds[v][-1], flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], check=False)
+    runs = [summarize(rs) for rs in rounds.values()]
     runs.append(child(["--generate-requests", str(a.generate_requests), "--variant", "generate"]))
     print(runs[-1], flush=True)
     by = {r["variant"]: r for r in runs}
@@ -260,6 +286,7 @@ def main() -> None:
             "client_max_tokens": CLIENT_MAX_TOKENS,
             "trace": "azure_llm_2023_conv (first requests; lengths x0.25, output <= 256, context <= 2048)",
             "torch_threads": 1,
+            "repeat": a.repeat,
         },
         "runs": runs,
         "ratios": {
@@ -270,8 +297,9 @@ def main() -> None:
             ),
         },
     }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(res, indent=1) + "\n")
+    path = result_path(a.kv_budget)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
     print(table(res))
 
 
