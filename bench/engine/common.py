@@ -25,7 +25,7 @@ from collm_replica.models import LoadedModel, load_model
 from collm_replica.settings import ReplicaSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "results" / "engine"
 SHARED_DATA = ROOT.parent / "shared" / "data" / "domains"
 
 
@@ -57,7 +57,7 @@ def save_result(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     if matmul_dtype() != "float32":  # results in another precision do not replace the fp32 ones
         name = f"{name}_{matmul_dtype()}"
-    path = RESULTS / f"engine_{name}.json"
+    path = RESULTS / f"{name}.json"
     doc = {
         "benchmark": name,
         "command": command_line(),

@@ -1,5 +1,5 @@
 """Engine benchmarks on SmolLM2-135M-Instruct (CPU, one torch thread). Each prints its ratios against a
-baseline measured in the same run and writes bench/results/engine_<name>.json (plus a PNG where useful).
+baseline measured in the same run and writes bench/results/engine/<name>.json (plus a PNG where useful).
 
     flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/run.py batching
     ... multilora | swap | coexec | memory | calibrate | all
@@ -142,7 +142,7 @@ def bench_batching(args: argparse.Namespace) -> None:
         },
     )
     plot(
-        RESULTS / "engine_batching.png",
+        RESULTS / "batching.png",
         lambda ax: (
             ax.bar(["HF generate, one at a time", "CoLLM engine, 16 concurrent"], [base_tps, eng_tps]),
             ax.set_ylabel("output tokens/s"),
@@ -293,7 +293,7 @@ def bench_swap(args: argparse.Namespace) -> None:  # noqa: ARG001
         ax.set_title("Shadow swap under load (16 streams, SmolLM2, CPU)")
         ax.legend()
 
-    plot(RESULTS / "engine_swap.png", draw)
+    plot(RESULTS / "swap.png", draw)
 
 
 # ======================================================================================== 4. co-execution
@@ -560,7 +560,7 @@ def bench_coexec(args: argparse.Namespace) -> None:
     )
     names = list(results)
     plot(
-        RESULTS / f"engine_{args.name}.png",
+        RESULTS / f"{args.name}.png",
         lambda ax: (
             ax.bar(
                 [n.replace("_", " ") for n in names],
@@ -695,7 +695,7 @@ def main() -> None:
     c.add_argument("--lr", type=float, default=1e-3)
     c.add_argument("--train-only-s", type=float, default=20.0)
     c.add_argument("--repeat", type=int, default=1, help="repetitions of train-only, (a), (b), (c), pooled")
-    c.add_argument("--name", default="coexec", help="results go to bench/results/engine_<name>.json")
+    c.add_argument("--name", default="coexec", help="results go to bench/results/engine/<name>.json")
     m = sub.add_parser("memory")
     m.add_argument("--seconds", type=float, default=20.0)
     m.add_argument(
