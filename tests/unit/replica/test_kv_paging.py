@@ -181,3 +181,11 @@ def test_random_workload_never_oversubscribes_the_pool() -> None:
         bm.check()
         assert sum(bm.held(s) for s in running) == bm.num_used
     assert finished > 100
+
+
+def test_a_request_alone_may_take_the_whole_pool() -> None:
+    # 4 blocks, a first chunk that needs all 4: admitted when nothing runs (no watermark to keep).
+    cfg = BatchConfig(
+        max_batch=4, max_batch_tokens=64, prefill_chunk_tokens=16, kv_budget_tokens=16, block_size=4
+    )
+    assert plan_iteration(cfg, [], [SeqView("a", 16, 0)]).admitted == ["a"]

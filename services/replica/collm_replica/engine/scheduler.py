@@ -204,7 +204,7 @@ def plan_iteration(
             continue  # its adapter is being fetched; others may go ahead of it
         n = min(s.pending, cfg.prefill_chunk_tokens, budget)
         need = blocks_for(s.computed + n, cfg.block_size) - s.blocks_held
-        if need + cfg.watermark_blocks > free:
+        if need + (cfg.watermark_blocks if n_running else 0) > free:  # alone, it may take the whole pool
             break  # FCFS: do not let small requests starve a large one forever
         plan.admitted.append(s.seq_id)
         plan.items.append((s.seq_id, n))
