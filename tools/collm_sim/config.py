@@ -30,6 +30,8 @@ class EngineSpec:
     max_batch_tokens: int = _R["max_batch_tokens"]
     prefill_chunk_tokens: int = _R["prefill_chunk_tokens"]
     kv_budget_tokens: int = _R["kv_budget_tokens"]
+    kv_block_tokens: int = _R["kv_block_tokens"]
+    kv_admission: str = _R["kv_admission"]
     max_queue: int = _R["max_queue"]
     train_micro_tokens: int = _R["train_micro_tokens"]
     train_batch_tokens: int = _R["train_batch_tokens"]

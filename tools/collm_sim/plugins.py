@@ -6,7 +6,8 @@ The simulator does not model these decisions: it calls the very code the service
 * gateway routing: `collm_gateway.routing.rank_replicas` (weighted draw on fresh coordinator weights,
   least-loaded otherwise, stale replicas never ranked);
 * aggregator: `collm_aggregator.planner.choose_evaluators` (which replicas score a round's versions);
-* replica: `collm_replica.engine.scheduler.plan_iteration` (continuous batching with chunked prefill) and the
+* replica: `collm_replica.engine.scheduler.plan_iteration` (continuous batching with chunked prefill,
+  paged KV admission and preemption: `engine.kv.blocks_for`) and the
   co-schedulers of `collm_replica.cosched` (`slo`, `fixed`, `leftover`), with `effective_share` for the
   coordinator's share and its TTL, and the engine's inputs to them: each request's deadline
   (`request_deadlines`) and the guard for the next arrival (`arrival_guard_s`).
@@ -38,6 +39,7 @@ from collm_replica.cosched import (
     running_timing,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow
+from collm_replica.engine.kv import blocks_for
 from collm_replica.engine.scheduler import BatchConfig, SeqView, plan_iteration
 
 # Reference series run beside the policies (not a policy): name -> (the coordinator's policy, the replicas'
@@ -78,6 +80,7 @@ __all__ = [
     "likely_arrivals",
     "make_coscheduler",
     "plan_iteration",
+    "blocks_for",
     "rank_replicas",
     "request_deadlines",
     "running_timing",

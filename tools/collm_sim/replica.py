@@ -3,8 +3,9 @@
 Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtual time:
 
 1. drop waiting requests past their deadline;
-2. the replica's `engine.scheduler.plan_iteration` picks decode tokens and prefill chunks (and admits
-   FCFS, with reserve admission);
+2. the replica's `engine.scheduler.plan_iteration` picks decode tokens and prefill chunks, admits FCFS
+   and preempts by the blocks of the paged KV cache (`kv_admission`, as the replica: a preempted request
+   goes back to the front of the queue and recomputes its prompt and output before its next token);
 3. the replica's co-scheduler (`collm_replica.cosched`) decides the training time after the step
    (`budget_ms`), given the coordinator's share (with its TTL: `effective_share`), each request's
    deadline as it will be after the step (`request_deadlines`, on the SLOs less `ft_slo_reserve_frac`)
@@ -60,6 +61,7 @@ from collm_sim.plugins import (
     arrival_guard_s,
     background_budget_ms,
     behind_schedule,
+    blocks_for,
     effective_share,
     likely_arrivals,
     plan_iteration,
@@ -88,6 +90,8 @@ class Req:
         "view",
         "reserve",
         "attempts",
+        "target",
+        "blocks",
     )
 
     def __init__(self, idx: int, arrival_s: float, prompt_len: int, out_len: int, domain: str) -> None:
@@ -107,6 +111,14 @@ class Req:
         self.reserve = prompt_len + out_len
         self.view = SeqView(self.sid, prompt_len, 0, self.reserve)
         self.attempts = 0
+        self.target = (
+            prompt_len  # tokens to compute before the next token: the prompt (+ output to recompute)
+        )
+        self.blocks = 0  # KV blocks held (paged admission)
+
+    def kv_tokens(self) -> int:
+        """Tokens in the KV cache: the prefill done so far, or the prompt and all but the last output."""
+        return self.computed if self.computed < self.target else self.prompt_len + self.generated - 1
 
 
 class Job:
@@ -177,14 +189,13 @@ class SimReplica:
         self.domain = domain
         self.samples = samples
         self.versions = versions  # the cluster's current version of each adapter (shared, read-only here)
-        # The replica's own planner with reserve admission: the simulator does not model paged blocks and
-        # preemption yet, so it admits as the replica's `COLLM_KV_ADMISSION=reserve` does.
         self.batch_cfg = BatchConfig(
             engine.max_batch,
             engine.max_batch_tokens,
             engine.prefill_chunk_tokens,
             engine.kv_budget_tokens,
-            kv_admission="reserve",
+            block_size=engine.kv_block_tokens,
+            kv_admission=engine.kv_admission,  # type: ignore[arg-type]
         )
         # Decode step cost by number of decoding sequences, computed once (the cost model interpolates).
         self.decode_ms = [0.0] + [cost.decode_ms(b) for b in range(1, engine.max_batch_tokens + 1)]
@@ -203,6 +214,8 @@ class SimReplica:
         self.running: list[Req] = []
         self.by_sid: dict[str, Req] = {}
         self.kv_reserved = 0
+        self.blocks_used = 0  # KV blocks held by running requests (paged admission)
+        self.preemptions = 0
         self.idle = True
         # The iteration in progress: (items, end of its inference step, end of its evaluation pieces, end
         # of its training stretch, whether its evaluation catches up on its pace).
@@ -303,6 +316,31 @@ class SimReplica:
         self.gen += 1
         return new_end
 
+    def _set_view(self, req: Req) -> None:
+        """The request's view for the planner after its step, and the KV blocks it now holds."""
+        kv = req.kv_tokens()
+        blocks = blocks_for(kv, self.batch_cfg.block_size)
+        self.blocks_used += blocks - req.blocks
+        req.blocks = blocks
+        req.view = SeqView(
+            req.sid, req.prompt_len, kv, req.reserve, output_len=req.generated, blocks_held=blocks
+        )
+
+    def _preempt(self, sids: list[str]) -> None:
+        """Preempted requests give back their blocks and return to the front of the queue, in arrival
+        order, to recompute their prompt and output (as the replica's engine does)."""
+        for req in sorted((self.by_sid[s] for s in sids), key=lambda r: r.idx, reverse=True):
+            self.running.remove(req)
+            del self.by_sid[req.sid]
+            self.kv_reserved -= req.reserve
+            self.blocks_used -= req.blocks
+            req.blocks = 0
+            req.computed = 0
+            req.target = req.prompt_len + req.generated
+            req.view = SeqView(req.sid, req.prompt_len, 0, req.reserve, output_len=req.generated)
+            self.waiting.appendleft(req)
+        self.preemptions += len(sids)
+
     def _finish(self, req: Req, t: float, status: str) -> None:
         req.t_end = t
         req.status = status
@@ -310,6 +348,8 @@ class SimReplica:
             self.running.remove(req)
             del self.by_sid[req.sid]
             self.kv_reserved -= req.reserve
+            self.blocks_used -= req.blocks
+            req.blocks = 0
             ttft_ms = (req.t_first - req.arrival_s) * 1e3 if req.t_first is not None else None
             tpot_ms = None
             if req.generated > 1 and req.t_first is not None:
@@ -414,7 +454,12 @@ class SimReplica:
         running = self.running
         free = self.engine.max_batch - len(running)
         wviews = [r.view for r in islice(self.waiting, free)] if free > 0 and self.waiting else []
-        plan = plan_iteration(self.batch_cfg, [r.view for r in running], wviews, self.kv_reserved)
+        free_blocks = self.batch_cfg.num_blocks - self.blocks_used
+        plan = plan_iteration(
+            self.batch_cfg, [r.view for r in running], wviews, self.kv_reserved, free_blocks
+        )
+        if plan.preempted:
+            self._preempt(plan.preempted)
         for sid in plan.admitted:
             req = self.waiting.popleft()
             assert req.sid == sid, "admission is FCFS"
@@ -433,7 +478,7 @@ class SimReplica:
             req = by_sid[sid]
             items.append((req, n))
             adapters.add(req.domain)
-            if req.computed >= req.prompt_len:
+            if req.computed >= req.target:
                 n_dec += 1
                 dec_context += req.prompt_len + req.generated - 1  # the tokens before this one
             else:
@@ -617,23 +662,20 @@ class SimReplica:
             log(BackgroundWork(kind="eval", t_s=t_inf, ms=eval_ms))
         self.busy_ms["evaluation"] += eval_ms
         for req, n in items:
-            if req.computed < req.prompt_len:
+            if req.computed < req.target:
                 req.computed += n
                 self._prefill_tokens += n
-                if req.computed >= req.prompt_len:
-                    req.view = SeqView(req.sid, req.prompt_len, req.prompt_len, req.reserve)
-                    req.generated = 1
+                if req.computed < req.target:
+                    self._set_view(req)
+                    continue
+                if req.t_first is None:
                     req.t_first = t_inf
-                    self._gen_tokens += 1
-                    if req.generated >= req.out_len:
-                        self._finish(req, t_inf, "ok")
-                else:
-                    req.view = SeqView(req.sid, req.prompt_len, req.computed, req.reserve)
+            req.generated += 1
+            self._gen_tokens += 1
+            if req.generated >= req.out_len:
+                self._finish(req, t_inf, "ok")
             else:
-                req.generated += 1
-                self._gen_tokens += 1
-                if req.generated >= req.out_len:
-                    self._finish(req, t_inf, "ok")
+                self._set_view(req)
         if eval_ms > 0:
             self._spend_evals(eval_ms, t_ev)
         job = self.job
@@ -684,7 +726,11 @@ class SimReplica:
             queue_len=len(self.waiting),
             running=len(self.running),
             max_batch=self.engine.max_batch,
-            kv_used_frac=self.kv_reserved / self.engine.kv_budget_tokens,
+            kv_used_frac=(
+                self.blocks_used / self.batch_cfg.num_blocks
+                if self.batch_cfg.kv_admission == "paged"
+                else self.kv_reserved / self.engine.kv_budget_tokens
+            ),
             tokens_per_s=self._gen_tokens / dt,
             prefill_tokens_per_s=self._prefill_tokens / dt,
             arrivals_per_s=self._arrivals / dt,

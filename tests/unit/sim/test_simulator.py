@@ -492,3 +492,21 @@ def test_a_replica_can_have_its_own_engine_settings() -> None:
     assert sim.replicas["r1"].eval_ms_each == pytest.approx(4 * 10.0 + 512.0)
     with pytest.raises(ValueError, match="no engine setting eval_batchez"):
         SimConfig(engine_by_replica={"r0": {"eval_batchez": 3}})
+
+
+def test_a_small_kv_pool_preempts_and_every_request_still_completes() -> None:
+    # 8 requests of 100 + 60 tokens at once into one replica whose pool holds 512 tokens (32 blocks):
+    # paged admission starts more than fit to the end, preempts the latest, and all finish with their
+    # full output; reserve admission runs 3 at a time (3 x 160 <= 512) and never preempts.
+    done = {}
+    for admission in ("paged", "reserve"):
+        eng = replace(EngineSpec(), kv_budget_tokens=512, max_batch=8, kv_admission=admission)
+        cfg = SimConfig(replicas=1, policy="separate", samples_per_replica=0, engine=eng)
+        sim = Simulation(cfg, calibration_for_tests(), workload([0.5] * 8, n_out=60))
+        res = sim.run()
+        assert [r.status for r in res.records] == ["ok"] * 8
+        assert [r.completion_tokens for r in res.records] == [60] * 8
+        (rep,) = sim.replicas.values()
+        assert rep.blocks_used == 0 and not rep.running
+        done[admission] = rep.preemptions
+    assert done["paged"] > 0 and done["reserve"] == 0
