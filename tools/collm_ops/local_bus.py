@@ -3,8 +3,9 @@
 When `collm up` (the launcher) starts its own nats-server, that server runs with the same users and
 subject permissions as deploy/nats/auth.conf (`collm_ops.nats_auth`, for this stack's replicas) and a
 random password per user, and every service logs in as its own user: the gateway as `gateway`, replica
-`r0` as `replica-r0` (which may publish only its own telemetry), and so on. A client without a password,
-or with another user's, cannot publish what that user may not.
+`r0` as `replica-r0` (which may publish only its own telemetry), and so on. A process on the host
+without a password cannot connect, and one with a service's password may publish only what that
+service may.
 
 Everything lives in `<run_dir>/nats-auth/` (mode 0700), each file mode 0600:
 

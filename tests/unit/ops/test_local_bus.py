@@ -136,3 +136,11 @@ def test_without_a_local_bus_children_keep_the_configured_login(
     assert envs["replica-r0"]["COLLM_NATS_USER"] == "replica-r0"
     assert envs["replica-r0"]["COLLM_NATS_PASSWORD"] == "y"
     assert not any("COLLM_NATS_USER" in envs[n] for n in ("aggregator", "coordinator", "gateway"))
+
+
+def test_collm_up_closes_its_own_bus_unless_told_open(tmp_path: Path) -> None:
+    from collm_ops.cli import build_parser, stack_config
+
+    base = ["up", "--no-demo", "--run-dir", str(tmp_path)]
+    assert stack_config(build_parser().parse_args(base)).closed_bus is True
+    assert stack_config(build_parser().parse_args([*base, "--open-bus"])).closed_bus is False
