@@ -202,6 +202,14 @@ class Stack:
         nats_host, nats_port = _host_port(cfg.nats_url, 4222)
         if port_open(nats_host, nats_port):
             self.log("launcher", f"using NATS at {cfg.nats_url}")
+            earlier = cfg.run_dir / local_bus.DIR_NAME
+            if cfg.start_servers and cfg.closed_bus and earlier.is_dir():
+                self.log(
+                    "launcher",
+                    f"the services log in to it as configured, not as the users in {earlier}: a "
+                    "nats-server left running by an earlier `collm up` with this run directory refuses "
+                    "them (stop it, then start again)",
+                )
         elif cfg.start_servers and nats_host in ("127.0.0.1", "localhost"):
             config = cfg.nats_config
             if config is None and cfg.closed_bus:

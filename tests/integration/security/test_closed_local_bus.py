@@ -11,11 +11,15 @@ nor the coordinator's (`status`) ever lists r9. Last, the operator (`admin`, the
 `<run_dir>/nats-auth/operator.env`) publishes the same telemetry on r9's own subject and the gateway does
 list r9: the probes see a phantom when one gets through. `collm micro ls` works with the operator's login
 and is refused without it, and no password appears in the launcher's log.
+
+A NATS that already answers is used as configured, even with a run directory that holds a local bus
+(the launcher then names that directory: a nats-server left by an earlier run would refuse the services).
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import subprocess
@@ -36,7 +40,7 @@ from collm_common.wire.control import CoordinatorStatus, CoordinatorStatusReques
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_ops import local_bus
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
-from collm_ops.servers import free_port
+from collm_ops.servers import ServerProcess, free_port
 from tests.integration.security.conftest import running
 
 pytestmark = pytest.mark.integration
@@ -205,3 +209,22 @@ async def test_no_phantom_replica_from_the_host(stack: Stack) -> None:
     logs = stack.logs.getvalue()  # type: ignore[attr-defined]
     assert str(env_file) in logs
     assert not any(p in logs for p in passwords.values())
+
+
+def test_a_nats_that_answers_is_used_as_configured_and_a_left_local_bus_is_named(
+    tmp_path: Path, nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    local_bus.prepare(tmp_path / "run", ["r0"], nats_server.url)
+    log = io.StringIO()
+    cfg = StackConfig(
+        nats_url=nats_server.url,
+        redis_url=redis_server.url,
+        replicas=[ReplicaSpec("r0")],
+        run_dir=tmp_path / "run",
+    )
+    stack = Stack(cfg, log_sink=log)
+    stack._ensure_servers()
+    assert stack.local_bus is None and stack.servers == [] and stack.nats_login == (None, None)
+    text = log.getvalue()
+    assert f"using NATS at {nats_server.url}" in text
+    assert f"not as the users in {tmp_path / 'run' / local_bus.DIR_NAME}" in text
