@@ -26,7 +26,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collm_common.settings import CommonSettings
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "adaptation"
@@ -110,15 +113,14 @@ def _loadgen(gateway_url: str, plan: dict[str, Any], out: Path) -> subprocess.Po
     return subprocess.Popen(cmd, stdout=(out.parent / "loadgen.log").open("wb"), stderr=subprocess.STDOUT)
 
 
-async def _read_stack(redis_url: str, prefix: str, nats_url: str) -> dict[str, Any]:
+async def _read_stack(settings: CommonSettings) -> dict[str, Any]:
     """Every adapter's versions and quality records (store) and every round (the aggregator)."""
     from collm_common import subjects
     from collm_common.bus import Bus
-    from collm_common.settings import CommonSettings
     from collm_common.store import AdapterStore
     from collm_common.wire.admin import ListRounds, RoundList
 
-    store = AdapterStore.from_url(redis_url, prefix)
+    store = AdapterStore.from_url(settings.redis_url, settings.redis_prefix)
     adapters: dict[str, Any] = {}
     try:
         for name in await store.list_adapters():
@@ -132,7 +134,7 @@ async def _read_stack(redis_url: str, prefix: str, nats_url: str) -> dict[str, A
             }
     finally:
         await store.close()
-    bus = await Bus.connect(CommonSettings(nats_url=nats_url), "collm-bench-adaptation")
+    bus = await Bus.connect(settings, "collm-bench-adaptation")
     try:
         rounds = await bus.request(
             subjects.aggregator("rounds"), ListRounds(limit=1000), RoundList, timeout_s=10
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         while time.time() - t0 < window_s:
             time.sleep(min(30.0, window_s - (time.time() - t0)))
             print(f"adaptation: {(time.time() - t0) / 60:.1f} min", flush=True)
-        snap = asyncio.run(_read_stack(cfg.redis_url, cfg.redis_prefix, cfg.nats_url))
+        snap = asyncio.run(_read_stack(stack.operator_settings()))
         if gen is not None:
             gen.wait(timeout=300)
     finally:

@@ -48,6 +48,7 @@ from pydantic import BaseModel, TypeAdapter
 from collm_common import tracing
 from collm_common.settings import CommonSettings
 from collm_common.wire import WireError, decode, decode_payload, encode, encode_reply
+from collm_common.wire.base import WIRE_REJECTED, WireModel
 from collm_common.wire.control import ErrorReply
 
 log = logging.getLogger(__name__)
@@ -323,7 +324,8 @@ class Bus:
         handler: Callable[[T, Msg], Awaitable[None]],
         queue: str = "",
     ) -> Any:
-        """Subscribe; malformed messages are counted (wire metrics) and dropped, never raised."""
+        """Subscribe; malformed messages, and messages on a subject their sender may not use
+        (`WireModel.subject_error`), are counted (wire metrics) and dropped, never raised."""
 
         async def on_msg(raw: Msg) -> None:
             try:
@@ -332,6 +334,11 @@ class Bus:
                 log.warning("dropped malformed message on %s: %s", raw.subject, exc)
                 if raw.reply:
                     await respond_error(raw, exc.code, str(exc), "invalid_request_error")
+                return
+            wrong_subject = parsed.subject_error(raw.subject) if isinstance(parsed, WireModel) else None
+            if wrong_subject is not None:
+                WIRE_REJECTED.labels(parsed.schema_name, "subject").inc()
+                log.warning("dropped message on %s: %s", raw.subject, wrong_subject)
                 return
             token = otel_context.attach(tracing.extract(raw.headers))
             try:

@@ -1,6 +1,7 @@
 """The `collm` command: run and operate a CoLLM stack.
 
     collm up [--replicas N] [--model smollm2|tiny|PATH] [--policy P] [--no-demo] [--port 8000] ...
+                                                  (own NATS closed: RUN_DIR/nats-auth/operator.env)
     collm status [--once] [--interval 2]          live table of the cluster (Ctrl-C quits)
     collm adapters list | versions NAME | rollback NAME VERSION [--reason TEXT]
     collm rounds list [--adapter A] [--state S] [--limit 20] | show ROUND_ID
@@ -108,6 +109,7 @@ def stack_config(args: argparse.Namespace, log: IO[str] | None = None) -> StackC
         log_json=args.log_json,
         metrics_port_base=None if args.metrics_port_base < 0 else args.metrics_port_base,
         otlp_endpoint=args.otlp_endpoint,
+        closed_bus=not args.open_bus,
         env={} if args.fixed_ratio_k is None else {"COLLM_FIXED_RATIO_K": str(args.fixed_ratio_k)},
     )
 
@@ -129,7 +131,11 @@ def _up(args: argparse.Namespace) -> int:
 def _micro(args: argparse.Namespace) -> int:
     verb = {"ls": "PING", "info": "INFO", "stats": "STATS"}[args.verb]
     try:
-        replies = asyncio.run(gather(args.nats_url, verb, args.name, args.timeout))
+        replies = asyncio.run(
+            gather(
+                args.nats_url, verb, args.name, args.timeout, user=args.nats_user, password=args.nats_password
+            )
+        )
     except Exception as exc:  # cannot reach NATS
         return _fail(f"NATS at {args.nats_url}: {type(exc).__name__}: {exc}")
     if args.json or verb != "PING":
@@ -360,7 +366,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="no demo data: the bare server (replicas without local data train nothing)",
     )
     up.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica")
-    up.add_argument("--run-dir", default=".collm/run", help="where own NATS/Redis keep their data")
+    up.add_argument(
+        "--run-dir",
+        default=".collm/run",
+        help="where own NATS/Redis keep their data, and own NATS its users (nats-auth/, mode 0600)",
+    )
+    up.add_argument(
+        "--open-bus",
+        action="store_true",
+        help="start own NATS without users (anyone on the host may publish anything); by default it runs "
+        "the users and permissions of deploy/nats/auth.conf, and the operator's login is "
+        "RUN_DIR/nats-auth/operator.env",
+    )
     up.add_argument("--log-json", action="store_true", help="JSON log lines instead of text")
     up.add_argument(
         "--metrics-port-base",

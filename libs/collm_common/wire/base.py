@@ -57,6 +57,12 @@ class WireModel(BaseModel):
         super().__init_subclass__(**kwargs)
         cls.schema_name = f"collm.v{SCHEMA_VERSION}.{cls.__name__}"
 
+    def subject_error(self, subject: str) -> str | None:
+        """Why this message may not arrive on `subject`, or None when it may. A message that names its
+        sender in its subject (a replica's telemetry) refuses any other subject, so the sender a reader
+        sees is the one that NATS let publish there (deploy/nats/auth.conf: each replica its own)."""
+        return None
+
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from collm_common.subjects import TOKEN_PATTERN
+from collm_common.subjects import TOKEN_PATTERN, telemetry
 from collm_common.wire.base import WireModel
 
 
@@ -81,3 +81,9 @@ class ReplicaTelemetry(WireModel):
     round_id: int | None = None
     local_samples: int = 0
     domains: list[str] = Field(default_factory=list)
+
+    def subject_error(self, subject: str) -> str | None:
+        own = telemetry(self.replica_id)
+        if subject == own:
+            return None
+        return f"telemetry of replica {self.replica_id!r} arrived on {subject}, not on its own {own}"

@@ -271,7 +271,10 @@ def test_schema_valid_hostile_values_do_not_break_routing(
                 # Built as a raw map: the schema itself refuses ids that are not subject tokens.
                 t = {"v": 1, "replica_id": rid, "ts_unix_s": time.time(), "interval_s": 0.25,
                      "model": fs.base_model, "max_batch": 64}  # fmt: skip
-                await bus.nc.publish(subjects.telemetry("evil"), msgpack.packb(t))
+                # On the ghost's own subject (readers drop telemetry that names another replica than
+                # its subject); an id that is no subject token can only arrive on another's.
+                subject = subjects.telemetry(rid) if rid == "ghost" else subjects.telemetry("evil")
+                await bus.nc.publish(subject, msgpack.packb(t))
             w = RoutingWeights(
                 ts_unix_s=time.time(), ttl_s=5.0, weights=dict.fromkeys(fakes, 100.0), policy="evil"
             )

@@ -9,12 +9,14 @@ starts redis-server with `--aclfile` on it.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import secrets
 import shutil
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from nats.aio.client import Client
 
 from collm_common.bus import inbox_prefix
 from collm_ops import nats_auth
+from collm_ops.launcher import Stack, StackConfig
 from collm_ops.servers import ServerProcess, free_port, start_nats, start_redis
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -147,3 +150,21 @@ def secure_redis(tmp_path: Path) -> Iterator[SecureRedis]:
         yield SecureRedis(srv, passwords, "collm", acl)
     finally:
         srv.stop()
+
+
+@contextmanager
+def running(cfg: StackConfig) -> Iterator[Stack]:
+    """The launcher's stack for `cfg`, started and stopped; its log is `stack.logs` (a StringIO), and its
+    tail is printed when the start fails."""
+    logs = io.StringIO()
+    s = Stack(cfg, log_sink=logs)
+    try:
+        s.start()
+    except Exception:
+        print(logs.getvalue()[-6000:])
+        raise
+    s.logs = logs  # type: ignore[attr-defined]
+    try:
+        yield s
+    finally:
+        s.stop()

@@ -14,7 +14,6 @@ announcing it, which replicas may not do (the others pick v1 up from the store).
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import time
 import uuid
@@ -40,7 +39,7 @@ from collm_common.wire.rounds import RoundOutcome
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
 from collm_ops.servers import free_port
-from tests.integration.security.conftest import SecureNats, SecureRedis
+from tests.integration.security.conftest import SecureNats, SecureRedis, running
 
 pytestmark = pytest.mark.integration
 ADAPTER = "fed"
@@ -124,18 +123,8 @@ def stack(secure_nats: SecureNats, secure_redis: SecureRedis, tmp_path: Path) ->
     # start: a replica may not create them (a replica starting first logs one refused STREAM.CREATE).
     asyncio.run(create_streams(n))
     asyncio.run(seed_v1(r))
-    logs = io.StringIO()
-    s = Stack(cfg, log_sink=logs)
-    try:
-        s.start()
-    except Exception:
-        print(logs.getvalue()[-6000:])
-        raise
-    s.logs = logs  # type: ignore[attr-defined]
-    try:
+    with running(cfg) as s:
         yield s
-    finally:
-        s.stop()
 
 
 async def create_streams(nats: SecureNats) -> None:

@@ -129,3 +129,14 @@ def test_oversized_payload_refused_before_decoding() -> None:
 def test_unknown_union_kind() -> None:
     with pytest.raises(WireError, match="invalid"):
         decode(CONTROL_COMMAND, msgpack.packb({"op": "self_destruct"}))
+
+
+def test_telemetry_is_accepted_only_on_its_replicas_own_subject() -> None:
+    from collm_common import subjects
+
+    t = ReplicaTelemetry(replica_id="r9", ts_unix_s=0.0, interval_s=1.0, model="m")
+    assert t.subject_error(subjects.telemetry("r9")) is None
+    why = t.subject_error(subjects.telemetry("r0"))
+    assert why is not None and "r9" in why and subjects.telemetry("r0") in why
+    # Messages that name no sender in their subject accept any.
+    assert RoutingWeights(ts_unix_s=0.0, ttl_s=1.0, weights={}).subject_error("anything") is None

@@ -52,7 +52,6 @@ from collm_bench.workload import PlannedRequest
 from collm_common import subjects
 from collm_common.bus import Bus, BusError
 from collm_common.calibration import CostModel
-from collm_common.settings import CommonSettings
 from collm_common.step_log import BackgroundWork, InferenceStep, read_step_log
 from collm_common.store import AdapterStore, version_id
 from collm_common.wire.control import (
@@ -390,9 +389,7 @@ async def _drive(
     phases: Phases,
 ) -> dict[str, Any]:
     scfg = stack.config
-    bus = await Bus.connect(
-        CommonSettings(nats_url=scfg.nats_url, nats_connect_timeout_s=10), "collm-headline"
-    )
+    bus = await Bus.connect(stack.operator_settings(nats_connect_timeout_s=10), "collm-headline")
     store = AdapterStore.from_url(scfg.redis_url, scfg.redis_prefix)
     obs = Observer()
     try:
