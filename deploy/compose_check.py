@@ -291,10 +291,18 @@ def build_project(run: Run) -> str:
         if not dst.exists():
             os.link(w, dst)
             run.linked_wheels.append(dst)
+    images = [f"collm-{svc}:{TAG}" for svc in ("gateway", "coordinator", "aggregator", "replica")]
+    before = {ref: image_id(run, ref) for ref in images}
     try:
-        run.compose("build", capture=not run.args.verbose)
+        # One service per build target: replica-1 has the same build as replica-0 (and its image).
+        run.compose(
+            "build", "gateway", "coordinator", "aggregator", "replica-0", capture=not run.args.verbose
+        )
     finally:
         unlink_wheels(run)
+    replaced = [old for ref, old in before.items() if old and old != image_id(run, ref)]
+    if replaced:  # this check's images of an earlier run, now untagged
+        run.sh("docker", "image", "rm", *replaced, check=False, capture=True)
     sizes = []
     for svc in ("gateway", "coordinator", "aggregator", "replica"):
         size = run.sh("docker", "image", "inspect", "-f", "{{.Size}}", f"collm-{svc}:{TAG}", capture=True)
@@ -307,6 +315,11 @@ def build_project(run: Run) -> str:
         )
         sizes.append(f"{svc} {int(size.stdout) / 2**20:.0f} MiB torch={has_torch} user={user.stdout.strip()}")
     return ", ".join(sizes)
+
+
+def image_id(run: Run, ref: str) -> str:
+    res = run.sh("docker", "image", "inspect", "-f", "{{.Id}}", ref, check=False, capture=True)
+    return res.stdout.strip() if res.returncode == 0 else ""
 
 
 def unlink_wheels(run: Run) -> None:
