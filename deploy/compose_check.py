@@ -535,7 +535,10 @@ def federated_round(run: Run, detail: list[str]) -> None:
             time.sleep(5)
     vid = f"{ROUND_DOMAIN}@v{published['version']}"
     say(f"    {vid} published after {time.monotonic() - t0:.0f} s (source {published.get('source')})")
-    detail.append(f"{vid} published after {time.monotonic() - t0:.0f} s (source {published.get('source')})")
+    detail.append(
+        f"{vid} published after {time.monotonic() - t0:.0f} s (source {published.get('source')}, "
+        f"held-out quality {published.get('quality')})"
+    )
     deadline = time.monotonic() + 60
     while True:
         _text, replica, version = chat(run, ROUND_DOMAIN, "My card was declined at the ATM. Why?")
