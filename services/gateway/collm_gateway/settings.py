@@ -93,7 +93,8 @@ class GatewaySettings(CommonSettings):
     admin_key: SecretStr | None = Field(
         None,
         description="An admin key (the key itself; kept only as its hash in memory). Admin endpoints "
-        "need an admin key: this one or a key with admin: true; with neither, they answer 403.",
+        "need an admin key: this one or a key with admin: true; with neither, they answer 403. Empty is "
+        "none (compose's empty `collm_admin_key` secret file).",
     )
     rate_limit_rps: float | None = Field(
         None, gt=0, description="Default per-key rate limit (requests/s) for keys without their own."
@@ -166,6 +167,11 @@ class GatewaySettings(CommonSettings):
         pattern=r"^\d+\.\d+\.\d+$",
         description="Semver reported by the `collm-gateway` micro service.",
     )
+
+    @field_validator("admin_key", mode="before")
+    @classmethod
+    def _empty_admin_key_is_none(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and not v.strip() else v
 
     @field_validator("api_keys", mode="before")
     @classmethod

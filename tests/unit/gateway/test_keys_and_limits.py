@@ -139,6 +139,20 @@ def test_open_mode_admin_endpoints_need_the_admin_key() -> None:
     assert err.value.status == 403
 
 
+def test_an_empty_admin_key_is_none(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # compose's shipped `collm_admin_key` secret file is empty: no admin key, admin endpoints stay 403.
+    (tmp_path / "collm_admin_key").write_text("\n")
+    monkeypatch.setenv("COLLM_SECRETS_DIR", str(tmp_path))
+    monkeypatch.delenv("COLLM_ADMIN_KEY", raising=False)
+    auth = Authenticator(GatewaySettings(), VirtualClock())
+    with pytest.raises(APIError) as err:
+        auth.require_admin(auth.authenticate(""))
+    assert err.value.status == 403
+    (tmp_path / "collm_admin_key").write_text(OPS + "\n")
+    auth = Authenticator(GatewaySettings(), VirtualClock())
+    assert auth.require_admin(auth.authenticate(OPS)).is_admin
+
+
 def test_keys_mode_maps_keys_to_tenants_and_refuses_the_rest() -> None:
     s = settings(
         api_keys={

