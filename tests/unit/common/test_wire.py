@@ -1,6 +1,7 @@
 import msgpack
 import pytest
 
+from collm_common.bus import message_size
 from collm_common.wire import WireError, decode, encode
 from collm_common.wire.adapters import AdapterPublished, TrainingSample
 from collm_common.wire.control import CONTROL_COMMAND, RoutingWeights, SetFineTuneShare, StartTraining
@@ -129,3 +130,11 @@ def test_oversized_payload_refused_before_decoding() -> None:
 def test_unknown_union_kind() -> None:
     with pytest.raises(WireError, match="invalid"):
         decode(CONTROL_COMMAND, msgpack.packb({"op": "self_destruct"}))
+
+
+def test_message_size_counts_payload_and_the_header_block() -> None:
+    assert message_size(b"abc", None) == 3
+    assert message_size(b"abc", {}) == 3 + len(b"NATS/1.0\r\n\r\n")
+    block = b"NATS/1.0\r\ntraceparent: 00-ab-cd-01\r\nk: v\r\n\r\n"
+    assert message_size(b"abc", {"traceparent": "00-ab-cd-01", "k": "v"}) == 3 + len(block)
+    assert message_size(b"", {"k": "é"}) == len("NATS/1.0\r\nk: é\r\n\r\n".encode())
