@@ -4,12 +4,13 @@ The app does not own its bus and store (the service entrypoint, or a test, does)
 subscribes to telemetry, routing weights and adapter publications, and registers the `collm-gateway`
 micro service, and undoes all of it on shutdown. Every `/v1/` request is authenticated first (auth.py:
 API keys, tenants, rate limits), then its body size is checked (limits.py); the admin routes
-(api/admin.py) need an admin key. Every response of a traced route carries `x-collm-trace-id` (traceid.py).
-Every error leaves as the OpenAI envelope: validation errors become
-400 (not FastAPI's 422), Starlette's own errors (404 route, 405, 413 body) keep their status, anything
-unexpected is a 500 without internals. The OpenAPI document (`/openapi.json`) declares exactly that, per
-route (api/responses.py). The live dashboard (dashboard/: `/dashboard`, its state and its event stream)
-checks API keys itself, as a browser's event stream cannot send headers.
+(api/admin.py) need an admin key. Every response of a traced route carries `x-collm-trace-id`
+(traceid.py). Every error leaves as the OpenAI envelope: validation errors become 400 (not FastAPI's
+422), Starlette's own errors (404 route, 405, 413 body) keep their status, anything unexpected is a 500
+without internals; every 4xx is counted by status and code (`metrics.REFUSED`). The OpenAPI document
+(`/openapi.json`) declares exactly that, per route (api/responses.py). The live dashboard (dashboard/:
+`/dashboard`, its state and its event stream) checks API keys itself, as a browser's event stream cannot
+send headers.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 Unknown OpenAI fields are accepted and ignored, like vLLM (they are logged at debug level), so clients
 that send newer fields keep working. Fields whose silent omission would change the answer (`n > 1`,
 `echo`, `logprobs`, `best_of`, `suffix`, non-text content parts) are refused with a 400 that says so.
+Numeric and boolean fields take only their JSON type, as OpenAI enforces them (`Int`, `Number`, `Bool`).
 CoLLM's extension: `slo: {"ttft_ms", "tpot_ms"}` in the body (or the `x-collm-slo-ttft-ms` /
 `x-collm-slo-tpot-ms` headers; the body wins), per-model defaults otherwise.
 """

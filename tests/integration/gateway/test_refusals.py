@@ -9,6 +9,8 @@ whatever refused it (API keys, rate limit, body limit, validation, unknown model
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -17,6 +19,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
+from collm_common.logs import JsonFormatter
 from collm_gateway.keys import hash_key
 
 from .conftest import BASE_MODEL
@@ -204,3 +207,32 @@ async def test_an_unexpected_error_is_a_500_envelope_with_the_trace_id(gw) -> No
     assert resp.status_code == 500 and resp.json()["error"]["code"] == "internal_error"
     assert TRACE_ID.fullmatch(resp.headers["x-collm-trace-id"])
     assert refused(500, "internal_error") == before  # a failure, not a refusal
+
+
+class Lines(logging.Handler):
+    """The gateway's request log lines, formatted as the services write them (JSON)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter("gateway"))
+        self.docs: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.docs.append(json.loads(self.format(record)))
+
+
+async def test_a_requests_log_line_carries_the_trace_id_of_its_response(gw) -> None:
+    lines = Lines()
+    logger = logging.getLogger("collm_gateway.requests")
+    logger.addHandler(lines)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        plain = await gw.http.post("/v1/chat/completions", json=CHAT, headers=auth())
+        streamed = await gw.http.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth())
+    finally:
+        logger.setLevel(level)
+        logger.removeHandler(lines)
+    for resp in (plain, streamed):
+        (line,) = [d for d in lines.docs if d.get("request_id") == resp.headers["x-request-id"]]
+        assert line["trace_id"] == resp.headers["x-collm-trace-id"]
