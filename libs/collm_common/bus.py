@@ -17,6 +17,11 @@ header (`collm_common.wire.decode_payload` / `encode_reply`). An empty request b
 Endpoints a service serves with its own handler (a replica's token stream `generate`, `cancel`,
 `evaluate`) stay msgpack only.
 
+Every message `publish`, `request` and `stream` send is measured first, payload and headers together
+(`message_size`), against the server's `max_payload`: one that does not fit raises `PayloadTooLarge`
+(a `BusError` with code 413) and nothing is sent. (A message over the limit would otherwise make the
+server close the whole connection.)
+
 The first connection is retried until `nats_connect_timeout_s` (nats-py does not retry it), later
 disconnects reconnect forever. Credentials (`nats_user`/`nats_password`, a token, a creds file, or
 `nats://user:pass@host` in the URL) go to the server as they are; replies to this connection's requests
@@ -96,6 +101,33 @@ class BusError(Exception):
         self.code = code
         self.message = message
         self.type = type_
+
+
+class PayloadTooLarge(BusError):
+    """A message larger than the server's `max_payload` (payload and headers): it was not sent."""
+
+    def __init__(self, subject: str, size: int, max_payload: int) -> None:
+        super().__init__(
+            413,
+            f"a message of {size} bytes (payload and headers) does not fit in one NATS message "
+            f"(at most {max_payload} bytes) for {subject}",
+            "invalid_request_error",
+        )
+        self.size = size
+        self.max_payload = max_payload
+
+
+NATS_HEADER_LINE = b"NATS/1.0\r\n"
+
+
+def message_size(payload: bytes, headers: Mapping[str, str] | None) -> int:
+    """Bytes a message counts against the server's `max_payload`: its payload plus its header block
+    (`NATS/1.0`, one `key: value` line per header, a blank line), as nats-py writes it; a message sent
+    with headers `{}` still carries the block's first and last lines."""
+    if headers is None:
+        return len(payload)
+    lines = sum(len(k.strip().encode()) + 2 + len(v.strip().encode()) + 2 for k, v in headers.items())
+    return len(payload) + len(NATS_HEADER_LINE) + lines + 2
 
 
 class NoResponders(BusError):
@@ -314,8 +346,20 @@ class Bus:
         (seen against nats-server: 2-7 "no responders" in 30 requests without, none in 90 with)."""
         await self.nc.flush()
 
+    def _packed(
+        self, subject: str, msg: BaseModel, headers: dict[str, str] | None
+    ) -> tuple[bytes, dict[str, str]]:
+        """`msg` encoded and the headers it travels with (trace context added); PayloadTooLarge if the
+        two do not fit in one message of this server."""
+        payload, carrier = encode(msg), tracing.inject(headers)
+        size = message_size(payload, carrier)
+        if size > self.nc.max_payload:
+            raise PayloadTooLarge(subject, size, self.nc.max_payload)
+        return payload, carrier
+
     async def publish(self, subject: str, msg: BaseModel, headers: dict[str, str] | None = None) -> None:
-        await self.nc.publish(subject, encode(msg), headers=tracing.inject(headers))
+        payload, carrier = self._packed(subject, msg, headers)
+        await self.nc.publish(subject, payload, headers=carrier)
 
     async def subscribe(
         self,
@@ -373,16 +417,13 @@ class Bus:
             kind=SpanKind.CLIENT,
             attributes={"messaging.system": "nats", "messaging.destination.name": subject},
         ):
+            payload, carrier = self._packed(subject, msg, headers)
             try:
                 try:
-                    raw = await self.nc.request(
-                        subject, encode(msg), timeout=timeout_s, headers=tracing.inject(headers)
-                    )
+                    raw = await self.nc.request(subject, payload, timeout=timeout_s, headers=carrier)
                 except nats.errors.NoRespondersError:
                     await self.sync()
-                    raw = await self.nc.request(
-                        subject, encode(msg), timeout=timeout_s, headers=tracing.inject(headers)
-                    )
+                    raw = await self.nc.request(subject, payload, timeout=timeout_s, headers=carrier)
             except nats.errors.NoRespondersError:
                 raise NoResponders(subject) from None
             except nats.errors.TimeoutError:
@@ -408,6 +449,7 @@ class Bus:
         max_pending: int = 4096,
     ) -> AsyncIterator[StreamReplies]:
         """Send `msg` with a fresh inbox as reply subject and receive the replies until closed."""
+        payload, carrier = self._packed(subject, msg, headers)
         inbox = self.nc.new_inbox()
         queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=max_pending)
 
@@ -423,7 +465,7 @@ class Bus:
             raise BusError(503, f"NATS unavailable: {type(exc).__name__}", "service_unavailable") from None
         try:
             try:
-                await self.nc.publish(subject, encode(msg), reply=inbox, headers=tracing.inject(headers))
+                await self.nc.publish(subject, payload, reply=inbox, headers=carrier)
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
                 raise BusError(
                     503, f"NATS unavailable: {type(exc).__name__}", "service_unavailable"

@@ -15,6 +15,16 @@ What must hold for every case:
   are failures.
 * every non-2xx body is the OpenAI error envelope `{"error": {"message", "type", "param", "code"}}`,
   and so is every error event inside a 200 SSE stream.
+* every answer of an API route (`/v1/...`), error or not, carries `x-collm-trace-id` (32 hex digits).
+* every 4xx answer is counted once in `collm_gateway_requests_refused_total{status,reason}` under its
+  status and its envelope's code; no other answer is.
+* a streamed answer asked with `stream_options.include_usage` has `"usage": null` on every chunk but
+  the last, which carries the usage.
+* a numeric or boolean field given a value of another JSON type (a string for `max_tokens`, a boolean
+  for `temperature`, ...) is a 400, naming that field when it is the body's only problem.
+* a body padded to sizes around the body limit (1 MiB, which is also NATS's `max_payload`), in its
+  prompt or first message (which the packed request carries) or in an unknown field (which it does
+  not), never gets a 5xx; over the limit it is a 413.
 * every answer conforms to the OpenAPI document (schemathesis's own checks): its status is one the
   operation declares, its content type one declared for that status, its body valid against the
   declared schema (the error envelope for every error status), and the headers declared required
@@ -26,7 +36,9 @@ The number of cases run is printed; at least 1000 must run.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -40,6 +52,7 @@ import schemathesis
 import uvicorn
 from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -80,6 +93,25 @@ KNOWN_PATHS = [None, "/", "/etc/passwd", "/nonexistent/peft-adapter"]
 # Values JSON can carry that Python and msgpack choke on, planted at one leaf of a third of the bodies.
 NASTY = ["\ud800", 2**70, -(2**70), 2**63, 1e308, "\x00", "", "x" * 5000, [], {}]
 REFUSED_BY_DESIGN = ("n", "echo", "logprobs", "top_logprobs", "best_of", "suffix", "stream_options", "stop")
+COMPLETION_OPS = ("POST /v1/chat/completions", "POST /v1/completions")
+# Numeric and boolean fields of chat and completions bodies, and values of a JSON type they refuse.
+TYPED_FIELDS = {
+    "max_tokens": "int", "max_completion_tokens": "int", "seed": "int", "n": "int", "top_logprobs": "int",
+    "best_of": "int", "temperature": "number", "top_p": "number", "stream": "bool", "ignore_eos": "bool",
+    "echo": "bool",
+}  # fmt: skip
+WRONG_TYPED = {
+    "int": ["16", "1", True, False, 1.5, 16.0],
+    "number": ["0.5", "1", True, False],
+    "bool": ["true", "false", 1, 0, "yes"],
+}
+CHAT_ONLY = ("max_completion_tokens", "top_logprobs")
+COMPLETIONS_ONLY = ("best_of", "echo")
+BODY_LIMIT = 1 << 20  # the gateway's default body limit, and nats-server's default max_payload
+# Body sizes around the limit: from where a chat body grows past max_payload once packed, to over it.
+PADDED_SIZES = [BODY_LIMIT + d for d in (-178, -96, -8, -1, 0, 1, 96, 4096)]
+TRACE_ID = re.compile(r"[0-9a-f]{32}")
+REFUSED_METRIC = "collm_gateway_requests_refused_total"
 
 # Examples per operation and generation mode; the total is what counts (>= MIN_CASES).
 BUDGET: dict[str, int] = {
@@ -225,11 +257,14 @@ def check_envelope(body: Any, where: str) -> None:
     assert err["code"] is None or isinstance(err["code"], str), where
 
 
-def check_response(resp: Any, where: str) -> None:
+def check_response(resp: Any, where: str, path: str = "", include_usage: bool = False) -> None:
     status = resp.status_code
     assert status < 500 or status in (503, 504), f"{where}: {status} {resp.text[:500]}"
     headers = {k.lower(): v[0] for k, v in resp.headers.items() if v}
     ctype = headers.get("content-type", "")
+    if path.startswith("/v1/"):
+        trace_id = headers.get("x-collm-trace-id", "")
+        assert TRACE_ID.fullmatch(trace_id), f"{where}: x-collm-trace-id {trace_id!r}"
     if status >= 400:
         try:
             body = resp.json()
@@ -240,13 +275,73 @@ def check_response(resp: Any, where: str) -> None:
             assert headers.get("retry-after"), f"{where}: 503 without Retry-After"
         return
     if ctype.startswith("text/event-stream"):
+        events = []
         for line in resp.text.splitlines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     check_envelope(event, f"{where} (in the stream)")
+                else:
+                    events.append(event)
+        if include_usage and not any("error" in line for line in resp.text.splitlines()):
+            check_usage_chunks(events, where)
     elif ctype.startswith("application/json"):
         resp.json()
+
+
+def check_usage_chunks(chunks: list[dict[str, Any]], where: str) -> None:
+    """With include_usage: `"usage": null` on every chunk but the last, the usage on the last."""
+    assert chunks, f"{where}: no chunks"
+    for chunk in chunks[:-1]:
+        assert "usage" in chunk and chunk["usage"] is None, f"{where}: {chunk}"
+    last = chunks[-1]
+    assert last["choices"] == [] and isinstance(last["usage"], dict), f"{where}: last chunk {last}"
+
+
+def refusals() -> dict[tuple[str, str], float]:
+    """The refused-requests counter, (status, reason) -> count."""
+    out: dict[tuple[str, str], float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name == REFUSED_METRIC:
+                out[(sample.labels["status"], sample.labels["reason"])] = sample.value
+    return out
+
+
+def check_counted(before: dict[tuple[str, str], float], resp: Any, where: str) -> None:
+    """A 4xx answer adds one to its (status, code) series; any other answer adds nothing."""
+    after = refusals()
+    grown = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    if 400 <= resp.status_code < 500:
+        code = resp.json()["error"]["code"] or "none"
+        assert grown == {(str(resp.status_code), code): 1.0}, f"{where}: counted {grown}"
+    else:
+        assert grown == {}, f"{where}: {resp.status_code} counted as {grown}"
+
+
+def retype(body: dict[str, Any], label: str, field_index: int, value_index: int) -> str | None:
+    """Give one numeric or boolean field of a completions body a value of a wrong JSON type; the field."""
+    skip = COMPLETIONS_ONLY if label == "POST /v1/chat/completions" else CHAT_ONLY
+    fields = [f for f in TYPED_FIELDS if f not in skip]
+    field = fields[field_index % len(fields)]
+    values = WRONG_TYPED[TYPED_FIELDS[field]]
+    body[field] = values[value_index % len(values)]
+    return field
+
+
+def pad(body: dict[str, Any], size: int, into_content: bool) -> None:
+    """Make `body` serialize (as the client sends it: `json.dumps`) to exactly `size` bytes, with a long
+    prompt or first message (packed for the replica too) or an unknown field (ignored by the gateway)."""
+    target: tuple[Any, Any] = (body, "x_fuzz_pad")
+    if into_content:
+        messages = body.get("messages")
+        if isinstance(body.get("prompt"), str):
+            target = (body, "prompt")
+        elif isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            target = (messages[0], "content")
+    container, key = target
+    container[key] = ""
+    container[key] = "x" * max(0, size - len(json.dumps(body)))
 
 
 def leaves(doc: Any) -> list[tuple[Any, Any]]:
@@ -292,6 +387,7 @@ def fuzz_operation(
     mode: GenerationMode,
     cases: Counter[str],
     statuses: Counter[str],
+    extras: Counter[str],
 ) -> Any:
     """A hypothesis test of one operation in one generation mode (call it to run it)."""
 
@@ -304,6 +400,8 @@ def fuzz_operation(
         servable=st.booleans(),
         nasty=st.one_of(st.none(), st.none(), st.sampled_from(NASTY)),
         leaf=st.integers(min_value=0, max_value=1000),
+        extra=st.sampled_from(["none", "retype", "pad"]),
+        pick=st.integers(min_value=0, max_value=1000),
     )
     @hypothesis.settings(
         max_examples=BUDGET.get(label, DEFAULT_BUDGET),
@@ -321,7 +419,12 @@ def fuzz_operation(
         servable: bool,
         nasty: Any,
         leaf: int,
+        extra: str,
+        pick: int,
     ) -> None:
+        # The edits below are made in place, on a copy of the body, so that none reaches another case.
+        # (Set past schemathesis's change tracking: an equal body, as it was generated.)
+        object.__setattr__(case, "body", copy.deepcopy(case.body))
         if isinstance(case.body, dict) and servable and mode is GenerationMode.POSITIVE:
             for name in REFUSED_BY_DESIGN:
                 case.body.pop(name, None)
@@ -339,13 +442,46 @@ def fuzz_operation(
                 case.path_parameters["model"] = model
             if adapter is not None and "name" in case.path_parameters:
                 case.path_parameters["name"] = adapter
+        completions = label in COMPLETION_OPS and isinstance(case.body, dict)
+        positive = mode is GenerationMode.POSITIVE and nasty is None
+        include_usage, retyped, padded = False, None, None
+        if completions and extra == "none" and pick % 2 == 0 and servable and mode is GenerationMode.POSITIVE:
+            # a stream the replica serves: the base model, a key that passes
+            case.body.update(model=BASE_MODEL, stream=True, stream_options={"include_usage": True})
+            key = key if key in (ADMIN, TENANT) else TENANT
+            include_usage = True
+        elif completions and extra == "retype":
+            retyped = retype(case.body, label, pick, leaf)
+        elif completions and extra == "pad":
+            padded = PADDED_SIZES[pick % len(PADDED_SIZES)]
         if nasty is not None:
             plant(case.body, nasty, leaf)
+        if padded is not None:
+            pad(case.body, padded, into_content=leaf % 2 == 0)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
+        before = refusals()
         resp = case.call(base_url=base_url, session=session, headers=headers, timeout=30)
         cases[label] += 1
         statuses[f"{label} {resp.status_code}"] += 1
-        check_response(resp, f"{label} [{mode.value}] {case.as_curl_command()}")
+        kind = "include_usage" if include_usage else extra
+        where = f"{label} [{mode.value}] {kind} {case.as_curl_command()[:2000]}"
+        check_response(resp, where, operation.path, include_usage)
+        check_counted(before, resp, where)
+        if key in (ADMIN, TENANT):  # past the API keys, the body decides
+            if retyped is not None and positive:
+                assert resp.status_code == 400, f"{where}: {resp.status_code} for {retyped}"
+                err = resp.json()["error"]
+                if "more problem" not in err["message"]:
+                    assert err["param"] == retyped, f"{where}: param {err['param']!r}, not {retyped!r}"
+            if padded is not None and padded > BODY_LIMIT:
+                assert resp.status_code == 413, f"{where}: {resp.status_code} for a {padded}-byte body"
+                assert resp.json()["error"]["code"] == "request_too_large", where
+        if padded is not None:
+            extras[f"padded {resp.status_code}"] += 1
+        if retyped is not None:
+            extras[f"retyped {resp.status_code}"] += 1
+        if include_usage:
+            extras[f"include_usage {resp.status_code}"] += 1
         case.validate_response(resp, checks=CONFORMANCE, headers=headers)
 
     return run
@@ -356,6 +492,7 @@ def test_fuzz_the_openapi_schema(gateway: GatewayUnderTest) -> None:
     session = requests.Session()
     cases: Counter[str] = Counter()
     statuses: Counter[str] = Counter()
+    extras: Counter[str] = Counter()
     started_s = time.monotonic()
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -364,7 +501,7 @@ def test_fuzz_the_openapi_schema(gateway: GatewayUnderTest) -> None:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             if mode is GenerationMode.NEGATIVE and not has_input:
                 continue  # nothing to violate
-            run = fuzz_operation(gateway.base_url, session, operation, label, mode, cases, statuses)
+            run = fuzz_operation(gateway.base_url, session, operation, label, mode, cases, statuses, extras)
             try:
                 run()
             except hypothesis.errors.Unsatisfiable:
@@ -377,4 +514,7 @@ def test_fuzz_the_openapi_schema(gateway: GatewayUnderTest) -> None:
             (k.rsplit(" ", 1)[1], v) for k, v in statuses.items() if k.rsplit(" ", 1)[0] == label
         )
         print(f"  {n:5d}  {label:36s} " + " ".join(f"{code}:{v}" for code, v in by_status))
+    print("  " + " ".join(f"{k}:{v}" for k, v in sorted(extras.items())))
     assert total >= MIN_CASES, f"only {total} cases ran"
+    for kind in ("padded 413", "retyped 400", "include_usage 200"):
+        assert extras[kind] > 0, f"no {kind} case ran"

@@ -4,11 +4,13 @@ The app does not own its bus and store (the service entrypoint, or a test, does)
 subscribes to telemetry, routing weights and adapter publications, and registers the `collm-gateway`
 micro service, and undoes all of it on shutdown. Every `/v1/` request is authenticated first (auth.py:
 API keys, tenants, rate limits), then its body size is checked (limits.py); the admin routes
-(api/admin.py) need an admin key. Every error leaves as the OpenAI envelope: validation errors become
-400 (not FastAPI's 422), Starlette's own errors (404 route, 405, 413 body) keep their status, anything
-unexpected is a 500 without internals. The OpenAPI document (`/openapi.json`) declares exactly that, per
-route (api/responses.py). The live dashboard (dashboard/: `/dashboard`, its state and its event stream)
-checks API keys itself, as a browser's event stream cannot send headers.
+(api/admin.py) need an admin key. Every response of a traced route carries `x-collm-trace-id`
+(traceid.py). Every error leaves as the OpenAI envelope: validation errors become 400 (not FastAPI's
+422), Starlette's own errors (404 route, 405, 413 body) keep their status, anything unexpected is a 500
+without internals; every 4xx is counted by status and code (`metrics.REFUSED`). The OpenAPI document
+(`/openapi.json`) declares exactly that, per route (api/responses.py). The live dashboard (dashboard/:
+`/dashboard`, its state and its event stream) checks API keys itself, as a browser's event stream cannot
+send headers.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from collm_common import subjects
 from collm_common.bus import Bus, MicroService
 from collm_common.clock import Clock, WallClock
 from collm_common.store import AdapterStore, version_id
+from collm_common.tracing import current_trace_id
 from collm_common.wire.adapters import AdapterPublished
-from collm_gateway import __version__, micro
+from collm_gateway import __version__, metrics, micro
 from collm_gateway.adapter_admin import AdapterAdmin
 from collm_gateway.api import admin, chat, completions, health, models
 from collm_gateway.api.responses import document as openapi_document
@@ -49,6 +52,7 @@ from collm_gateway.samples import SampleIntake
 from collm_gateway.serving import CompletionServing
 from collm_gateway.settings import GatewaySettings
 from collm_gateway.shapes import model_card
+from collm_gateway.traceid import TRACE_ID_HEADER, TraceIdMiddleware, TraceIdProvider
 
 log = logging.getLogger(__name__)
 
@@ -188,16 +192,25 @@ def build_app(
     app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     app.state.gateway = state
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-    # Added last, so it runs first: an unauthenticated request is refused before its body is read.
+    # Added after the body limit, so it runs before: an unauthenticated request is refused before its
+    # body is read.
     app.add_middleware(AuthMiddleware, authenticator=state.auth)
+    # Outermost of the app's own middleware: every answer below it carries the trace id.
+    app.add_middleware(TraceIdMiddleware)
     install_error_handlers(app)
     for module in (chat, completions, models, health, admin, dashboard_routes):
         app.include_router(module.router)
-    FastAPIInstrumentor.instrument_app(app, excluded_urls=UNTRACED_URLS, exclude_spans=["send", "receive"])
+    FastAPIInstrumentor.instrument_app(
+        app,
+        tracer_provider=TraceIdProvider(),
+        excluded_urls=UNTRACED_URLS,
+        exclude_spans=["send", "receive"],
+    )
     return app
 
 
 def error_response(err: APIError) -> JSONResponse:
+    metrics.count_refusal(err.status, err.code)
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
 
@@ -220,7 +233,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(APIError(500, "internal error in the gateway", code="internal_error"))
+        resp = error_response(APIError(500, "internal error in the gateway", code="internal_error"))
+        trace_id = current_trace_id()  # this handler answers outside TraceIdMiddleware
+        if trace_id is not None:
+            resp.headers[TRACE_ID_HEADER] = trace_id
+        return resp
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

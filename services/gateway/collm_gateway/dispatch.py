@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from collm_common import subjects
-from collm_common.bus import Bus, BusError, NoResponders, StreamReplies
+from collm_common.bus import Bus, BusError, NoResponders, PayloadTooLarge, StreamReplies
 from collm_common.clock import Clock
 from collm_common.tracing import tracer
 from collm_common.wire import WireError, decode
@@ -473,6 +473,8 @@ class Dispatcher:
                     "accept_timeout",
                     errors.timeout(f"replica {rid} did not answer within {timeout_s:.1f} s"),
                 )
+            except PayloadTooLarge as exc:  # nothing was sent; no replica can take it
+                raise errors.too_large_to_send(exc.size, exc.max_payload) from None
             except NoResponders as exc:
                 return await self._refused(
                     stack, span, "no_responders", errors.from_replica(503, exc.message)

@@ -106,6 +106,17 @@ def queues_full(retry_after_s: int, tried: int) -> APIError:
     )
 
 
+def too_large_to_send(size: int, max_payload: int) -> APIError:
+    """413 for a request that passed the body limit but does not fit in one NATS message once packed
+    for a replica (msgpack, the gateway's own fields, the trace headers)."""
+    return APIError(
+        413,
+        f"the request is {size} bytes once packed for a replica, more than the {max_payload} bytes one "
+        "message to a replica can carry: send a shorter prompt",
+        code="request_too_large",
+    )
+
+
 def timeout(message: str) -> APIError:
     return APIError(504, message, code="timeout")
 
@@ -157,14 +168,37 @@ def from_validation(errors: Sequence[Mapping[str, Any]]) -> APIError:
         ctx = first.get("ctx") or {}
         detail = ctx.get("error") if isinstance(ctx, Mapping) else None
         return bad_request(f"request body is not valid JSON: {detail or 'decode error'}", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
+    shared, full = _shared_location(errors), _location(first)
+    param = ".".join(shared) or None
     msg = str(first.get("msg", "invalid value"))
     if kind == "missing":
         return bad_request(f"missing required field {param!r}", param=param, code="missing_field")
+    if shared and len(shared) < len(full):
+        msg = f"no accepted form of this field fits ({'.'.join(full)}: {msg})"
     where = f"{param}: " if param else ""
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return bad_request(f"{where}{msg}{more}", param=param)
+
+
+def _location(error: Mapping[str, Any]) -> list[str]:
+    return [str(p) for p in error.get("loc", ()) if p != "body"]
+
+
+def _shared_location(errors: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where the first problem is: its location, cut to what it shares with every other problem in the
+    same top-level field. A value that fits none of a union's forms (`prompt`, `stop`, a message's
+    `content`) yields one problem per form, each located under the form's name (`prompt.list[int].0`);
+    their shared part (`prompt`) is the field at fault."""
+    loc = _location(errors[0])
+    for other in errors[1:]:
+        theirs = _location(other)
+        if not loc or not theirs or theirs[0] != loc[0]:
+            continue
+        n = 0
+        while n < min(len(loc), len(theirs)) and loc[n] == theirs[n]:
+            n += 1
+        loc = loc[:n]
+    return loc
 
 
 def from_http_status(status: int, detail: str | None) -> APIError:

@@ -12,6 +12,7 @@ import json
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from collm_gateway import metrics
 from collm_gateway.errors import APIError, from_http_status
 
 
@@ -49,7 +50,9 @@ class BodyLimitMiddleware:
 
 
 async def send_api_error(send: Send, err: APIError) -> None:
-    """Answer with `err` (status, headers, OpenAI envelope) straight from ASGI middleware."""
+    """Answer with `err` (status, headers, OpenAI envelope) straight from ASGI middleware; a 4xx is
+    counted as a refusal (metrics.REFUSED)."""
+    metrics.count_refusal(err.status, err.code)
     body = json.dumps(err.body()).encode()
     headers = [
         (b"content-type", b"application/json"),

@@ -8,6 +8,13 @@ Request counts and latencies are labelled by model (the base model id or the ada
 exact adapter version that served (`medical@v7`, `base`). Versions only grow, so `VersionSeries` keeps
 the series of the `versions_per_model` most recently seen versions of each model and removes older
 ones: the number of series stays bounded however many rounds publish.
+
+`collm_gateway_requests_refused_total` counts every request answered with a 4xx error envelope, on any
+route, by status and reason (the envelope's `code`: `invalid_api_key`, `rate_limit_exceeded`,
+`request_too_large`, `invalid_value`, `invalid_json`, `missing_field`, `model_not_found`,
+`unsupported_value`, `queue_full`, ...; `none` for an error without a code). Most of these never reach
+a completion's record (`collm_gateway_requests_total`): refused by API keys, the body limit or
+validation, they end before any route runs. Reasons are the gateway's own codes, so the series stay few.
 """
 
 from __future__ import annotations
@@ -69,11 +76,22 @@ WEIGHTS_FACTOR = Gauge(
     "collm_gateway_routing_weights_ratio",
     "Influence of the coordinator's routing weights at the last decision (1 fresh, 0 ignored)",
 )
+REFUSED = Counter(
+    "collm_gateway_requests_refused_total",
+    "Requests answered with a 4xx error envelope, by HTTP status and reason (the envelope's code)",
+    ["status", "reason"],
+)
 DASHBOARD_STREAMS = Counter(
     "collm_gateway_dashboard_streams_total",
     "Dashboard event streams opened, and how they ended (client_gone, overflow, shutdown)",
     ["event"],
 )
+
+
+def count_refusal(status: int, reason: str | None) -> None:
+    """Count an error answer in `REFUSED` if it is a refusal (4xx)."""
+    if 400 <= status < 500:
+        REFUSED.labels(str(status), reason or "none").inc()
 
 
 class VersionSeries:

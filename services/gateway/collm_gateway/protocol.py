@@ -3,6 +3,7 @@
 Unknown OpenAI fields are accepted and ignored, like vLLM (they are logged at debug level), so clients
 that send newer fields keep working. Fields whose silent omission would change the answer (`n > 1`,
 `echo`, `logprobs`, `best_of`, `suffix`, non-text content parts) are refused with a 400 that says so.
+Numeric and boolean fields take only their JSON type, as OpenAI enforces them (`Int`, `Number`, `Bool`).
 CoLLM's extension: `slo: {"ttft_ms", "tpot_ms"}` in the body (or the `x-collm-slo-ttft-ms` /
 `x-collm-slo-tpot-ms` headers; the body wins), per-model defaults otherwise.
 """
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from collm_common.wire.inference import ChatMessage, SamplingParams, SloTargets
 from collm_gateway.errors import bad_request
@@ -27,6 +28,13 @@ MAX_STOP_SEQUENCES = 8
 MAX_TOKEN_ID = 2**31
 SLO_TTFT_HEADER = "x-collm-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-collm-slo-tpot-ms"
+
+# Types as OpenAI enforces them: an integer field takes only a JSON integer, a number field a JSON
+# number (an integer included: `"temperature": 1`), a boolean field only true or false; a string,
+# a boolean or a decimal where they do not belong is a 400 naming the field.
+Int = Annotated[int, Strict()]
+Number = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
 
 
 def lone_surrogate_at(value: Any, path: str = "") -> str | None:
@@ -85,14 +93,14 @@ class OpenAIModel(EdgeModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class SloIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    ttft_ms: float | None = Field(None, gt=0, le=3_600_000)
-    tpot_ms: float | None = Field(None, gt=0, le=3_600_000)
+    ttft_ms: Number | None = Field(None, gt=0, le=3_600_000)
+    tpot_ms: Number | None = Field(None, gt=0, le=3_600_000)
 
 
 class TextPart(BaseModel):
@@ -133,16 +141,16 @@ class SamplingIn(OpenAIModel):
     """Fields shared by chat and text completions."""
 
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Number | None = Field(None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(None, gt=0.0, le=1.0)
+    seed: Int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1)
-    stream: bool = False
+    n: Int | None = Field(None, ge=1)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
-    ignore_eos: bool = False  # vLLM's extension, useful for fixed-length benchmarks
+    ignore_eos: Bool = False  # vLLM's extension, useful for fixed-length benchmarks
     slo: SloIn | None = None
 
     @field_validator("stop")
@@ -221,9 +229,9 @@ def _header_ms(headers: Mapping[str, str], name: str) -> float | None:
 
 class ChatCompletionRequest(SamplingIn):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=4096)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = None
 
     def requested_max_tokens(self) -> int | None:
         # `max_completion_tokens` is OpenAI's newer name; it wins when both are present.
@@ -239,10 +247,10 @@ class ChatCompletionRequest(SamplingIn):
 
 
 class CompletionRequest(SamplingIn):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    echo: Bool = False
+    logprobs: Int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:

@@ -4,8 +4,8 @@ Errors before any token has been sent are HTTP errors (the route's exception han
 envelope). Once a stream has started, an error is sent as `data: {"error": {...}}` and the stream
 still ends with `data: [DONE]`. Response headers `x-collm-replica` and `x-collm-adapter-version` (and
 `system_fingerprint` in the body) name what served the request; they are known before the first byte
-because the gateway waits for the replica's `Accepted` before answering. `x-collm-trace-id` carries the
-request's trace id when tracing is on: an operator finds that one request in Jaeger and in the logs.
+because the gateway waits for the replica's `Accepted` before answering (`x-collm-trace-id`, on every
+response, comes from traceid.py).
 
 A request whose replica is lost before its first token is moved to another replica by the dispatcher
 (`Generation.events`), unseen by the client. A plain answer's headers and body then name the replica
@@ -37,7 +37,6 @@ from opentelemetry import trace
 from starlette.types import Receive, Scope, Send
 
 from collm_common.clock import Clock
-from collm_common.tracing import current_trace_id
 from collm_common.wire.inference import Finished, GenerateRequest, TokenChunk
 from collm_gateway import metrics
 from collm_gateway.auth import Principal
@@ -52,7 +51,6 @@ from collm_gateway.shapes import DONE_EVENT, ChatShape, Shape, StreamIdentity, T
 REPLICA_HEADER = "x-collm-replica"
 ADAPTER_VERSION_HEADER = "x-collm-adapter-version"
 REQUEST_ID_HEADER = "x-request-id"
-TRACE_ID_HEADER = "x-collm-trace-id"  # the request's trace: find it in Jaeger, grep it in the JSON logs
 
 
 class GenerationEventStream(EventSourceResponse):
@@ -172,12 +170,12 @@ class CompletionServing:
                 created=int(self.clock.now()),
                 model=body.model,
                 system_fingerprint=fingerprint(gen.replica_id, gen.adapter_version_id),
+                include_usage=body.include_usage,
             )
-            trace_id = current_trace_id()
             if body.stream:
                 response = GenerationEventStream(
-                    self._stream(gen, shape, ident, body.include_usage, rec, span),
-                    headers=_headers(gen, request_id, trace_id),
+                    self._stream(gen, shape, ident, rec, span),
+                    headers=_headers(gen, request_id),
                     on_close=lambda: self._finish(gen, rec, span),
                 )
                 handed_over = True
@@ -189,7 +187,7 @@ class CompletionServing:
                 handed_over = True
             if payload is None:
                 return Response(status_code=CLIENT_CLOSED)
-            return JSONResponse(payload, headers=_headers(gen, request_id, trace_id))
+            return JSONResponse(payload, headers=_headers(gen, request_id))
         except APIError as err:
             rec.status, rec.error = err.status, err.message
             raise
@@ -233,7 +231,6 @@ class CompletionServing:
         gen: Generation,
         shape: Shape,
         ident: StreamIdentity,
-        include_usage: bool,
         rec: RequestRecord,
         span: trace.Span | None = None,
     ) -> AsyncIterator[bytes]:
@@ -255,7 +252,7 @@ class CompletionServing:
                 elif isinstance(event, Finished):
                     finish = "length" if event.finish_reason == "length" else "stop"
                     yield sse(shape.closing(ident, finish))
-                    if include_usage:
+                    if ident.include_usage:
                         yield sse(shape.usage_chunk(ident, event.prompt_tokens, event.completion_tokens))
         except APIError as err:
             rec.status, rec.error = err.status, err.message
@@ -310,15 +307,12 @@ def _identity(ident: StreamIdentity, gen: Generation) -> StreamIdentity:
     return ident if fp == ident.system_fingerprint else dataclasses.replace(ident, system_fingerprint=fp)
 
 
-def _headers(gen: Generation, request_id: str, trace_id: str | None) -> dict[str, str]:
-    headers = {
+def _headers(gen: Generation, request_id: str) -> dict[str, str]:
+    return {
         REPLICA_HEADER: gen.replica_id,
         ADAPTER_VERSION_HEADER: gen.adapter_version_id,
         REQUEST_ID_HEADER: request_id,
     }
-    if trace_id:
-        headers[TRACE_ID_HEADER] = trace_id
-    return headers
 
 
 async def _client_gone(request: Request) -> None:

@@ -67,7 +67,11 @@ class GatewaySettings(CommonSettings):
     )
     # --- limits -----------------------------------------------------------------------------------------
     max_body_bytes: int = Field(
-        1 << 20, ge=1024, description="Largest accepted HTTP request body (bytes); larger gets 413."
+        1 << 20,
+        ge=1024,
+        description="Largest accepted HTTP request body (bytes); larger gets 413. A smaller body whose "
+        "request, packed for a replica with its trace headers, exceeds NATS's `max_payload` (1 MiB by "
+        "default) gets 413 too.",
     )
     max_tokens_limit: int = Field(
         4096, ge=1, description="Largest `max_tokens` a request may ask for; more gets 400."

@@ -2,7 +2,8 @@
 
 Streams follow OpenAI's shape: every chunk carries the same `id`, `created` and `model`; a chat stream
 opens with a delta carrying the role, the last choice chunk carries `finish_reason`, and with
-`stream_options.include_usage` one more chunk follows with `choices: []` and the usage. The serving
+`stream_options.include_usage` every chunk carries `"usage": null` and one more chunk follows with
+`choices: []` and the usage (OpenAI's shape: only the last chunk's usage is set). The serving
 layer ends every stream with `data: [DONE]`. `system_fingerprint` names the replica and the exact adapter
 version that produced the tokens (`r0/medical@v3`).
 """
@@ -45,6 +46,14 @@ class StreamIdentity:
     created: int
     model: str
     system_fingerprint: str
+    include_usage: bool = False  # stream_options.include_usage: every chunk has a `usage` key
+
+
+def _with_usage_key(ident: StreamIdentity, chunk: dict[str, Any]) -> dict[str, Any]:
+    """`chunk` with `"usage": null` when the stream reports usage (the last chunk then sets it)."""
+    if ident.include_usage:
+        chunk["usage"] = None
+    return chunk
 
 
 class ChatShape:
@@ -55,14 +64,17 @@ class ChatShape:
 
     @staticmethod
     def _chunk(ident: StreamIdentity, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": ident.id,
-            "object": "chat.completion.chunk",
-            "created": ident.created,
-            "model": ident.model,
-            "system_fingerprint": ident.system_fingerprint,
-            "choices": choices,
-        }
+        return _with_usage_key(
+            ident,
+            {
+                "id": ident.id,
+                "object": "chat.completion.chunk",
+                "created": ident.created,
+                "model": ident.model,
+                "system_fingerprint": ident.system_fingerprint,
+                "choices": choices,
+            },
+        )
 
     def opening(self, ident: StreamIdentity) -> dict[str, Any] | None:
         return self._chunk(
@@ -128,14 +140,17 @@ class TextShape:
 
     @staticmethod
     def _chunk(ident: StreamIdentity, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": ident.id,
-            "object": "text_completion",
-            "created": ident.created,
-            "model": ident.model,
-            "system_fingerprint": ident.system_fingerprint,
-            "choices": choices,
-        }
+        return _with_usage_key(
+            ident,
+            {
+                "id": ident.id,
+                "object": "text_completion",
+                "created": ident.created,
+                "model": ident.model,
+                "system_fingerprint": ident.system_fingerprint,
+                "choices": choices,
+            },
+        )
 
     def opening(self, ident: StreamIdentity) -> dict[str, Any] | None:
         del ident  # text streams have no role delta

@@ -7,7 +7,7 @@ import pytest
 from opentelemetry import trace
 
 from collm_common import subjects
-from collm_common.bus import Bus, BusError, NoResponders, ServiceFailure
+from collm_common.bus import Bus, BusError, NoResponders, PayloadTooLarge, ServiceFailure, message_size
 from collm_common.settings import CommonSettings
 from collm_common.wire import encode
 from collm_common.wire.control import CONTROL_COMMAND, ControlReply, SetFineTuneShare
@@ -178,3 +178,38 @@ async def test_an_endpoint_serves_other_connections_as_soon_as_it_is_added(nats_
     finally:
         await client.close()
         await server.close()
+
+
+async def test_a_message_of_exactly_max_payload_is_sent_and_one_byte_more_is_refused(nats_server) -> None:
+    """`message_size` counts what the server counts: a message of exactly `max_payload` bytes (payload
+    and headers) arrives; one byte more raises PayloadTooLarge, nothing is sent, the connection stays."""
+    bus = await Bus.connect(settings(nats_server.url), "t")
+    try:
+        limit = bus.nc.max_payload
+        got: list[CancelRequest] = []
+
+        async def on_cancel(msg: CancelRequest, _raw: object) -> None:
+            got.append(msg)
+
+        await bus.subscribe("size.test", CancelRequest, on_cancel)
+        await bus.sync()
+        headers = {"x-test": "h" * 100}
+        base = CancelRequest(request_id="r", reason="x" * 70_000)  # a str32 from here on: 1 byte per char
+        fill = limit - message_size(encode(base), headers)
+        exact = CancelRequest(request_id="r", reason="x" * (70_000 + fill))
+        assert message_size(encode(exact), headers) == limit
+        await bus.publish("size.test", exact, headers=headers)
+        over = CancelRequest(request_id="r", reason="x" * (70_000 + fill + 1))
+        with pytest.raises(PayloadTooLarge) as err:
+            await bus.publish("size.test", over, headers=headers)
+        assert (err.value.code, err.value.size, err.value.max_payload) == (413, limit + 1, limit)
+        with pytest.raises(PayloadTooLarge):
+            async with bus.stream("size.test", over, headers=headers):
+                pass
+        with pytest.raises(PayloadTooLarge):
+            await bus.request("size.test", over, ControlReply, headers=headers)
+        await bus.sync()
+        await asyncio.sleep(0.1)
+        assert bus.connected and [len(m.reason) for m in got] == [len(exact.reason)]
+    finally:
+        await bus.close()

@@ -75,6 +75,25 @@ async def test_stream_wire_format_ends_with_done(gateway, replicas) -> None:
     assert "usage" not in last  # no include_usage asked
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_stream_with_include_usage_sends_null_usage_until_the_last_chunk(
+    gateway, replicas, path: str
+) -> None:
+    await replicas("r0")
+    await gateway.wait_replicas("r0")
+    body: dict = {"model": BASE_MODEL, "stream": True, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    resp = await gateway.http.post(path, json=body)
+    assert resp.status_code == 200
+    events = [e[len("data: ") :] for e in resp.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) >= 3
+    for chunk in chunks[:-1]:
+        assert "usage" in chunk and chunk["usage"] is None, chunk
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
 async def test_non_streaming_chat_records_replica_and_version(gateway, replicas) -> None:
     await replicas("r0", adapters={"medical": 3})
     await gateway.state.store.publish(

@@ -1,6 +1,7 @@
 import msgpack
 import pytest
 
+from collm_common.bus import message_size
 from collm_common.wire import WireError, decode, encode
 from collm_common.wire.adapters import AdapterPublished, TrainingSample
 from collm_common.wire.control import CONTROL_COMMAND, RoutingWeights, SetFineTuneShare, StartTraining
@@ -140,3 +141,11 @@ def test_telemetry_is_accepted_only_on_its_replicas_own_subject() -> None:
     assert why is not None and "r9" in why and subjects.telemetry("r0") in why
     # Messages that name no sender in their subject accept any.
     assert RoutingWeights(ts_unix_s=0.0, ttl_s=1.0, weights={}).subject_error("anything") is None
+
+
+def test_message_size_counts_payload_and_the_header_block() -> None:
+    assert message_size(b"abc", None) == 3
+    assert message_size(b"abc", {}) == 3 + len(b"NATS/1.0\r\n\r\n")
+    block = b"NATS/1.0\r\ntraceparent: 00-ab-cd-01\r\nk: v\r\n\r\n"
+    assert message_size(b"abc", {"traceparent": "00-ab-cd-01", "k": "v"}) == 3 + len(block)
+    assert message_size(b"", {"k": "é"}) == len("NATS/1.0\r\nk: é\r\n\r\n".encode())

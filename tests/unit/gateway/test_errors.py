@@ -78,6 +78,22 @@ def test_validation_errors_become_400_naming_the_field() -> None:
     assert nested.param == "messages.0.role" and "1 more" in nested.message
 
 
+def test_a_value_that_fits_no_form_of_a_union_names_the_field() -> None:
+    err = errors.from_validation(
+        [
+            {
+                "type": "string_type",
+                "loc": ("body", "prompt", "str"),
+                "msg": "Input should be a valid string",
+            },
+            {"type": "string_type", "loc": ("body", "prompt", "list[str]", 0), "msg": "m"},
+            {"type": "int_type", "loc": ("body", "prompt", "list[int]", 0), "msg": "m"},
+        ]
+    )
+    assert err.status == 400 and err.param == "prompt"
+    assert err.message.startswith("prompt: no accepted form of this field fits (prompt.str: ")
+
+
 def test_invalid_json_is_a_400_with_its_own_code() -> None:
     err = errors.from_validation(
         [

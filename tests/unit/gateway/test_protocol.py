@@ -1,10 +1,12 @@
 """Request schemas at the HTTP edge: what is accepted, refused, and how it becomes the wire request."""
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
 from collm_gateway.catalog import parse_model_id
-from collm_gateway.errors import APIError
+from collm_gateway.errors import APIError, from_validation
 from collm_gateway.protocol import ChatCompletionRequest, CompletionRequest
 from collm_gateway.settings import GatewaySettings
 
@@ -63,6 +65,71 @@ def test_max_tokens_above_the_limit_is_a_400() -> None:
 def test_schema_violations_are_validation_errors(bad: dict) -> None:
     with pytest.raises(ValidationError):
         chat(**bad)
+
+
+# Every numeric and boolean field of chat and completions bodies, with a value of a wrong JSON type.
+WRONG_TYPES: list[tuple[str, object]] = [
+    ("max_tokens", "16"),
+    ("max_tokens", 16.0),
+    ("max_tokens", True),
+    ("max_completion_tokens", "16"),
+    ("temperature", True),
+    ("temperature", "0.5"),
+    ("top_p", "1"),
+    ("top_p", False),
+    ("seed", "7"),
+    ("seed", 7.5),
+    ("n", "1"),
+    ("n", True),
+    ("stream", "true"),
+    ("stream", 1),
+    ("ignore_eos", "false"),
+    ("ignore_eos", 0),
+    ("logprobs", "false"),
+    ("top_logprobs", "2"),
+    ("stream_options", {"include_usage": "true"}),
+    ("slo", {"ttft_ms": "100"}),
+    ("slo", {"tpot_ms": True}),
+]
+COMPLETION_WRONG_TYPES: list[tuple[str, object]] = [
+    ("echo", "false"),
+    ("echo", 0),
+    ("logprobs", "0"),
+    ("best_of", "1"),
+    ("best_of", 1.0),
+    ("prompt", [True, 2]),
+    ("prompt", [1.0, 2.0]),
+    ("prompt", [[1, "2"]]),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), WRONG_TYPES)
+def test_chat_numbers_and_booleans_take_only_their_json_type(field: str, value: object) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, field: value}
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate_json(json.dumps(body))
+    api = from_validation(err.value.errors())
+    assert api.status == 400 and api.param is not None and api.param.split(".")[0] == field
+
+
+CHAT_ONLY = ("max_completion_tokens", "top_logprobs")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), COMPLETION_WRONG_TYPES + [(f, v) for f, v in WRONG_TYPES if f not in CHAT_ONLY]
+)
+def test_completion_numbers_and_booleans_take_only_their_json_type(field: str, value: object) -> None:
+    body = {"model": "m", "prompt": "hi", field: value}
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest.model_validate_json(json.dumps(body))
+    api = from_validation(err.value.errors())
+    assert api.status == 400 and api.param is not None and api.param.split(".")[0] == field
+
+
+def test_an_integer_is_a_number_as_in_openai() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 1, "top_p": 1}
+    req = ChatCompletionRequest.model_validate_json(json.dumps({**body, "slo": {"ttft_ms": 500}}))
+    assert (req.temperature, req.top_p, req.slo and req.slo.ttft_ms) == (1.0, 1.0, 500.0)
 
 
 def test_n_above_one_is_refused_clearly() -> None:

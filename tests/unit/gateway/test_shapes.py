@@ -1,5 +1,6 @@
 """OpenAI chunk and body shapes, SSE framing."""
 
+import dataclasses
 import json
 
 import pytest
@@ -46,6 +47,18 @@ def test_chat_stream_chunks() -> None:
     for chunk in (first, mid, last, u):
         assert (chunk["id"], chunk["created"], chunk["model"]) == ("chatcmpl-1", 1700000000, "medical")
         assert chunk["system_fingerprint"] == "r0/medical@v3"
+
+
+@pytest.mark.parametrize("shape", [ChatShape(), TextShape()], ids=["chat", "text"])
+def test_with_include_usage_every_chunk_before_the_last_has_null_usage(shape: ChatShape | TextShape) -> None:
+    ident = dataclasses.replace(ID, include_usage=True)
+    before = [shape.opening(ident), shape.delta(ident, "Hi"), shape.closing(ident, "stop")]
+    for chunk in (c for c in before if c is not None):
+        assert "usage" in chunk and chunk["usage"] is None
+    assert shape.usage_chunk(ident, 7, 3)["usage"]["total_tokens"] == 10
+    # without include_usage no chunk has the key
+    plain = [shape.opening(ID), shape.delta(ID, "Hi"), shape.closing(ID, "stop")]
+    assert not any("usage" in c for c in plain if c is not None)
 
 
 def test_chat_complete_body() -> None:
