@@ -189,3 +189,18 @@ def test_a_request_alone_may_take_the_whole_pool() -> None:
         max_batch=4, max_batch_tokens=64, prefill_chunk_tokens=16, kv_budget_tokens=16, block_size=4
     )
     assert plan_iteration(cfg, [], [SeqView("a", 16, 0)]).admitted == ["a"]
+
+
+def test_attention_groups_bound_the_padding_and_keep_decodes_apart() -> None:
+    from collm_replica.engine.executor import attention_groups
+
+    q = [1, 1, 1, 1, 128, 1, 40]
+    k = [200, 1500, 210, 1400, 300, 190, 2000]
+    groups = attention_groups(q, k, max_padding=1.3)
+    assert sorted(i for g in groups for i in g) == list(range(len(q)))
+    for g in groups:
+        assert len({q[i] == 1 for i in g}) == 1  # decodes never share a call with a chunk
+        padded = len(g) * max(q[i] for i in g) * max(k[i] for i in g)
+        assert padded <= 1.3 * sum(q[i] * k[i] for i in g) or len(g) == 1
+    assert [1, 3] in groups and [2, 0, 5] in groups  # long contexts together, short ones together
+    assert attention_groups([1] * 4, [100] * 4) == [[0, 1, 2, 3]]  # equal lengths: one call

@@ -123,6 +123,10 @@ class StepCost:
 # Token slots of the pool `new_kv` makes when the executor was given none (`init_kv_pool`).
 DEFAULT_POOL_TOKENS = 1 << 16
 
+# Batched attention pads a group's work (sequences x longest query x longest context) to at most this
+# multiple of its useful work; beyond it, sequences go to another group (another attention call).
+ATTENTION_MAX_PADDING = 1.3
+
 # Above this many (tokens x distinct adapters), LoRA is applied per adapter segment instead of grouped.
 GROUPED_MAX_ROWS = 512
 
@@ -437,15 +441,39 @@ class Executor:
         return F.cross_entropy(logits, p.targets, reduction="sum"), p.n_labels
 
 
+def attention_groups(
+    q_lens: list[int], k_lens: list[int], max_padding: float = ATTENTION_MAX_PADDING
+) -> list[list[int]]:
+    """Sequences of one step grouped for batched attention (pure): each group is one attention call
+    whose queries are padded to its longest and keys to its longest context, so a group's padded work
+    (`len x max q x max k`) stays within `max_padding` x its sequences' own (`sum q x k`). Decodes (one
+    query) and prefill chunks never share a group. Returns indices into the inputs, groups ordered by
+    their longest context."""
+    groups: list[list[int]] = []
+    for kind in (True, False):
+        idx = sorted((i for i, q in enumerate(q_lens) if (q == 1) is kind), key=lambda i: -k_lens[i])
+        cur: list[int] = []
+        q_max = k_max = useful = 0
+        for i in idx:
+            nq, nk, nu = max(q_max, q_lens[i]), max(k_max, k_lens[i]), useful + q_lens[i] * k_lens[i]
+            if cur and (len(cur) + 1) * nq * nk > max_padding * nu:
+                groups.append(cur)
+                cur, nq, nk, nu = [], q_lens[i], k_lens[i], q_lens[i] * k_lens[i]
+            cur.append(i)
+            q_max, k_max, useful = nq, nk, nu
+        if cur:
+            groups.append(cur)
+    return groups
+
+
 class PagedAttention:
     """The attention of one inference iteration over the paged KV cache: per layer, the new tokens'
     keys and values are written into their pool slots, then every sequence's queries attend to its whole
-    context in one `scaled_dot_product_attention` call per group of the step: one for all decoding
-    sequences (one query each) and one for all prefill chunks (queries padded to the longest chunk), each
-    over keys and values gathered from the sequences' blocks into a padded batch with a mask. Two groups,
-    not one, because padding every decode to the longest prefill chunk multiplies the attention's work by
-    the chunk's length. The gather indices and masks are built once per iteration and reused by every
-    layer."""
+    context in one `scaled_dot_product_attention` call per group of the step (`attention_groups`:
+    decodes of similar context length together, prefill chunks of similar size together, so padding
+    costs at most `ATTENTION_MAX_PADDING` x the useful work), each over keys and values gathered from
+    the sequences' blocks into a padded batch with a mask. The gather indices and masks are built once
+    per iteration and reused by every layer."""
 
     def __init__(self, ex: Executor, items: list[ForwardItem], ranges: list[tuple[int, int]]) -> None:
         pool = items[0].kv.pool
@@ -456,10 +484,11 @@ class PagedAttention:
         pairs = zip(items, ranges, strict=True)
         self.write = torch.cat([it.kv.slots(it.start_pos, it.start_pos + e - s) for it, (s, e) in pairs])
         self.write = self.write.to(dev)
-        decodes = [i for i, (s, e) in enumerate(ranges) if e - s == 1]
-        chunks = [i for i, (s, e) in enumerate(ranges) if e - s > 1]
+        q_lens = [e - s for s, e in ranges]
+        k_lens = [it.start_pos + n for it, n in zip(items, q_lens, strict=True)]
         self.groups = [
-            self._group(ex, [items[i] for i in g], [ranges[i] for i in g]) for g in (decodes, chunks) if g
+            self._group(ex, [items[i] for i in g], [ranges[i] for i in g])
+            for g in attention_groups(q_lens, k_lens)
         ]
 
     @staticmethod
