@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from collm_common import subjects
 from collm_common.bus import Bus
-from collm_common.data import Example, LocalDataset, load_dataset, read_file
+from collm_common.data import Example, LocalDataset, load_dataset, read_file, write_jsonl
 from collm_common.wire import WireError, decode_payload
 from collm_common.wire.adapters import TrainingSample
 from collm_replica.engine import Engine
@@ -83,17 +82,8 @@ def load_local_dataset(settings: ReplicaSettings) -> LocalDataset:
 
 
 def append_samples(path: Path, examples: list[Example]) -> None:
-    """Append `examples` to the JSONL file at `path` (created with its directory), flushed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        for e in examples:
-            row = {"id": e.id, "prompt": e.prompt, "response": e.response}
-            if e.system:
-                row["system"] = e.system
-            if e.domain:
-                row["domain"] = e.domain
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        f.flush()
+    """Append `examples` to the JSONL file at `path` (created with its directory)."""
+    write_jsonl(path, examples, append=True)
 
 
 class SamplesConsumer:
