@@ -103,13 +103,18 @@ class NoResponders(BusError):
 
 
 class ServiceFailure(Exception):
-    """Raise inside an endpoint handler to answer with an error reply of `code`."""
+    """Raise inside an endpoint handler to answer with an error reply of `code` (HTTP-like), `type_` (an
+    OpenAI error type) and `message`; `param` names the request field at fault, for error bodies that
+    carry it."""
 
-    def __init__(self, code: int, message: str, type_: str = "invalid_request_error") -> None:
+    def __init__(
+        self, code: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.type = type_
+        self.param = param
 
 
 def error_of(msg: Msg, subject: str) -> BusError | None:

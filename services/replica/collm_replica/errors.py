@@ -18,13 +18,8 @@ from collm_common.bus import ServiceFailure
 
 
 class ReplicaError(ServiceFailure):
-    """A refused or failed request: HTTP-like `code`, OpenAI error `type`, `message`, offending `param`."""
-
-    def __init__(
-        self, code: int, message: str, type_: str = "invalid_request_error", param: str | None = None
-    ) -> None:
-        super().__init__(code, message, type_)
-        self.param = param
+    """A refused or failed request: HTTP-like `code`, OpenAI error `type`, `message`, offending `param`
+    (`ReplicaError(code, message, type_="invalid_request_error", param=None)`)."""
 
 
 class NotResident(ReplicaError):

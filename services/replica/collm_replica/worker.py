@@ -214,7 +214,7 @@ class Replica:
             code=err.code,
             type=err.type,
             message=err.message,
-            param=getattr(err, "param", None),
+            param=err.param,
         )
 
     async def _admit(self, gr: GenerateRequest, span: Span, sink: Any) -> None:
