@@ -7,15 +7,16 @@ in headers and msgpack wire messages in payloads:
 * `request` for one reply (control commands), raising `BusError` on an error reply;
 * `stream` for a request answered by many messages on an inbox (token streaming);
 * `service` to register a NATS micro service (`$SRV.PING|INFO|STATS`, so `nats micro ls` sees it)
-  whose endpoints decode their request, answer with a wire message, and turn refusals into error
+  whose endpoints decode their request, answer with wire messages (one: `MicroService.endpoint`; a
+  stream, each request in its own task: `MicroService.stream_endpoint`), and turn refusals into error
   replies (micro's `Nats-Service-Error` and `Nats-Service-Error-Code` headers) instead of crashing.
 
-Every endpoint registered through `MicroService.endpoint` also speaks JSON: a request with the header
-`Content-Type: application/json` (`nats req SUBJECT '{...}' -H Content-Type:application/json`) is
-validated against the same schema, refused with the same error reply, and answered in JSON with that
-header (`collm_common.wire.decode_payload` / `encode_reply`). An empty request body is the empty message.
-Endpoints a service serves with its own handler (a replica's token stream `generate`, `cancel`,
-`evaluate`) stay msgpack only.
+Every endpoint registered through `MicroService.endpoint` also speaks JSON unless registered with
+`json=False`: a request with the header `Content-Type: application/json` (`nats req SUBJECT '{...}' -H
+Content-Type:application/json`) is validated against the same schema, refused with the same error reply,
+and answered in JSON with that header (`collm_common.wire.decode_payload` / `encode_reply`). An empty
+request body is the empty message. Streaming endpoints (a replica's token stream `generate`, `evaluate`)
+and `json=False` ones (a replica's `cancel`) are msgpack only.
 
 The first connection is retried until `nats_connect_timeout_s` (nats-py does not retry it), later
 disconnects reconnect forever. Credentials (`nats_user`/`nats_password`, a token, a creds file, or
