@@ -7,15 +7,16 @@ in headers and msgpack wire messages in payloads:
 * `request` for one reply (control commands), raising `BusError` on an error reply;
 * `stream` for a request answered by many messages on an inbox (token streaming);
 * `service` to register a NATS micro service (`$SRV.PING|INFO|STATS`, so `nats micro ls` sees it)
-  whose endpoints decode their request, answer with a wire message, and turn refusals into error
+  whose endpoints decode their request, answer with wire messages (one: `MicroService.endpoint`; a
+  stream, each request in its own task: `MicroService.stream_endpoint`), and turn refusals into error
   replies (micro's `Nats-Service-Error` and `Nats-Service-Error-Code` headers) instead of crashing.
 
-Every endpoint registered through `MicroService.endpoint` also speaks JSON: a request with the header
-`Content-Type: application/json` (`nats req SUBJECT '{...}' -H Content-Type:application/json`) is
-validated against the same schema, refused with the same error reply, and answered in JSON with that
-header (`collm_common.wire.decode_payload` / `encode_reply`). An empty request body is the empty message.
-Endpoints a service serves with its own handler (a replica's token stream `generate`, `cancel`,
-`evaluate`) stay msgpack only.
+Every endpoint registered through `MicroService.endpoint` also speaks JSON unless registered with
+`json=False`: a request with the header `Content-Type: application/json` (`nats req SUBJECT '{...}' -H
+Content-Type:application/json`) is validated against the same schema, refused with the same error reply,
+and answered in JSON with that header (`collm_common.wire.decode_payload` / `encode_reply`). An empty
+request body is the empty message. Streaming endpoints (a replica's token stream `generate`, `evaluate`)
+and `json=False` ones (a replica's `cancel`) are msgpack only.
 
 Every message `publish`, `request` and `stream` send is measured first, payload and headers together
 (`message_size`), against the server's `max_payload`: one that does not fit raises `PayloadTooLarge`
@@ -34,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -136,13 +137,18 @@ class NoResponders(BusError):
 
 
 class ServiceFailure(Exception):
-    """Raise inside an endpoint handler to answer with an error reply of `code`."""
+    """Raise inside an endpoint handler to answer with an error reply of `code` (HTTP-like), `type_` (an
+    OpenAI error type) and `message`; `param` names the request field at fault, for error bodies that
+    carry it."""
 
-    def __init__(self, code: int, message: str, type_: str = "invalid_request_error") -> None:
+    def __init__(
+        self, code: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.type = type_
+        self.param = param
 
 
 def error_of(msg: Msg, subject: str) -> BusError | None:
@@ -164,10 +170,20 @@ def error_of(msg: Msg, subject: str) -> BusError | None:
 
 
 Handler = Callable[[Any, Mapping[str, str]], Awaitable[BaseModel | None]]
+# A streaming endpoint's handler: the replies to one request, in order.
+StreamHandler = Callable[[Any, Mapping[str, str]], AsyncIterator[BaseModel]]
+# The body of an endpoint's error reply for a request (None: it did not decode) and the failure.
+ErrorBody = Callable[[Any, "ServiceFailure"], BaseModel]
+# Runs a coroutine in a task its caller owns (and cancels on stop).
+Spawn = Callable[[Coroutine[Any, Any, None]], object]
 
 
 class MicroService:
-    """A NATS micro service; endpoints decode their request type and reply with a wire message."""
+    """A NATS micro service; endpoints decode their request type and reply with wire messages.
+
+    Every endpoint answers a request that does not decode (`WireError`) or a handler's `ServiceFailure`
+    with an error reply (`_reply_error`): micro's error headers and, where the endpoint names one
+    (`error_body`), a body; a request without a reply subject (a plain publish) gets no answer."""
 
     def __init__(self, bus: Bus, svc: Service) -> None:
         self.bus = bus
@@ -185,12 +201,14 @@ class MicroService:
         handler: Handler,
         metadata: dict[str, str] | None = None,
         queue_group: str | None = None,
+        json: bool = True,
+        error_body: ErrorBody | None = None,
     ) -> None:
-        """Serve `subject`. `handler(request, headers)` returns the reply (or None: it replies itself).
+        """Serve `subject`, one request at a time. `handler(request, headers)` returns the reply.
 
-        The request is decoded as `request_type` from msgpack, or from JSON when its headers say
-        `Content-Type: application/json`; the reply goes back in the same format. A request that does not
-        decode, or a `ServiceFailure` from the handler, is answered with micro's error headers."""
+        The request is decoded as `request_type` from msgpack, or (with `json`) from JSON when its headers
+        say `Content-Type: application/json`; the reply goes back in the same format. Errors: see the
+        class docstring (without `error_body`, micro's headers and an empty body)."""
         tracer = tracing.tracer("collm.bus")
 
         async def on_request(req: Request) -> None:
@@ -201,18 +219,67 @@ class MicroService:
                 kind=SpanKind.SERVER,
                 attributes={"messaging.system": "nats", "messaging.destination.name": req.subject},
             ) as span:
+                parsed = None
                 try:
-                    parsed = decode_payload(request_type, req.data, headers)
+                    parsed = _decode_request(request_type, req, json)
                     reply = await handler(parsed, headers)
-                except (WireError, ServiceFailure) as exc:
+                except ServiceFailure as exc:
                     span.set_status(Status(StatusCode.ERROR, str(exc)))
-                    # Raised as micro's ServiceError so the reply carries the error headers and
-                    # `nats micro stats` counts it in num_errors.
-                    raise ServiceError(str(exc.code), _header_safe(str(exc))) from None
-                if reply is not None:
-                    body, reply_headers = encode_reply(reply, headers)
+                    await _reply_error(req, parsed, exc, error_body, json)
+                    return
+                if reply is not None and req._msg.reply:
+                    body, reply_headers = encode_reply(reply, headers if json else None)
                     await req.respond(body, headers=reply_headers)
 
+        await self._add(name, subject, on_request, metadata, queue_group)
+
+    async def stream_endpoint(
+        self,
+        name: str,
+        subject: str,
+        request_type: type[Any] | TypeAdapter[Any],
+        handler: StreamHandler,
+        spawn: Spawn,
+        error_body: ErrorBody,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        """Serve `subject` with a stream of replies per request (msgpack only), many requests at once.
+
+        Each request is decoded as `request_type`, then `spawn` runs `handler(request, headers)` in a
+        task; every message it yields goes to the request's reply inbox, in order (a reply that cannot be
+        sent, the requester gone, is dropped). A `ServiceFailure` the handler raises is answered with an
+        error reply whose body is `error_body(request, failure)`; any other exception with a 500."""
+
+        async def run(req: Request, parsed: Any) -> None:
+            try:
+                async for msg in handler(parsed, req.headers or {}):
+                    with contextlib.suppress(Exception):
+                        await req.respond(encode(msg))
+            except ServiceFailure as exc:
+                await _reply_error(req, parsed, exc, error_body, False)
+            except Exception as exc:  # noqa: BLE001 - answered, never left hanging
+                log.exception("%s failed", name)
+                failure = ServiceFailure(500, f"internal error: {type(exc).__name__}", "server_error")
+                await _reply_error(req, parsed, failure, error_body, False)
+
+        async def on_request(req: Request) -> None:
+            try:
+                parsed = _decode_request(request_type, req, False)
+            except ServiceFailure as exc:
+                await _reply_error(req, None, exc, error_body, False)
+                return
+            spawn(run(req, parsed))
+
+        await self._add(name, subject, on_request, metadata, None)
+
+    async def _add(
+        self,
+        name: str,
+        subject: str,
+        on_request: Callable[[Request], Awaitable[None]],
+        metadata: dict[str, str] | None,
+        queue_group: str | None,
+    ) -> None:
         await self.svc.add_endpoint(
             name=name, subject=subject, handler=on_request, metadata=metadata, queue_group=queue_group
         )
@@ -223,6 +290,40 @@ class MicroService:
 
     async def stop(self) -> None:
         await self.svc.stop()
+
+
+def _decode_request(request_type: type[Any] | TypeAdapter[Any], req: Request, json: bool) -> Any:
+    """The request as `request_type`; a `WireError` becomes a `ServiceFailure` of its code."""
+    try:
+        if json:
+            return decode_payload(request_type, req.data, req.headers)
+        return decode(request_type, req.data)
+    except WireError as exc:
+        raise ServiceFailure(exc.code, str(exc)) from None
+
+
+async def _reply_error(
+    req: Request, parsed: Any, exc: ServiceFailure, error_body: ErrorBody | None, json: bool
+) -> None:
+    """Answer `req` with the error reply of `exc` (see `MicroService`); counted in micro's `num_errors`
+    when the endpoint has no body of its own (micro then writes the reply)."""
+    if not req._msg.reply:
+        return
+    if error_body is None:
+        # Raised as micro's ServiceError so that `nats micro stats` counts it in num_errors.
+        raise ServiceError(str(exc.code), _header_safe(str(exc))) from None
+    body_msg = error_body(parsed, exc)
+    if json:
+        body, body_headers = encode_reply(body_msg, req.headers)
+    else:
+        body, body_headers = encode(body_msg), None
+    headers = {
+        **(body_headers or {}),
+        ERROR_HEADER: _header_safe(exc.message),
+        ERROR_CODE_HEADER: str(exc.code),
+    }
+    with contextlib.suppress(Exception):
+        await req.respond(body, headers=headers)
 
 
 def _header_safe(text: str) -> str:

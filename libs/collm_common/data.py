@@ -112,10 +112,12 @@ def load_dataset(
     return ds
 
 
-def write_jsonl(path: Path, examples: Iterable[Example]) -> int:
+def write_jsonl(path: Path, examples: Iterable[Example], append: bool = False) -> int:
+    """Write `examples` as JSONL at `path` (its directory created), or append them with `append`;
+    returns how many were written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
-    with path.open("w", encoding="utf-8") as f:
+    with path.open("a" if append else "w", encoding="utf-8") as f:
         for e in examples:
             row = {"id": e.id, "prompt": e.prompt, "response": e.response}
             if e.system:

@@ -42,7 +42,7 @@ from collm_common.bus import inbox_prefix
 DEFAULT_REPLICAS = ("r0", "r1", "r2", "g0", "g1")
 AUTH_CONF = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "auth.conf"
 # The aggregator's durable update consumer (AggregatorSettings.consumer_name's default) and a
-# replica's durable samples consumer (collm_replica.service: `replica-<id>`).
+# replica's durable samples consumer (collm_replica.samples: `replica-<id>`).
 AGGREGATOR_CONSUMER = "collm-aggregator"
 # How long a request's reply subject stays open to its responder: a generation may stream for up to
 # the gateway's request deadline (600 s by default), evaluation and import take minutes at most.

@@ -1,8 +1,8 @@
 """`python -m collm_replica`: start one replica with settings from COLLM_* environment variables."""
 
 from collm_common.service import run_service
-from collm_replica.service import serve
 from collm_replica.settings import ReplicaSettings
+from collm_replica.worker import serve
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ from opentelemetry import trace
 from collm_common import subjects
 from collm_common.bus import Bus, BusError, NoResponders, PayloadTooLarge, ServiceFailure, message_size
 from collm_common.settings import CommonSettings
-from collm_common.wire import encode
-from collm_common.wire.control import CONTROL_COMMAND, ControlReply, SetFineTuneShare
+from collm_common.wire import decode, encode
+from collm_common.wire.control import CONTROL_COMMAND, ControlReply, ErrorReply, SetFineTuneShare
 from collm_common.wire.inference import CancelRequest
 
 pytestmark = pytest.mark.integration
@@ -213,3 +213,47 @@ async def test_a_message_of_exactly_max_payload_is_sent_and_one_byte_more_is_ref
         assert bus.connected and [len(m.reason) for m in got] == [len(exact.reason)]
     finally:
         await bus.close()
+
+
+async def test_a_stream_endpoint_streams_in_order_and_refuses_with_its_error_body(nats_server) -> None:
+    """Each request's replies come in order from a task of the caller's; a refusal (raised by the handler,
+    or a request that does not decode) is an error reply: micro's headers plus the endpoint's own body."""
+    bus = await Bus.connect(settings(nats_server.url), "t")
+    tasks: set[asyncio.Task[None]] = set()
+    try:
+        svc = await bus.service(subjects.SERVICE_REPLICA, "0.1.0", "test", {"replica_id": "s1"})
+
+        async def count(req, _headers):
+            if req.request_id == "refuse":
+                raise ServiceFailure(429, "queue\nfull", "rate_limit_exceeded")
+            for i in range(3):
+                yield ControlReply(ok=True, message=f"{req.request_id}:{i}")
+
+        def error_body(req, failure):
+            return ErrorReply(code=failure.code, type=failure.type, message=f"{req and req.request_id}")
+
+        def spawn(coro):
+            task = asyncio.create_task(coro)
+            tasks.add(task)
+            return task
+
+        subject = subjects.replica("s1", "generate")
+        await svc.stream_endpoint("generate", subject, CancelRequest, count, spawn, error_body)
+        async with bus.stream(subject, CancelRequest(request_id="a")) as replies:
+            got = [decode(ControlReply, (await replies.next(5)).data).message for _ in range(3)]
+        assert got == ["a:0", "a:1", "a:2"]
+        raw = await bus.nc.request(subject, encode(CancelRequest(request_id="refuse")), timeout=5)
+        assert raw.headers["Nats-Service-Error-Code"] == "429"
+        assert raw.headers["Nats-Service-Error"] == "queue full"
+        refusal = ErrorReply(code=429, type="rate_limit_exceeded", message="refuse")
+        assert decode(ErrorReply, raw.data) == refusal
+        raw = await bus.nc.request(subject, b"\xc1", timeout=5)
+        assert raw.headers["Nats-Service-Error-Code"] == "400"
+        assert decode(ErrorReply, raw.data).message == "None"
+        await bus.nc.publish(subject, b"\xc1")  # no reply subject: nothing to answer, nothing breaks
+        async with bus.stream(subject, CancelRequest(request_id="b")) as replies:
+            assert decode(ControlReply, (await replies.next(5)).data).message == "b:0"
+    finally:
+        await bus.close()
+        for task in tasks:
+            task.cancel()

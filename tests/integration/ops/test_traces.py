@@ -36,8 +36,8 @@ from collm_coordinator.service import Coordinator
 from collm_coordinator.settings import CoordinatorSettings
 from collm_gateway.app import build_app
 from collm_gateway.settings import GatewaySettings
-from collm_replica.service import serve as serve_replica
 from collm_replica.settings import ReplicaSettings
+from collm_replica.worker import serve as serve_replica
 from tests.doubles.participant import BASE_MODEL, ParticipantBehaviour, ParticipantDouble, tiny_adapter
 
 pytestmark = pytest.mark.integration

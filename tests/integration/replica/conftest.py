@@ -18,8 +18,8 @@ from collm_common.bus import Bus
 from collm_common.service import ServiceContext, serve_until_stopped
 from collm_common.settings import CommonSettings
 from collm_common.store import AdapterStore
-from collm_replica.service import Replica, serve
 from collm_replica.settings import ReplicaSettings
+from collm_replica.worker import Replica, serve
 
 REPLICA_ID = "rt1"
 
@@ -84,7 +84,7 @@ async def replica(nats_server, redis_server, redis_prefix, tmp_path: Path) -> As
 
     async def serve_and_keep(ctx: ServiceContext[ReplicaSettings]) -> None:
         # Same as `serve`, but hands the Replica object to the test.
-        import collm_replica.service as svc
+        import collm_replica.worker as svc
 
         original = svc.Replica
 

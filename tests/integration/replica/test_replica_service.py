@@ -308,7 +308,7 @@ async def test_evaluate_returns_losses(replica: Running) -> None:
 
 async def test_new_samples_are_persisted_and_used(replica: Running) -> None:
     from collm_common.streams import ensure_streams
-    from collm_replica.service import SAMPLES_FILE, samples_dir
+    from collm_replica.samples import SAMPLES_FILE, samples_dir
 
     await ensure_streams(replica.bus.js)
     for i in range(3):

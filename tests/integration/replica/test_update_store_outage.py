@@ -1,4 +1,4 @@
-"""A participant's update survives a Redis outage at the moment it finishes training (service.py,
+"""A participant's update survives a Redis outage at the moment it finishes training (participant.py,
 `_store_update`): the upload is retried until Redis is back, then the update goes out on JetStream; past
 the round's deadline it is logged and counted as not sent. Real replica (tiny model), real nats-server
 and redis-server; Redis is stopped and restarted on the same port and data directory."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from collm_common.data import Example, in_eval_split, write_jsonl
 from collm_replica.engine import Engine, EngineConfig
 from collm_replica.models import LoadedModel
-from collm_replica.service import SAMPLES_FILE, _append_samples, load_local_dataset, samples_dir
+from collm_replica.samples import SAMPLES_FILE, append_samples, load_local_dataset, samples_dir
 from collm_replica.settings import ReplicaSettings
 
 FRACTION = 0.2
@@ -47,8 +47,8 @@ def test_split_directories_keep_their_split_and_samples_are_loaded_once_by_hash(
     sample_eval = ids_by_hash("s", 2, want_eval=True)
     path = samples_dir(s) / SAMPLES_FILE
     assert path.parent == data / "samples"
-    _append_samples(path, [ex(i) for i in sample_train + sample_eval])
-    _append_samples(path, [ex(sample_eval[0])])
+    append_samples(path, [ex(i) for i in sample_train + sample_eval])
+    append_samples(path, [ex(sample_eval[0])])
 
     ds = load_local_dataset(s)
     train = [e.id for e in ds.train]
@@ -64,7 +64,7 @@ def test_flat_directory_splits_by_hash_and_loads_samples_once(tmp_path: Path) ->
     write_jsonl(data / "med.jsonl", [ex(i) for i in ids])
     s = settings(data)
     samples = ids_by_hash("s", 2, want_eval=False) + ids_by_hash("s", 1, want_eval=True)
-    _append_samples(samples_dir(s) / SAMPLES_FILE, [ex(i) for i in samples])
+    append_samples(samples_dir(s) / SAMPLES_FILE, [ex(i) for i in samples])
     ds = load_local_dataset(s)
     every = [e.id for e in ds.train + ds.eval]
     assert sorted(every) == sorted(set(ids + samples)) and len(every) == len(set(every))
@@ -78,7 +78,7 @@ def test_runtime_samples_land_where_a_restart_puts_them(tmp_path: Path, tiny: Lo
     s = settings(data)
     eng = Engine(tiny, EngineConfig(eval_fraction=FRACTION), dataset=load_local_dataset(s))
     new = [ex(i) for i in ids_by_hash("s", 3, want_eval=False) + ids_by_hash("s", 3, want_eval=True)]
-    _append_samples(samples_dir(s) / SAMPLES_FILE, new)
+    append_samples(samples_dir(s) / SAMPLES_FILE, new)
     eng.add_examples(new)
     eng.add_examples(new[:2])  # redelivered: not added twice
     eng._iteration()

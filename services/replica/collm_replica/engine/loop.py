@@ -670,6 +670,11 @@ class Engine(_Serving):
         self._command(lambda: self.slots.pending.append((deadline, attempt)))
         return fut
 
+    def offload_version(self, version_id: str) -> Future[bool]:
+        """Free the slot of `version_id` at the next iteration boundary (`Slots.offload`); a later request
+        or install makes it resident again."""
+        return self._call(lambda: self.slots.offload(version_id))
+
     def set_share(self, share: float, ttl_s: float) -> Future[None]:
         """Applied at the next iteration boundary; the future resolves once the share is in force."""
 

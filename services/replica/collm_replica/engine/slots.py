@@ -154,6 +154,19 @@ class Slots:
             self._lru.add(version_id, name, slot, current=make_current)
         log.info("adapter %s resident in slot %d%s", version_id, slot, " (current)" if make_current else "")
 
+    def offload(self, version_id: str) -> bool:
+        """Free the slot of `version_id`: True once it is gone, False if it was not resident; EngineRefusal
+        409 while requests are bound to it."""
+        with self._lock:
+            res = self._lru.by_id.get(version_id)
+            if res is None:
+                return False
+            if res.refs:
+                raise EngineRefusal(409, f"{version_id} is in use by {res.refs} request(s)", "conflict")
+            self._lru.evict(version_id)
+        log.info("adapter %s offloaded from slot %d", version_id, res.slot)
+        return True
+
     def install_refresh(
         self, name: str, base_version_id: str, weights: Callable[[], dict], scaling: float
     ) -> str | None:

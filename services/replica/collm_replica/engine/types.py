@@ -12,6 +12,8 @@ import torch
 from collm_common.lora import AdapterWeights
 from collm_common.wire.telemetry import ResidentAdapter, TrainingJobStatus
 from collm_replica.engine.scheduler import BatchConfig
+from collm_replica.errors import NotResident as NotResident  # re-exported: the engine raises it
+from collm_replica.errors import ReplicaError
 from collm_replica.training import JobConfig
 
 BASE = "base"
@@ -38,21 +40,8 @@ def eval_dtype(setting: str, device: torch.device, model_dtype: torch.dtype) -> 
     return torch.bfloat16 if amx is not None and amx() else None
 
 
-class EngineRefusal(Exception):
-    """A request the engine does not accept; `code` is HTTP-like (400, 404, 429, 503)."""
-
-    def __init__(
-        self, code: int, message: str, type_: str = "invalid_request_error", param: str | None = None
-    ):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.type = type_
-        self.param = param
-
-
-class NotResident(Exception):
-    """The adapter (version) a request names is not in the bank: the service fetches it and retries."""
+# The replica's one error type (collm_replica.errors); `EngineRefusal` is its name in the engine.
+EngineRefusal = ReplicaError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,391 @@
+"""The replica's NATS shell (`python -m collm_replica`): endpoints, subscriptions and telemetry.
+
+Micro service `collm-replica` (metadata: replica_id, model), every endpoint registered through the bus's
+micro-service path (`MicroService.endpoint` / `stream_endpoint`) on `subjects.replica(id, verb)`:
+
+* `generate` (streaming): `GenerateRequest` -> on the request's reply inbox, `Accepted` (or a
+  `GenerateError`, also sent with micro error headers so a plain request sees the code), `TokenChunk`s
+  seq 0.., then `Finished`. Each request runs in a task: tokenization, adapter resolution (the adapter
+  manager loads a version that is not resident, never in the engine thread) and admission happen there.
+  W3C trace context from the headers becomes the parent of a `generate` span (captured here: contextvars
+  do not reach the engine). Each request ends with its metrics by model and exact version and one
+  `collm_replica.requests` log line written in the span's context (its trace id), both from
+  `collm_replica.observe`.
+* `cancel`: `CancelRequest` (reply optional) stops a generation.
+* `control`: `CONTROL_COMMAND` -> `ControlReply` (share with TTL, start/stop training, pause/resume,
+  publish now, sync adapter).
+* `status`: `StatusRequest` (an empty body is one) -> the current `ReplicaTelemetry`.
+* `evaluate` (streaming, one reply): `EvaluateCandidate` -> `EvalReport` (`Participant.evaluate`), or an
+  error reply with an `ErrorReply` body. Each evaluation runs in a task; the engine orders them itself (a
+  candidate on a publication's critical path before background pre-scoring).
+
+`control` and `status` also take and answer JSON (`Content-Type: application/json`); `generate`, `cancel`
+and `evaluate` are msgpack only. Every refusal is a `ReplicaError` (`collm_replica.errors`), which the
+bus's endpoint wrapper turns into the error reply.
+
+Background: telemetry every `telemetry_interval_s` on `subjects.telemetry(id)`; adapter versions from
+`subjects.adapter_published_all()` and the store's pointers (`AdapterManager`, re-read at start and every
+`adapter_sync_interval_s`: events can be lost); the samples consumer (`SamplesConsumer`); round jobs and
+their updates (`Participant`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import torch
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from collm_common import subjects, tracing
+from collm_common.bus import Bus, ServiceFailure
+from collm_common.service import ServiceContext
+from collm_common.step_log import StepLog
+from collm_common.store import AdapterStore, version_id
+from collm_common.streams import ensure_streams
+from collm_common.wire.adapters import AdapterPublished
+from collm_common.wire.admin import StatusRequest
+from collm_common.wire.control import (
+    CONTROL_COMMAND,
+    ControlReply,
+    ErrorReply,
+    PauseTraining,
+    PublishNow,
+    ResumeTraining,
+    SetFineTuneShare,
+    StartTraining,
+    StopTraining,
+    SyncAdapter,
+)
+from collm_common.wire.inference import CancelRequest, GenerateError, GenerateRequest
+from collm_common.wire.rounds import EvalReport, EvaluateCandidate
+from collm_common.wire.telemetry import ReplicaTelemetry
+from collm_replica import __version__, metrics, observe
+from collm_replica.adapters import AdapterManager
+from collm_replica.engine import Engine, EngineConfig, EngineRequest
+from collm_replica.errors import NotResident, ReplicaError
+from collm_replica.models import LoadedModel, load_model
+from collm_replica.participant import Participant
+from collm_replica.samples import SamplesConsumer, load_local_dataset
+from collm_replica.settings import ReplicaSettings
+from collm_replica.tasks import Tasks
+from collm_replica.telemetry import TelemetryBuilder
+
+log = logging.getLogger(__name__)
+request_log = logging.getLogger("collm_replica.requests")  # one line per finished request
+
+# Admission attempts of a request whose adapter version is not resident (loaded between attempts).
+ADMISSION_ATTEMPTS = 3
+
+
+def prompt_ids(gr: GenerateRequest, loaded: LoadedModel) -> list[int]:
+    """The prompt's token ids: given ids as they are, messages through the chat template, or the prompt
+    text encoded (400 unless exactly one of the three is set and valid)."""
+    given = [x is not None for x in (gr.prompt, gr.messages, gr.prompt_token_ids)]
+    if sum(given) != 1:
+        raise ReplicaError(
+            400, "exactly one of prompt, messages and prompt_token_ids must be set", param="messages"
+        )
+    tok = loaded.tokenizer
+    if gr.prompt_token_ids is not None:
+        vocab = int(loaded.config.vocab_size)
+        if not gr.prompt_token_ids or any(t < 0 or t >= vocab for t in gr.prompt_token_ids):
+            raise ReplicaError(400, f"prompt_token_ids must be non-empty ids in [0, {vocab})", param="prompt")
+        return list(gr.prompt_token_ids)
+    if gr.messages is not None:
+        if not gr.messages:
+            raise ReplicaError(400, "messages must not be empty", param="messages")
+        try:
+            text = tok.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in gr.messages],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - a template that rejects these messages
+            raise ReplicaError(
+                400, f"the chat template rejected the messages: {exc}", param="messages"
+            ) from None
+        return list(tok.encode(text, add_special_tokens=False))
+    assert gr.prompt is not None
+    return list(tok.encode(gr.prompt))
+
+
+def engine_request(gr: GenerateRequest, ids: list[int], span: Span) -> EngineRequest:
+    """The engine's view of a generate request (its adapter name checked: 400 if malformed)."""
+    er = EngineRequest(
+        request_id=gr.request_id,
+        prompt_ids=ids,
+        adapter=gr.adapter,
+        version_id=version_id(gr.adapter, gr.adapter_version) if gr.adapter and gr.adapter_version else None,
+        max_tokens=gr.sampling.max_tokens,
+        temperature=gr.sampling.temperature,
+        top_p=gr.sampling.top_p,
+        seed=gr.sampling.seed,
+        stop=list(gr.sampling.stop),
+        ignore_eos=gr.sampling.ignore_eos,
+        ttft_slo_ms=gr.slo.ttft_ms,
+        tpot_slo_ms=gr.slo.tpot_ms,
+        deadline_unix_s=gr.deadline_unix_s,
+        span=span,
+    )
+    if gr.adapter is not None:
+        try:
+            subjects.check_token(gr.adapter, "adapter name")
+        except ValueError as exc:
+            raise ReplicaError(400, str(exc), param="model") from None
+    return er
+
+
+class Replica:
+    """One replica: its engine, adapter manager, round participant, NATS endpoints and background loops."""
+
+    def __init__(self, settings: ReplicaSettings, loaded: LoadedModel, bus: Bus, store: AdapterStore,
+                 engine: Engine | None = None) -> None:  # fmt: skip
+        self.s = settings
+        self.rid = settings.replica_id
+        self.loaded = loaded
+        self.bus = bus
+        self.store = store
+        self.tasks = Tasks()
+        self.engine = engine or Engine(
+            loaded, EngineConfig.from_settings(settings), dataset=load_local_dataset(settings)
+        )
+        self.adapters = AdapterManager(settings, loaded, self.engine, store, bus, self.tasks)
+        self.participant = Participant(self.rid, loaded, self.engine, store, bus, self.adapters, self.tasks)
+        self.engine.on_job_event = self.participant.on_job_event_threadsafe
+        self.samples = SamplesConsumer(settings, bus, self.engine)
+        self.step_log = StepLog(settings.step_log_path) if settings.step_log_path is not None else None
+        if self.step_log is not None:
+            self.engine.step_log = self.step_log.write
+        self.telemetry_builder = TelemetryBuilder(self.rid, loaded.name, settings.telemetry_interval_s)
+        self.tracer = tracing.tracer("collm.replica")
+
+    # ================================================================================== lifecycle
+    async def start(self) -> None:
+        metrics.ENGINE_TOKENS.attach(self.rid, lambda: self.engine)
+        self.engine.start()
+        with contextlib.suppress(Exception):
+            await ensure_streams(self.bus.js)
+        svc = await self.bus.service(
+            subjects.SERVICE_REPLICA,
+            __version__,
+            f"CoLLM replica {self.rid}: inference with co-executed LoRA fine-tuning",
+            metadata={"replica_id": self.rid, "model": self.loaded.name},
+        )
+        self.micro = svc
+        rid = self.rid
+        await svc.stream_endpoint(
+            "generate", subjects.replica(rid, "generate"), GenerateRequest, self._generate, self.tasks.spawn,
+            self._generate_error, metadata={"kind": "inference", "replica_id": rid},
+        )  # fmt: skip
+        await svc.endpoint("cancel", subjects.replica(rid, "cancel"), CancelRequest, self._cancel, json=False)
+        await svc.endpoint("status", subjects.replica(rid, "status"), StatusRequest, self._status)
+        await svc.endpoint("control", subjects.replica(rid, "control"), CONTROL_COMMAND, self._control)
+        await svc.stream_endpoint(
+            "evaluate", subjects.replica(rid, "evaluate"), EvaluateCandidate, self._evaluate,
+            self.tasks.spawn, _error_reply,
+        )  # fmt: skip
+        await self.bus.subscribe(
+            subjects.adapter_published_all(), AdapterPublished, self.adapters.on_published
+        )
+        self.tasks.spawn(self._telemetry_loop())
+        self.tasks.spawn(self.adapters.run_sync(self.s.adapter_sync_interval_s))
+        self.tasks.spawn(self.samples.run())
+        log.info("replica %s serving %s (%s)", self.rid, self.loaded.name, self.loaded.device)
+
+    async def stop(self) -> None:
+        await self.tasks.cancel_all()
+        await asyncio.to_thread(self.engine.stop)
+        metrics.ENGINE_TOKENS.detach(self.rid)
+        if self.step_log is not None:
+            self.step_log.close()
+
+    # ================================================================================== generate
+    def _generate_error(self, gr: GenerateRequest | None, err: ServiceFailure) -> GenerateError:
+        """The error reply of a refused generate request (counted as `refused_<code>`)."""
+        model = observe.model_label(gr, self.loaded.name) if gr is not None else "unknown"
+        observe.record_failed(self.rid, model, None, f"refused_{err.code}")
+        return GenerateError(
+            request_id=gr.request_id if gr is not None else "?",
+            code=err.code,
+            type=err.type,
+            message=err.message,
+            param=err.param,
+        )
+
+    async def _admit(self, gr: GenerateRequest, span: Span, sink: Any) -> None:
+        """Tokenize and submit to the engine, loading the adapter version when it is not resident."""
+        ids = (
+            await asyncio.to_thread(prompt_ids, gr, self.loaded)
+            if gr.messages
+            else prompt_ids(gr, self.loaded)
+        )
+        er = engine_request(gr, ids, span)
+        for attempt in range(ADMISSION_ATTEMPTS):
+            try:
+                self.engine.submit(er, sink)
+                return
+            except NotResident:
+                if attempt == ADMISSION_ATTEMPTS - 1:
+                    raise ReplicaError(
+                        503, "adapter could not be kept resident", "service_unavailable"
+                    ) from None
+                assert gr.adapter is not None
+                await self.adapters.ensure(gr.adapter, gr.adapter_version)
+
+    async def _generate(self, gr: GenerateRequest, headers: Mapping[str, str]) -> AsyncIterator[Any]:
+        span = self.tracer.start_span(
+            "generate",
+            context=tracing.extract(headers),
+            kind=SpanKind.SERVER,
+            attributes={"collm.request_id": gr.request_id, "collm.replica_id": self.rid,
+                        "collm.adapter": gr.adapter or "base",
+                        **observe.request_attributes(gr, self.loaded.name)},
+        )  # fmt: skip
+        model = observe.model_label(gr, self.loaded.name)
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(ev: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        try:
+            await self._admit(gr, span, sink)
+        except ReplicaError as err:
+            span.set_status(Status(StatusCode.ERROR, err.message))
+            span.set_attribute("collm.refused", err.code)
+            span.end()
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log.exception("generate %s failed before admission", gr.request_id)
+            span.end()
+            raise ReplicaError(500, f"internal error: {type(exc).__name__}", "server_error") from None
+        if gr.adapter:
+            self.adapters.track(gr.adapter)
+        version: str | None = None
+        while True:
+            ev = await events.get()
+            yield ev
+            if ev.kind == "accepted":
+                version = ev.adapter_version_id
+            elif ev.kind == "finished":
+                observe.record_finished(self.rid, model, ev)
+                # Written in the span's context: the line carries the request's trace id (the span has
+                # ended in the engine by now; its context still names the trace).
+                with trace.use_span(span, end_on_exit=False):
+                    request_log.info(
+                        "request %s %s", gr.request_id, ev.finish_reason,
+                        extra=observe.finished_fields(ev, model),
+                    )  # fmt: skip
+                return
+            elif ev.kind == "error":
+                observe.record_failed(self.rid, model, version, "error")
+                with trace.use_span(span, end_on_exit=False):
+                    request_log.warning(
+                        "request %s failed: %s %s", gr.request_id, ev.code, ev.message,
+                        extra={"request_id": gr.request_id, "model": model, "adapter_version": version,
+                               "code": ev.code},
+                    )  # fmt: skip
+                return
+
+    # ================================================================================== control
+    async def _cancel(self, c: CancelRequest, _headers: Mapping[str, str]) -> ControlReply:
+        found = self.engine.cancel(c.request_id)
+        return ControlReply(ok=found, message="cancelled" if found else "not in flight")
+
+    async def _control(self, cmd: Any, _headers: Mapping[str, str]) -> ControlReply:
+        e = self.engine
+        if isinstance(cmd, SetFineTuneShare):
+            await asyncio.wrap_future(e.set_share(cmd.share, cmd.ttl_s))  # in force once we reply
+            return ControlReply(ok=True, message=f"share {cmd.share:.2f} for {cmd.ttl_s:.0f}s")
+        if isinstance(cmd, PauseTraining):
+            await asyncio.wrap_future(e.pause_training())
+            return ControlReply(ok=True, message="training paused")
+        if isinstance(cmd, ResumeTraining):
+            await asyncio.wrap_future(e.resume_training())
+            return ControlReply(ok=True, message="training resumed")
+        if isinstance(cmd, StopTraining):
+            ok = await asyncio.wrap_future(e.stop_job(cmd.adapter))
+            return ControlReply(ok=ok, message="stopped" if ok else f"no job for {cmd.adapter}")
+        if isinstance(cmd, PublishNow):
+            vid = await asyncio.wrap_future(e.publish_now(cmd.adapter))
+            if vid is None:
+                return ControlReply(ok=False, message="no slot free for the refresh")
+            return ControlReply(ok=True, message=f"published {vid}", detail={"version_id": vid})
+        if isinstance(cmd, SyncAdapter):
+            try:
+                name = subjects.check_token(cmd.adapter, "adapter name")
+            except ValueError as exc:
+                raise ReplicaError(400, str(exc), "invalid_request") from None
+            if cmd.create and cmd.version is None and await self.store.current(name) is None:
+                await self.adapters.create_initial(name)
+            vid = await self.adapters.ensure(name, cmd.version)
+            return ControlReply(ok=True, message=f"{vid} resident", detail={"version_id": vid})
+        if isinstance(cmd, StartTraining):
+            return await self.participant.start_training(cmd)
+        raise ReplicaError(400, f"unsupported control command {type(cmd).__name__}")
+
+    # ================================================================================== evaluate
+    async def _evaluate(self, ev: EvaluateCandidate, headers: Mapping[str, str]) -> AsyncIterator[EvalReport]:
+        failure: ReplicaError | None = None
+        with self.tracer.start_as_current_span(
+            "evaluate", context=tracing.extract(headers), kind=SpanKind.SERVER,
+            attributes={"collm.adapter": ev.adapter, "collm.round_id": ev.round_id or 0},
+        ) as span:  # fmt: skip
+            try:
+                report = await self.participant.evaluate(ev)
+            except ReplicaError as exc:
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+                failure = exc
+            except Exception as exc:  # noqa: BLE001 - answered, never left hanging
+                log.exception("evaluation of %s failed", ev.adapter)
+                failure = ReplicaError(500, f"evaluation failed: {type(exc).__name__}", "server_error")
+        if failure is not None:
+            raise failure
+        yield report
+
+    # ================================================================================== telemetry
+    def telemetry(self) -> ReplicaTelemetry:
+        snap = self.engine.snapshot()
+        p = self.participant
+        return self.telemetry_builder.build(snap, p.role(snap.jobs), p.round_id)
+
+    async def _status(self, _req: StatusRequest, _headers: Mapping[str, str]) -> ReplicaTelemetry:
+        return self.telemetry()
+
+    async def _telemetry_loop(self) -> None:
+        subject = subjects.telemetry(self.rid)
+        while True:
+            try:
+                await self.bus.publish(subject, self.telemetry())
+            except Exception as exc:  # noqa: BLE001 - telemetry is best effort; the next one is a full snapshot
+                log.debug("telemetry not sent: %s", exc)
+            if self.step_log is not None:
+                self.step_log.flush()
+            await asyncio.sleep(self.s.telemetry_interval_s)
+
+
+def _error_reply(_req: Any, err: ServiceFailure) -> ErrorReply:
+    """The body of an evaluation's error reply."""
+    return ErrorReply(code=err.code, type=err.type, message=err.message)
+
+
+async def serve(ctx: ServiceContext[ReplicaSettings]) -> None:
+    """Enter model, bus, store and replica in order (unwound in reverse on stop)."""
+    s = ctx.settings
+    torch.set_num_threads(s.torch_threads)
+    loaded = await asyncio.to_thread(
+        load_model, s.model, device=s.device, cache_dir=s.model_cache_dir, tiny_seed=s.tiny_seed,
+        max_model_len=s.max_model_len, matmul_dtype=s.matmul_dtype,
+    )  # fmt: skip
+    bus = await ctx.stack.enter_async_context(await Bus.connect(s, f"collm-replica-{s.replica_id}"))
+    store = AdapterStore.from_url(s.redis_url, s.redis_prefix)
+    ctx.stack.push_async_callback(store.close)
+    replica = Replica(s, loaded, bus, store)
+    await replica.start()
+    ctx.stack.push_async_callback(replica.stop)
+    await ctx.stopping.wait()
