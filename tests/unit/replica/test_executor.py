@@ -346,3 +346,19 @@ def test_load_model_rejects_an_unknown_matmul_dtype() -> None:
 
     with pytest.raises(ModelLoadError, match="matmul dtype"):
         load_model("tiny", matmul_dtype="float16")
+
+
+def test_padded_keys_never_read_uninitialised_memory(tiny: LoadedModel) -> None:
+    """Batched attention pads shorter contexts; the padding reads the pool's zeroed null slot, so a NaN
+    left in a block nobody wrote (the pool is allocated uninitialised) cannot reach any output."""
+    ex = Executor(tiny)
+    pool = ex.init_kv_pool(num_blocks=16, block_size=4)
+    pool.k[:, :, : pool.null_slot].fill_(float("nan"))
+    pool.v[:, :, : pool.null_slot].fill_(float("nan"))
+    short, long = ex.new_kv(64), ex.new_kv(64)
+    ex.forward([ForwardItem(PROMPT[:8], 0, short), ForwardItem(PROMPT, 0, long)])
+    # contexts of 9 and 12 tokens: one attention call, the shorter padded by 3 keys
+    a, b = ex.forward([ForwardItem([7], 8, short), ForwardItem([7], len(PROMPT), long)])
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    (alone,) = Executor(tiny).forward([ForwardItem(PROMPT[:8] + [7], 0, Executor(tiny).new_kv(64))])
+    assert torch.allclose(a, alone, atol=1e-4)

@@ -47,9 +47,14 @@ class KVPool:
     ) -> None:  # fmt: skip
         self.blocks = BlockManager(num_blocks, block_size)
         self.block_size = block_size
-        shape = (n_layers, n_kv, num_blocks * block_size, head_dim)
+        # One block more than the manager hands out, zeroed: the slot padded keys read (`null_slot`), so
+        # a masked key never brings uninitialised memory (a NaN there would survive its zero weight).
+        shape = (n_layers, n_kv, (num_blocks + 1) * block_size, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.null_slot = num_blocks * block_size
+        self.k[:, :, self.null_slot :].zero_()
+        self.v[:, :, self.null_slot :].zero_()
         self.token_bytes = 2 * n_layers * n_kv * head_dim * self.k.element_size()
         self._ids = itertools.count()
 
@@ -500,7 +505,7 @@ class PagedAttention:
         q_len = max(e - s for s, e in ranges)
         k_len = max(it.start_pos + e - s for it, (s, e) in zip(items, ranges, strict=True))
         rows = torch.zeros(len(items), q_len, dtype=torch.long)
-        keys = torch.zeros(len(items), k_len, dtype=torch.long)  # pool slots; padding reads slot 0
+        keys = torch.full((len(items), k_len), items[0].kv.pool.null_slot, dtype=torch.long)  # padding: null
         qpos = torch.full((len(items), q_len), -1, dtype=torch.long)
         dest: list[int] = []
         src: list[int] = []
