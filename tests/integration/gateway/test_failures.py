@@ -8,6 +8,8 @@ import openai
 import pytest
 from doubles.replica import ReplicaBehaviour
 
+from collm_gateway import __version__
+
 from .conftest import BASE_MODEL, eventually
 
 pytestmark = pytest.mark.integration
@@ -29,6 +31,9 @@ async def test_no_replica_is_503_with_retry_after(gateway) -> None:
     ready = await gateway.http.get("/readyz")
     assert ready.status_code == 503 and "retry-after" in ready.headers
     assert (await gateway.http.get("/healthz")).status_code == 200
+    health = await gateway.http.get("/health")  # vLLM's: serving, or not
+    assert health.status_code == 503 and health.json()["error"]["code"] == "no_replica_available"
+    assert (await gateway.http.get("/version")).json() == {"version": __version__}
 
 
 async def test_readyz_follows_telemetry_freshness(make_gateway, replicas) -> None:
@@ -37,6 +42,8 @@ async def test_readyz_follows_telemetry_freshness(make_gateway, replicas) -> Non
         await gw.wait_replicas("r0")
         ready = await gw.http.get("/readyz")
         assert ready.status_code == 200 and ready.json()["replicas"] == ["r0"]
+        health = await gw.http.get("/health")
+        assert health.status_code == 200 and health.content == b""
         await r0.stop_telemetry()
         await eventually(lambda: not gw.state.cluster.fresh_replicas(), what="r0 to go stale")
         assert (await gw.http.get("/readyz")).status_code == 503

@@ -66,7 +66,7 @@ def test_every_error_is_the_envelope_and_no_fastapi_validation_error(app: Any) -
                 assert content == {"application/json": {"schema": {"$ref": ENVELOPE_REF}}}, (where, status)
             for status in statuses & {429, 503}:
                 assert op["responses"][str(status)]["headers"]["Retry-After"]["required"], (where, status)
-    assert operations == 12
+    assert operations == 14
 
 
 # (method, path, path parameters, body or raw bytes, key): each answered with an error the document lists.
