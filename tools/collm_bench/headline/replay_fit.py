@@ -14,14 +14,6 @@ the rate search and the predictions. It is a measurement of the cost of the step
 fit of the simulator's output to the live one: the replay's SLO attainment, live and simulated at the
 probe's costs and at the measured ones, is recorded beside it as the check.
 
-Why the factor is measured and no longer fitted: until 2026-12-02 12:53 it was the factor at which the
-simulated replay attained the live replay's SLO attainment. That fit also absorbed what the simulator
-got wrong elsewhere: its coordinator re-sent every replica's share each second, and each one cut the
-replica's training stretch short, where the live coordinator sends a share only when it changed or half
-its TTL passed (`share_command_due`); the simulated fixed-ratio baseline trained half the tokens the
-live one did (2496 against 5755 at 1.600 req/s, 12:39) and its goodput came out +28% to +37% high. With
-that fixed, the step logs of two runs at 1.600 req/s (12:44) put the live inference steps at 1.19-1.24x
-the simulator's cost.
 """
 
 from __future__ import annotations
