@@ -13,7 +13,6 @@ of the sums over both replicas' inference steps, and scales the simulator's pref
 the rate search and the predictions. It is a measurement of the cost of the steps the engine ran, not a
 fit of the simulator's output to the live one: the replay's SLO attainment, live and simulated at the
 probe's costs and at the measured ones, is recorded beside it as the check.
-
 """
 
 from __future__ import annotations
