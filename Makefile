@@ -42,5 +42,8 @@ compose-check: install
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
+# `make clean`: run state and the generated files under bench/results/ (ignored by git); the committed
+# result files stay.
 clean:
-	rm -rf .collm/run bench/results
+	rm -rf .collm/run
+	git clean -fdqX bench/results
