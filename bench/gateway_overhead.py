@@ -12,7 +12,7 @@ drift in the replica hits both sides equally:
 
 Both carry the same chat messages, greedy sampling and max_tokens=1. Prints median and p99 of each,
 their difference and ratio, and the median and p99 of the per-pair difference, and writes the same
-as JSON under bench/results/gateway_overhead_<model>.json.
+as JSON under bench/results/gateway/overhead_<model>.json.
 
     flock /tmp/collm-heavy.lock .venv/bin/python bench/gateway_overhead.py [--model tiny] [--requests 200]
 """
@@ -53,7 +53,7 @@ from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_ops.servers import free_port, start_nats, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "results" / "gateway"
 REPLICA_ID = "bench0"
 BASE_MODEL = "bench-base"
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -264,7 +264,7 @@ def main() -> None:
                     sys.stderr.write(f"--- {name}\n{log.read_text()[-3000:]}\n")
             raise
     model_tag = Path(args.model).name.replace(".", "_")
-    out = args.out or RESULTS / f"gateway_overhead_{model_tag}.json"
+    out = args.out or RESULTS / f"overhead_{model_tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     d, g = result["direct_nats"], result["via_gateway"]

@@ -11,8 +11,8 @@ conversation trace (the headline's length scaling and SLO rule, from the calibra
 gateway at F x the estimated capacity, every request naming a demo adapter (equal mix); otherwise the
 stack only trains. After `--minutes` it reads every adapter version with its creation time and quality
 record and every round from the stack, stops it, and writes the compact result
-`bench/results/adaptation/<name>.json` (`collm_bench.adaptation`), its table and its figure
-`bench/adaptation/figures/<name>.png`. Run it under the machine's heavy-work lock, on an otherwise idle
+`bench/results/adaptation/<name>.json` (`collm_bench.adaptation`), its table and its figure beside it,
+`<name>.png`. Run it under the machine's heavy-work lock, on an otherwise idle
 machine.
 """
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "adaptation"
-FIGURES = REPO / "bench" / "adaptation" / "figures"
 CALIBRATION = REPO / "bench" / "calibration" / "smollm2.json"
 
 
@@ -227,7 +226,7 @@ def report_one(path: Path) -> int:
 
     result = json.loads(path.read_text())
     print(adaptation.table(result))
-    fig = adaptation.plot(result, FIGURES / f"{result['name']}.png")
+    fig = adaptation.plot(result, path.with_suffix(".png"))
     print(f"figure: {fig.relative_to(REPO)}")
     return 0
 

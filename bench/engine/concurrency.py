@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collm_bench.readme.engine import concurrency_table
+
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
 RESULTS = ROOT / "bench" / "results" / "engine"
@@ -202,36 +204,6 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def table(res: dict[str, Any]) -> str:
-    by = {r["variant"]: r for r in res["runs"]}
-    lines = [
-        "| variant | output tok/s | wall (s) | requests running at once (mean / peak) | preemptions |",
-        "|---|---|---|---|---|",
-    ]
-    labels = {
-        "paged": "paged KV, batched attention",
-        "reserve": "same engine, reserve at admission",
-        "before": f"engine at {res['before']}",
-        "generate": f"HF `generate`, one at a time ({by.get('generate', {}).get('requests', '?')} requests)",
-    }
-    for v in ("paged", "reserve", "before", "generate"):
-        r = by.get(v)
-        if r is None:
-            continue
-        running = f"{r['running_mean']} / {r['running_peak']}" if "running_mean" in r else ""
-        rounds = r.get("rounds_output_tok_s", [])
-        tok_s = f"{r['output_tok_s']}" + (f" ({', '.join(map(str, rounds))})" if len(rounds) > 1 else "")
-        lines.append(f"| {labels[v]} | {tok_s} | {r['wall_s']} | {running} | {r.get('preemptions', '')} |")
-    rt = res["ratios"]
-    lines.append("")
-    lines.append(
-        f"paged / before: **{rt['paged_over_before']}x** output tok/s (goal >= 1.5); paged / generate: "
-        f"**{rt['paged_over_generate']}x** (goal >= 8); requests running at once, paged / reserve: "
-        f"**{rt['running_paged_over_reserve']}x** (goal >= 2)"
-    )
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", default="f6ec4a0", help="git commit of the engine to compare with")
@@ -243,7 +215,7 @@ def main() -> None:
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # one variant in this process (internal)
     a = ap.parse_args()
     if a.table:
-        print(table(json.loads(result_path(a.kv_budget).read_text())))
+        print(concurrency_table(json.loads(result_path(a.kv_budget).read_text())))
         return
     if a.variant:
         res = (
@@ -300,7 +272,7 @@ def main() -> None:
     path = result_path(a.kv_budget)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1) + "\n")
-    print(table(res))
+    print(concurrency_table(res))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 
 Starts its own nats-server, redis-server and the stack (tiny model; aggregator, coordinator, two
 replicas with local data, gateway; settings of tests/integration/faults/harness.py), runs the scenarios
-of tests/integration/faults/scenarios.py in order, and writes bench/results/faults.json (every report,
-with its details) and a Markdown table (printed, and bench/results/faults.md).
+of tests/integration/faults/scenarios.py in order, and writes bench/results/faults/scenarios.json (every
+report, with its details) and prints its table.
 
     flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/run.py
     flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/run.py --only replica_kill,nats_restart
@@ -23,6 +23,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from collm_bench.readme.faults import scenarios_table
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -52,23 +54,6 @@ def params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     }
 
 
-def table(reports: list[dict[str, Any]]) -> str:
-    lines = [
-        "| fault | requests sent | succeeded | retried | clear errors | lost | recovery s "
-        "| recovery measured as | checks passed |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in reports:
-        rec = f"{r['recovery_s']:.2f}" if r.get("recovery_s") is not None else "-"
-        passed = sum(r["checks"].values())
-        failed = "" if not r["failed_checks"] else f" (failed: {'; '.join(r['failed_checks'])})"
-        lines.append(
-            f"| {r['fault']} | {r['sent']} | {r['succeeded']} | {r['retried']} | {r['failed_clear']} "
-            f"| {r['lost']} | {rec} | {r['recovery_what']} | {passed}/{len(r['checks'])}{failed} |"
-        )
-    return "\n".join(lines)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -77,7 +62,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16, help="replica_kill: concurrent requests")
     ap.add_argument("--load-s", type=float, default=15.0, help="replica_kill: seconds of load")
     ap.add_argument("--down-s", type=float, default=5.0, help="NATS and Redis: seconds down")
-    ap.add_argument("--out", type=Path, default=RESULTS / "faults.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "faults" / "scenarios.json")
     args = ap.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     runs = {**{n: (f, {}) for n, f in sc.SCENARIOS.items()}, **sc.VARIANTS}
@@ -119,9 +104,7 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
-    md = table(reports)
-    args.out.with_suffix(".md").write_text(md + "\n")
-    print("\n" + md)
+    print("\n" + scenarios_table(reports))
     print(f"\nwrote {args.out}")
     return 0 if all(not r["failed_checks"] for r in reports) else 1
 

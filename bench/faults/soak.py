@@ -16,7 +16,7 @@ settings), then:
    the client's requests in flight.
 
 Reports errors (goal 0) and, per process, RSS growth from the soak's first minute to its last (mean of
-the samples in each; goal < 5%), per-minute throughput and latency. Writes bench/results/soak.json.
+the samples in each; goal < 5%), per-minute throughput and latency. Writes bench/results/faults/soak.json.
 
     flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/soak.py                    # 10 minutes
     .venv/bin/python bench/faults/soak.py --duration-s 120 --ramp-step-s 5 --capacity-step-s 10  # a look
@@ -233,7 +233,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout-s", type=float, default=120.0, help="unanswered by then: lost")
     ap.add_argument("--keep-dir", type=Path, default=None, help="run directory kept afterwards (logs)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "faults" / "soak.json")
     args = ap.parse_args()
 
     with contextlib.ExitStack() as cleanup:

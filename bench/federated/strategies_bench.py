@@ -19,7 +19,7 @@ Two measurements, both on SmolLM2-135M's LoRA shapes (30 layers; q_proj/o_proj 5
     .venv/bin/python bench/federated/strategies_bench.py synthetic
     flock /tmp/collm-heavy.lock .venv/bin/python bench/federated/strategies_bench.py real --rounds 2
 
-Results are printed and written as JSON under bench/results/federated/.
+Results are printed and written as JSON under bench/results/federated/ (`strategies_<mode>.json`).
 """
 
 from __future__ import annotations
@@ -295,6 +295,7 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = run_synthetic(args) if args.mode == "synthetic" else run_real(args)
+    report = {"command": " ".join([".venv/bin/python", *sys.argv]), **report}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"strategies_{args.mode}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -3,6 +3,7 @@ sample, and how often it publishes one that is.
 
     flock /tmp/collm-heavy.lock .venv/bin/python bench/gate/noise.py [--tokens 1024] [--lr 1e-3]
     .venv/bin/python bench/gate/noise.py --report        # the analysis and table again, from the result
+    .venv/bin/python -m collm_bench readme               # the same tables in bench/README.md
 
 Per demo domain (data/demo), on SmolLM2 with the replicas' own training and evaluation code
 (`collm_replica.training`):
@@ -26,58 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from collm_bench.readme.gate import paired, table
+
 REPO = Path(__file__).resolve().parents[2]
 RESULT = REPO / "bench" / "results" / "gate" / "noise.json"
-RULES = [(0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (3.0, 0.0), (0.0, 0.001), (2.0, 0.001), (2.0, 0.005)]
-
-
-def _paired(cand: list[float], cur: list[float], tokens: list[int], idx: list[int]) -> tuple[float, float]:
-    d = [cand[i] - cur[i] for i in idx]
-    t = [tokens[i] for i in idx]
-    tot = sum(t)
-    diff = sum(d) / tot
-    n = len(d)
-    se = math.sqrt(n / (n - 1) * sum((di - diff * ti) ** 2 for di, ti in zip(d, t, strict=True))) / tot
-    return diff, se
-
-
-def analyse(
-    cand: list[float], cur: list[float], tokens: list[int], k: int, draws: int, seed: int = 0
-) -> dict[str, dict[str, float]]:
-    """Per rule: the share of random splits whose gate sample (k examples) publishes, and the share of
-    those publications whose other examples show no gain (paired change >= 0)."""
-    rng = random.Random(seed)
-    n = len(tokens)
-    published = dict.fromkeys(RULES, 0)
-    false = dict.fromkeys(RULES, 0)
-    for _ in range(draws):
-        order = list(range(n))
-        rng.shuffle(order)
-        gate, rest = order[:k], order[k:]
-        diff, se = _paired(cand, cur, tokens, gate)
-        rest_diff = _paired(cand, cur, tokens, rest)[0] if len(rest) >= 2 else diff
-        for z, g in RULES:
-            if diff + z * se <= -g:
-                published[(z, g)] += 1
-                false[(z, g)] += rest_diff >= 0
-    return {
-        f"z={z:g},min_gain={g:g}": {
-            "publish": published[(z, g)] / draws,
-            "false": false[(z, g)] / published[(z, g)] if published[(z, g)] else 0.0,
-        }
-        for z, g in RULES
-    }
-
-
-KEYS = ("diff_nats", "se_nats")
-COMPARISONS = {"A over B": ("a", "b"), "B over A": ("b", "a"), "A over base": ("a", "base")}
 
 
 def measure(tokens_budget: int, lr: float) -> dict[str, Any]:
@@ -136,55 +94,14 @@ def measure(tokens_budget: int, lr: float) -> dict[str, Any]:
             "numeric_floor_nats_per_token": floor,
             "base_loss": sum(base) / sum(tokens),
             "a_vs_base_full": dict(
-                zip(("diff_nats", "se_nats"), _paired(a, base, tokens, all_idx), strict=True)
+                zip(("diff_nats", "se_nats"), paired(a, base, tokens, all_idx), strict=True)
             ),
-            "a_vs_b_full": dict(zip(("diff_nats", "se_nats"), _paired(a, b, tokens, all_idx), strict=True)),
+            "a_vs_b_full": dict(zip(("diff_nats", "se_nats"), paired(a, b, tokens, all_idx), strict=True)),
             "examples": {"tokens": tokens, "base": base, "a": a, "b": b},
             "seconds": round(time.time() - t0, 1),
         }
         print(f"{domain}: scored in {out[domain]['seconds']} s", flush=True)
     return out
-
-
-def table(result: dict[str, Any]) -> str:
-    k, draws = result["gate_examples"], result["draws"]
-    lines = [
-        f"Candidates trained {result['tokens']} tokens each at lr {result['lr']:g}; gate sample {k} held-out "
-        f"examples, the rest out of sample; {draws} random splits.",
-        "",
-        "| domain | numeric floor (nats/token) | base loss | A - base (all) | A - B (all) |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    analyses = {}
-    for d, r in result["domains"].items():
-        a0, ab = r["a_vs_base_full"], r["a_vs_b_full"]
-        lines.append(
-            f"| {d} | {r['numeric_floor_nats_per_token']:.1e} | {r['base_loss']:.3f} | "
-            f"{a0['diff_nats']:+.4f} +- {a0['se_nats']:.4f} | {ab['diff_nats']:+.4f} +- {ab['se_nats']:.4f} |"
-        )
-        ex = r["examples"]
-        analyses[d] = {
-            name: analyse(ex[c], ex[u], ex["tokens"], k, draws) for name, (c, u) in COMPARISONS.items()
-        }
-    lines += [
-        "",
-        "Share of splits whose gate sample publishes / of those, the share no better on the other examples:",
-        "",
-        "| domain | comparison | change (all examples) | "
-        + " | ".join(f"z={z:g}, min {g:g}" for z, g in RULES)
-        + " |",
-        "|---|---|---:|" + "---:|" * len(RULES),
-    ]
-    for d, by in analyses.items():
-        ex = result["domains"][d]["examples"]
-        for name, (c, u) in COMPARISONS.items():
-            diff, se = _paired(ex[c], ex[u], ex["tokens"], list(range(len(ex["tokens"]))))
-            cells = []
-            for z, g in RULES:
-                r = by[name][f"z={z:g},min_gain={g:g}"]
-                cells.append(f"{100 * r['publish']:.0f}% / {100 * r['false']:.0f}%")
-            lines.append(f"| {d} | {name} | {diff:+.4f} +- {se:.4f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,9 @@ the same seed (the same requests), then:
    trace, small timing changes move the crossing).
 
 Results: JSON in `bench/results/sim/`, figures (goodput, attainment and quality gain per hour against
-the rate) in `bench/sim/figures/`. The calibration file is required; the script refuses to run without
-it (the simulator never runs on numbers nobody measured).
+the rate) beside it (`--figures`; `python -m collm_bench readme --plots` draws them again from the JSON).
+The calibration file is required; the script refuses to run without it (the simulator never runs on
+numbers nobody measured).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from collm_bench.readme.sim import plot_sweep_config
 from collm_sim.plugins import REFERENCES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,6 +133,26 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# What the result file keeps of each simulated run (the table, the plots and a reader need no more).
+KEPT_FIELDS = (
+    "policy", "rate_rps", "goodput_rps", "attainment", "submitted", "ttft_ms_p99", "tpot_ms_p99",
+    "ft_tokens", "quality_gain_per_hour",
+)  # fmt: skip
+
+
+def compact_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One run as the result file keeps it: the kept fields, floats to 4 decimals."""
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k in KEPT_FIELDS}
+
+
+def compact_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A configuration's grid and the runs at its crossing, compacted (the analysis keeps its figures)."""
+    analysis = dict(config["analysis"])
+    if "at_crossing" in analysis:
+        analysis["at_crossing"] = {p: compact_row(r) for p, r in analysis["at_crossing"].items()}
+    return {**config, "grid": [compact_row(r) for r in config["grid"]], "analysis": analysis}
+
+
 def crossing_rate(points: Sequence[tuple[float, float]], target: float = TARGET) -> tuple[float | None, str]:
     """Highest sustained rate at >= target attainment: interpolated at the first drop below it."""
     pts = sorted(points)
@@ -206,41 +228,6 @@ def analyse(rows: list[dict[str, Any]], at_crossing: list[dict[str, Any]]) -> di
     return out
 
 
-def plot(label: str, rows: list[dict[str, Any]], analysis: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for p in SERIES:
-        pts = sorted(((r["rate_rps"], r) for r in rows if r["policy"] == p), key=lambda xr: xr[0])
-        if not pts:
-            continue
-        xs = [x for x, _ in pts]
-        style = {"color": "grey", "linestyle": "--", "marker": "."} if p in REFERENCES else {"marker": "o"}
-        axes[0].plot(xs, [r["goodput_rps"] or 0 for _, r in pts], label=p, **style)
-        axes[1].plot(xs, [r["attainment"] or 0 for _, r in pts], label=p, **style)
-        if p not in REFERENCES:  # no training, no quality gain
-            axes[2].plot(xs, [r["quality_gain_per_hour"] or 0 for _, r in pts], label=p, **style)
-    axes[1].axhline(TARGET, color="grey", linestyle="--", linewidth=1)
-    if analysis.get("crossing_rate_rps"):
-        for ax in axes:
-            ax.axvline(analysis["crossing_rate_rps"], color="grey", linestyle=":", linewidth=1)
-    axes[0].set_ylabel("goodput (req/s)")
-    axes[1].set_ylabel("SLO attainment")
-    axes[2].set_ylabel("quality gain per hour (nats/h)")
-    for ax in axes:
-        ax.set_xlabel("arrival rate (req/s)")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(f"simulated {label}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calibration", type=Path, default=REPO / "bench" / "calibration" / "smollm2.json")
@@ -269,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="parallel simulations (processes)")
     ap.add_argument("--bisect", type=int, default=4, help="bisection steps refining each 90%% crossing")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "sim" / "sweep.json")
-    ap.add_argument("--figures", type=Path, default=REPO / "bench" / "sim" / "figures")
+    ap.add_argument("--figures", type=Path, default=REPO / "bench" / "results" / "sim")
     args = ap.parse_args(argv)
 
     from collm_sim.cli import CalibrationMissing, load_calibration, parse_core
@@ -378,19 +365,21 @@ def main(argv: list[str] | None = None) -> int:
                     tasks = [make_task(common, base, p, round(cross, 3)) for p in SERIES]
                     at_cross = list(pool.map(run_one, tasks)) if pool else [run_one(t) for t in tasks]
                 analysis = analyse(rows, at_cross)
-                fig = args.figures / f"sim_{trace}_{n}.png"
-                plot(label, rows, analysis, fig)
-                out["configs"][f"{trace}/{n}"] = {
-                    "trace": trace,
-                    "replicas": n,
-                    "duration_s": duration,
-                    "capacity_estimate_rps": cap,
-                    "slo": {"ttft_ms": ttft, "tpot_ms": tpot},
-                    "rates": rates,
-                    "grid": rows,
-                    "analysis": analysis,
-                    "figure": str(fig.relative_to(REPO)) if fig.is_relative_to(REPO) else str(fig),
-                }
+                fig = args.figures / f"{args.out.stem}_{trace}_{n}.png"
+                plot_sweep_config(label, rows, analysis, fig)
+                out["configs"][f"{trace}/{n}"] = compact_config(
+                    {
+                        "trace": trace,
+                        "replicas": n,
+                        "duration_s": duration,
+                        "capacity_estimate_rps": cap,
+                        "slo": {"ttft_ms": ttft, "tpot_ms": tpot},
+                        "rates": rates,
+                        "grid": rows,
+                        "analysis": analysis,
+                        "figure": str(fig.relative_to(REPO)) if fig.is_relative_to(REPO) else str(fig),
+                    }
+                )
                 goals = analysis["goals"]
                 sys.stderr.write(
                     f"[{label}] best baseline {analysis['best_baseline']}; "

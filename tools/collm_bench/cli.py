@@ -6,6 +6,7 @@
     python -m collm_bench traces conv
     python -m collm_bench headline       # every policy on the live stack (collm_bench.headline)
     python -m collm_bench headline-repeat --repeats 3 ...   # the same N times: medians and ranges
+    python -m collm_bench readme [--check] [--plots]       # bench/README.md's tables from bench/results/
 """
 
 from __future__ import annotations
@@ -524,6 +525,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         from collm_bench.headline.repeat import main as repeat_main
 
         return repeat_main(argv[1:], out, err)
+    if argv[:1] == ["readme"]:
+        # bench/README.md's tables regenerated from the committed result files (collm_bench.readme).
+        from collm_bench.readme.cli import main as readme_main
+
+        return readme_main(argv[1:], out, err)
     args = build_parser().parse_args(argv)
     commands = {"loadgen": cmd_loadgen, "summarize": cmd_summarize, "traces": cmd_traces}
     try:

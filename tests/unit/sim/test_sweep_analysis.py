@@ -97,3 +97,19 @@ def test_reference_tasks_run_collm_with_training_off(sweep: ModuleType) -> None:
     assert task["workload"] == {"trace": "conv", "rate_rps": 2.5}
     plain = sweep.make_task({"replicas": 8}, {}, "fixed_ratio", 1.0)
     assert (plain["policy"], plain["coscheduler"]) == ("fixed_ratio", None)
+
+
+def test_the_result_file_keeps_a_compact_grid_and_the_full_analysis(sweep: ModuleType) -> None:
+    full = row("collm", 1.0, 0.954321987, goodput=0.912345678) | {
+        "by_status": {"ok": 3},
+        "tokens_past_measured_by_domain": {"math": 1.0},
+        "wall_s": 1.5,
+    }
+    analysis = {"best_baseline": "separate", "crossing_rate_rps": 1.23456789, "at_crossing": {"collm": full}}
+    config = {"trace": "conv", "grid": [full], "analysis": analysis}
+    out = sweep.compact_config(config)
+    assert set(out["grid"][0]) <= set(sweep.KEPT_FIELDS)
+    assert out["grid"][0]["attainment"] == 0.9543 and out["grid"][0]["goodput_rps"] == 0.9123
+    assert out["analysis"]["at_crossing"]["collm"] == out["grid"][0]
+    assert out["analysis"]["crossing_rate_rps"] == 1.23456789 and out["trace"] == "conv"
+    assert config["grid"][0] is full and "wall_s" in full  # the input is left as it was
