@@ -56,7 +56,7 @@ from collm_replica.models import ModelLoadError, load_model
 from collm_replica.settings import ReplicaSettings
 
 # Not in `make test` (about 2 minutes of two SmolLM2 replicas): `make test PYTEST_ARGS="-m calibration"`
-# runs it. At half the knee it passed 6 of 6 runs on this 2-core machine (bench/README.md, Simulator).
+# runs it. At half the knee it passed 6 of 6 runs on this 2-core machine.
 pytestmark = [pytest.mark.integration, pytest.mark.smoke, pytest.mark.calibration]
 
 DOMAINS = ("math", "medical")
@@ -193,11 +193,11 @@ def test_simulated_goodput_agrees_with_a_live_run(tmp_path: Path) -> None:
     def sim(c: Calibration, n: int) -> dict[str, Any]:
         return simulate_run(cfg, c, source, n / DURATION_S, slo, "collm", samples)
 
-    # The rate: half the simulated knee, the request count with the highest simulated goodput (past it
-    # the queue outgrows the TTFT SLO and goodput collapses). On this 2-core machine the speed of the
-    # same engine differs by up to 1.5x between the calibration and the live run a minute later (see
-    # bench/README.md, Simulator): with the calibrations of 8 runs, step costs x1.5 moved the simulated
-    # goodput by 7-21% at half the knee (52-68% at 0.8 of it), while doubled costs collapse it.
+    # The rate: half the simulated knee, the request count with the highest simulated goodput (past it the
+    # queue outgrows the TTFT SLO and goodput collapses). On this 2-core machine the speed of the same engine
+    # differs by up to 1.5x between the calibration and the live run a minute later: with the calibrations of
+    # 8 runs, step costs x1.5 moved the simulated goodput by 7-21% at half the knee (52-68% at 0.8 of it),
+    # while doubled costs collapse it.
     probe = setup.shapes(cfg, source, 200 / DURATION_S)
     cap = capacity_estimate_rps(
         cal.cost.prefill_ms_per_token,

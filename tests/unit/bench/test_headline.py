@@ -382,8 +382,7 @@ def test_phases_time_each_step_from_the_previous_mark(monkeypatch: pytest.Monkey
 
 def test_default_run_fits_a_quarter_of_an_hour() -> None:
     # Eight runs (two rates, four policies) of ~13 s stack start, arrivals, a full drain and ~4 s of
-    # teardown, after a ~30 s speed probe: bench/README.md (Headline) gives the measured phases behind
-    # these figures.
+    # teardown, after a ~30 s speed probe: each run logs its measured phases (`phases_s` in results.json).
     cfg = HeadlineConfig()
     runs = len(cfg.rate_labels) * len(cfg.policies)
     probe_s = 30 if cfg.speed_probe else 0

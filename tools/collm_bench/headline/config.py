@@ -2,7 +2,7 @@
 
 The defaults fit a 2-core CPU machine in about a quarter of an hour for all runs (2 SmolLM2 replicas,
 one trace slice, two rates, four policies: eight runs of 106-118 s, that is a stack start of 12-17 s,
-60 s of arrivals, up to 30 s of drain and 3-8 s of teardown; bench/README.md, Headline); every field is
+60 s of arrivals, up to 30 s of drain and 3-8 s of teardown, as each run logs its phases); every field is
 a command-line flag, so a bigger machine scales up (`--replicas 8 --duration 600 --traces conv,code`).
 `tiny_preset` gives the sizes of a quick check of the whole pipeline with the tiny test model.
 """

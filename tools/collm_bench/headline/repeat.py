@@ -1,13 +1,13 @@
 """The headline comparison repeated: `python -m collm_bench headline-repeat --repeats N [headline args]`.
 
-One live run per policy and rate is one draw on a shared machine: on this 2-core machine the same
-policy at the same rate served 48 to 94 of 98 requests within SLO in runs an hour apart
-(bench/README.md, Headline). This runs the same headline invocation N times, each in its own output
-directory, with the order of the policies rotated from one repetition to the next (so no policy always
-runs first or last), and summarises every figure as its median and range over the repetitions. Ratios
-are paired: collm's figure over a baseline's from the same repetition (the same probe, slice and
-stacks started minutes apart), then summarised. Give the rates (`--rates light=..,heavy=..`) so that
-every repetition replays the same slices; otherwise each repetition's rate search may pick others.
+One live run per policy and rate is one draw on a shared machine: on this 2-core machine the same policy
+at the same rate served 48 to 94 of 98 requests within SLO in runs an hour apart. This runs the same
+headline invocation N times, each in its own output directory, with the order of the policies rotated from
+one repetition to the next (so no policy always runs first or last), and summarises every figure as its
+median and range over the repetitions. Ratios are paired: collm's figure over a baseline's from the same
+repetition (the same probe, slice and stacks started minutes apart), then summarised. Give the rates
+(`--rates light=..,heavy=..`) so that every repetition replays the same slices; otherwise each
+repetition's rate search may pick others.
 
 Writes `OUT/repeat-<timestamp>/summary.json` and `summary.md` beside the repetitions' own results.
 """
