@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, field_validator
 
 from collm_common.wire.base import WireModel
 
@@ -23,13 +23,36 @@ class ChatMessage(WireModel):
     content: str
 
 
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+
+
 class SamplingParams(WireModel):
+    """How the replica picks tokens; definitions in collm_replica.sampling (OpenAI's and vLLM's)."""
+
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    # (token id, bias) pairs; the replica refuses ids outside its vocabulary.
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list, max_length=MAX_LOGIT_BIAS)
+    # None: no logprobs; k >= 0: the chosen token's logprob and the k most likely tokens' at each position.
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, max_length=8)
     ignore_eos: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        for token_id, bias in v:
+            if token_id < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError("logit_bias pairs need a token id >= 0 and a bias in [-100, 100]")
+        return v
 
 
 class SloTargets(WireModel):
@@ -68,12 +91,29 @@ class Accepted(WireModel):
     queue_position: int = 0
 
 
+class TopLogprob(WireModel):
+    token_id: int
+    token: str  # the token decoded on its own (a partial UTF-8 character decodes as U+FFFD)
+    logprob: float
+
+
+class TokenLogprob(WireModel):
+    """Log-probabilities at one generated position, from the raw model distribution."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class TokenChunk(WireModel):
     kind: Literal["token"] = "token"
     request_id: str
     seq: int
     token_ids: list[int]
     text: str
+    # One entry per token in `token_ids` when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Finished(WireModel):

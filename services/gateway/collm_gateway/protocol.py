@@ -1,8 +1,15 @@
 """OpenAI request schemas at the HTTP edge (pydantic), and their translation to the wire request.
 
-Unknown OpenAI fields are accepted and ignored, like vLLM (they are logged at debug level), so clients
-that send newer fields keep working. Fields whose silent omission would change the answer (`n > 1`,
-`echo`, `logprobs`, `best_of`, `suffix`, non-text content parts) are refused with a 400 that says so.
+Sampling fields, as OpenAI and vLLM define them (collm_replica.sampling states each definition):
+`temperature`, `top_p`, `top_k`, `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
+`logit_bias` (at most 300 token ids, biases in [-100, 100]), `seed`, `stop`, `ignore_eos`, and log
+probabilities (chat: `logprobs` with `top_logprobs` 0..20; completions: `logprobs` 0..20), of the raw
+model distribution. Fields whose silent omission would change the answer and that CoLLM does not
+implement (`UNSUPPORTED_FIELDS`: `n > 1`, `echo`, `best_of`, `suffix`, tools, structured outputs, beam
+search, ...) and non-text content parts are refused with a 400 that names the field; a field sent at its
+neutral value (`null`, `[]`, `"none"`, `{"type": "text"}`) is accepted. Other unknown fields are
+accepted and ignored, like vLLM (they are logged at debug level), so clients that send newer fields
+keep working.
 Numeric and boolean fields take only their JSON type, as OpenAI enforces them (`Int`, `Number`, `Bool`).
 CoLLM's extension: `slo: {"ttft_ms", "tpot_ms"}` in the body (or the `x-collm-slo-ttft-ms` /
 `x-collm-slo-tpot-ms` headers; the body wins), per-model defaults otherwise.
@@ -16,7 +23,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
-from collm_common.wire.inference import ChatMessage, SamplingParams, SloTargets
+from collm_common.wire.inference import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    ChatMessage,
+    SamplingParams,
+    SloTargets,
+)
 from collm_gateway.errors import bad_request
 from collm_gateway.settings import GatewaySettings
 
@@ -137,6 +150,70 @@ class ChatMessageIn(OpenAIModel):
         return "".join(pieces)
 
 
+# Fields that would change the answer and that CoLLM does not implement: refused with a 400 naming them
+# unless sent at a neutral value (below). Other unknown fields are ignored.
+UNSUPPORTED_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "prediction",
+    "audio",
+    "modalities",
+    "use_beam_search",
+    "length_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "bad_words",
+    "allowed_token_ids",
+    "prompt_logprobs",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "echo_prompt",
+    "logits_processors",
+)
+
+
+def _neutral(name: str, value: Any) -> bool:
+    """A value of an unsupported field that asks for nothing (the default behaviour)."""
+    if value is None or value == [] or value == {}:
+        return True
+    if name in ("tool_choice", "function_call"):
+        return value == "none"
+    if name == "response_format":
+        return isinstance(value, dict) and value.get("type") == "text"
+    if name == "modalities":
+        return value == ["text"]
+    if name == "parallel_tool_calls":  # without tools it changes nothing
+        return isinstance(value, bool)
+    if name == "skip_special_tokens":  # CoLLM's text never holds special tokens
+        return value is True
+    if name in ("use_beam_search", "include_stop_str_in_output", "echo_prompt"):
+        return value is False
+    if name == "min_tokens":
+        return value == 0
+    if name == "length_penalty":
+        return value == 1 or value == 1.0
+    return False
+
+
+def logit_bias_pairs(bias: dict[str, float] | None) -> list[tuple[int, float]]:
+    """OpenAI's `logit_bias` (token id as a string -> bias) as (id, bias) pairs; 400 naming the field."""
+    pairs: list[tuple[int, float]] = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= MAX_TOKEN_ID:
+            raise bad_request(f"logit_bias keys must be token ids (got {key!r})", "logit_bias")
+        pairs.append((int(key), value))
+    return pairs
+
+
 class SamplingIn(OpenAIModel):
     """Fields shared by chat and text completions."""
 
@@ -144,6 +221,14 @@ class SamplingIn(OpenAIModel):
     max_tokens: Int | None = Field(None, ge=1)
     temperature: Number | None = Field(None, ge=0.0, le=2.0)
     top_p: Number | None = Field(None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: Number | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Number | None = Field(None, gt=0.0, le=100.0)
+    logit_bias: dict[str, Annotated[float, Strict(), Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )
     seed: Int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     n: Int | None = Field(None, ge=1)
@@ -172,11 +257,19 @@ class SamplingIn(OpenAIModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def wire_logprobs(self) -> int | None:
+        """How many top logprobs per position the replica returns (None: no logprobs)."""
+        return None
+
     def check_supported(self) -> None:
         if self.n not in (None, 1):
             raise bad_request(
                 f"n={self.n} is not supported: CoLLM returns one choice (n=1)", "n", "unsupported_value"
             )
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED_FIELDS:
+            if name in extra and not _neutral(name, extra[name]):
+                raise bad_request(f"{name} is not supported by CoLLM", name, "unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
@@ -193,10 +286,20 @@ class SamplingIn(OpenAIModel):
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
         }
-        if self.temperature is not None:
-            params["temperature"] = self.temperature
-        if self.top_p is not None:
-            params["top_p"] = self.top_p
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        params["logit_bias"] = logit_bias_pairs(self.logit_bias)
+        params["logprobs"] = self.wire_logprobs()
         return SamplingParams(**params)
 
     def slo_targets(
@@ -231,16 +334,19 @@ class ChatCompletionRequest(SamplingIn):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=4096)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Bool | None = None
-    top_logprobs: Int | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def requested_max_tokens(self) -> int | None:
         # `max_completion_tokens` is OpenAI's newer name; it wins when both are present.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def wire_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs are not supported", "logprobs", "unsupported_value")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 
     def wire_messages(self) -> list[ChatMessage]:
         return [ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)]
@@ -249,7 +355,7 @@ class ChatCompletionRequest(SamplingIn):
 class CompletionRequest(SamplingIn):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     echo: Bool = False
-    logprobs: Int | None = None
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Int | None = None
     suffix: str | None = None
 
@@ -257,12 +363,13 @@ class CompletionRequest(SamplingIn):
         super().check_supported()
         if self.echo:
             raise bad_request("echo=true is not supported", "echo", "unsupported_value")
-        if self.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs", "unsupported_value")
         if self.best_of not in (None, 1):
             raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_value")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_value")
+
+    def wire_logprobs(self) -> int | None:
+        return self.logprobs
 
     def wire_prompt(self) -> tuple[str | None, list[int] | None]:
         """(prompt text, prompt token ids): exactly one is set."""

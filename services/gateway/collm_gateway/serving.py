@@ -37,7 +37,7 @@ from opentelemetry import trace
 from starlette.types import Receive, Scope, Send
 
 from collm_common.clock import Clock
-from collm_common.wire.inference import Finished, GenerateRequest, TokenChunk
+from collm_common.wire.inference import Finished, GenerateRequest, TokenChunk, TokenLogprob
 from collm_gateway import metrics
 from collm_gateway.auth import Principal
 from collm_gateway.catalog import ModelCatalog
@@ -235,6 +235,7 @@ class CompletionServing:
         span: trace.Span | None = None,
     ) -> AsyncIterator[bytes]:
         opened = False
+        offset = 0  # text length of the tokens streamed so far (legacy logprobs' text_offset)
         try:
             async for event in gen.events(heartbeat_s=self.settings.sse_ping_s):
                 if event is None:
@@ -247,8 +248,9 @@ class CompletionServing:
                     if opening is not None:
                         yield sse(opening)
                 if isinstance(event, TokenChunk):
-                    if event.text:
-                        yield sse(shape.delta(ident, event.text))
+                    if event.text or event.logprobs:
+                        yield sse(shape.delta(ident, event.text, event.logprobs, offset))
+                    offset += sum(len(e.token) for e in event.logprobs or [])
                 elif isinstance(event, Finished):
                     finish = "length" if event.finish_reason == "length" else "stop"
                     yield sse(shape.closing(ident, finish))
@@ -267,11 +269,15 @@ class CompletionServing:
     ) -> dict[str, Any] | None:
         """The whole answer, or None if the client disconnected first (the generation is then cancelled)."""
 
+        logprobs: list[TokenLogprob] | None = [] if gen.request.sampling.logprobs is not None else None
+
         async def collect() -> tuple[str, Finished]:
             parts: list[str] = []
             async for event in gen.events():
                 if isinstance(event, TokenChunk):
                     parts.append(event.text)
+                    if logprobs is not None:
+                        logprobs.extend(event.logprobs or [])
                 elif isinstance(event, Finished):
                     return "".join(parts), event
             raise AssertionError("event stream ended without Finished")  # events() raises or finishes
@@ -298,7 +304,9 @@ class CompletionServing:
             rec.status, rec.error = 500, f"{type(exc).__name__}: {exc}"
             raise
         finish = "length" if fin.finish_reason == "length" else "stop"
-        return shape.complete(_identity(ident, gen), text, finish, fin.prompt_tokens, fin.completion_tokens)
+        return shape.complete(
+            _identity(ident, gen), text, finish, fin.prompt_tokens, fin.completion_tokens, logprobs
+        )
 
 
 def _identity(ident: StreamIdentity, gen: Generation) -> StreamIdentity:

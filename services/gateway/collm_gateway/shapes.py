@@ -4,8 +4,14 @@ Streams follow OpenAI's shape: every chunk carries the same `id`, `created` and 
 opens with a delta carrying the role, the last choice chunk carries `finish_reason`, and with
 `stream_options.include_usage` every chunk carries `"usage": null` and one more chunk follows with
 `choices: []` and the usage (OpenAI's shape: only the last chunk's usage is set). The serving
-layer ends every stream with `data: [DONE]`. `system_fingerprint` names the replica and the exact adapter
-version that produced the tokens (`r0/medical@v3`).
+layer ends every stream with `data: [DONE]`. `system_fingerprint` names the replica and the exact
+adapter version that produced the tokens (`r0/medical@v3`).
+
+Log probabilities, when asked, come in OpenAI's shapes: chat `logprobs.content` lists `{token, logprob,
+bytes, top_logprobs}` per token; completions use the legacy `{tokens, token_logprobs, top_logprobs,
+text_offset}`, where each `top_logprobs` dict holds the chosen token and the most likely ones, and
+`text_offset` is the position of each token's text in the completion (the sum of the lengths of the
+tokens before it, as vLLM counts it). A token is its text decoded alone (UTF-8 `bytes` of that text).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi.sse import format_sse_event
+
+from collm_common.wire.inference import TokenLogprob
 
 DONE_EVENT = format_sse_event(data_str="[DONE]")
 
@@ -56,6 +64,34 @@ def _with_usage_key(ident: StreamIdentity, chunk: dict[str, Any]) -> dict[str, A
     return chunk
 
 
+def _top_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's `logprobs`: one entry per token."""
+    content = []
+    for e in entries:
+        item = _top_entry(e.token, e.logprob)
+        item["top_logprobs"] = [_top_entry(t.token, t.logprob) for t in e.top]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A completion choice's legacy `logprobs`; `offset`: the text length of the tokens before these."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{e.token: e.logprob} | {t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 class ChatShape:
     """`chat.completion` and `chat.completion.chunk`."""
 
@@ -89,9 +125,13 @@ class ChatShape:
             ],
         )
 
-    def delta(self, ident: StreamIdentity, text: str) -> dict[str, Any]:
+    def delta(
+        self, ident: StreamIdentity, text: str, logprobs: list[TokenLogprob] | None = None, offset: int = 0
+    ) -> dict[str, Any]:
+        del offset  # chat logprobs carry no text offsets
+        lp = chat_logprobs(logprobs) if logprobs is not None else None
         return self._chunk(
-            ident, [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]
+            ident, [{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}]
         )
 
     def closing(self, ident: StreamIdentity, finish_reason: OpenAIFinish) -> dict[str, Any]:
@@ -113,6 +153,7 @@ class ChatShape:
         finish_reason: OpenAIFinish,
         prompt_tokens: int,
         completion_tokens: int,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> dict[str, Any]:
         return {
             "id": ident.id,
@@ -124,7 +165,7 @@ class ChatShape:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
                     "finish_reason": finish_reason,
                 }
             ],
@@ -156,8 +197,11 @@ class TextShape:
         del ident  # text streams have no role delta
         return None
 
-    def delta(self, ident: StreamIdentity, text: str) -> dict[str, Any]:
-        return self._chunk(ident, [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
+    def delta(
+        self, ident: StreamIdentity, text: str, logprobs: list[TokenLogprob] | None = None, offset: int = 0
+    ) -> dict[str, Any]:
+        lp = text_logprobs(logprobs, offset) if logprobs is not None else None
+        return self._chunk(ident, [{"index": 0, "text": text, "logprobs": lp, "finish_reason": None}])
 
     def closing(self, ident: StreamIdentity, finish_reason: OpenAIFinish) -> dict[str, Any]:
         return self._chunk(
@@ -178,10 +222,10 @@ class TextShape:
         finish_reason: OpenAIFinish,
         prompt_tokens: int,
         completion_tokens: int,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> dict[str, Any]:
-        out = self._chunk(
-            ident, [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-        )
+        lp = text_logprobs(logprobs) if logprobs is not None else None
+        out = self._chunk(ident, [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}])
         out["usage"] = usage(prompt_tokens, completion_tokens)
         return out
 

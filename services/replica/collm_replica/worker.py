@@ -114,17 +114,29 @@ def prompt_ids(gr: GenerateRequest, loaded: LoadedModel) -> list[int]:
     return list(tok.encode(gr.prompt))
 
 
-def engine_request(gr: GenerateRequest, ids: list[int], span: Span) -> EngineRequest:
-    """The engine's view of a generate request (its adapter name checked: 400 if malformed)."""
+def engine_request(gr: GenerateRequest, ids: list[int], span: Span, vocab_size: int) -> EngineRequest:
+    """The engine's view of a generate request (its adapter name and logit_bias ids checked: 400)."""
+    sp = gr.sampling
+    bad = [t for t, _ in sp.logit_bias if t >= vocab_size]
+    if bad:
+        msg = f"logit_bias token id {bad[0]} is not in the vocabulary [0, {vocab_size})"
+        raise ReplicaError(400, msg, param="logit_bias")
     er = EngineRequest(
         request_id=gr.request_id,
         prompt_ids=ids,
         adapter=gr.adapter,
         version_id=version_id(gr.adapter, gr.adapter_version) if gr.adapter and gr.adapter_version else None,
         max_tokens=gr.sampling.max_tokens,
-        temperature=gr.sampling.temperature,
-        top_p=gr.sampling.top_p,
-        seed=gr.sampling.seed,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        logit_bias=dict(sp.logit_bias),
+        logprobs=sp.logprobs,
+        seed=sp.seed,
         stop=list(gr.sampling.stop),
         ignore_eos=gr.sampling.ignore_eos,
         ttft_slo_ms=gr.slo.ttft_ms,
@@ -224,7 +236,7 @@ class Replica:
             if gr.messages
             else prompt_ids(gr, self.loaded)
         )
-        er = engine_request(gr, ids, span)
+        er = engine_request(gr, ids, span, int(self.loaded.config.vocab_size))
         for attempt in range(ADMISSION_ATTEMPTS):
             try:
                 self.engine.submit(er, sink)

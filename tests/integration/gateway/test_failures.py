@@ -350,6 +350,8 @@ async def test_fuzzed_bodies_never_get_a_5xx_for_bad_input(gateway) -> None:
     fields = [
         "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
         "stop", "n", "stream", "stream_options", "user", "slo", "echo", "logprobs", "best_of",
+        "top_logprobs", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "logit_bias", "tools", "tool_choice", "response_format", "functions",
     ]  # fmt: skip
     base = {
         "chat": {"model": BASE_MODEL, "messages": MSGS},

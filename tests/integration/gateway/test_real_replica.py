@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from .conftest import BASE_MODEL, eventually
@@ -91,3 +92,44 @@ async def test_stream_through_a_real_replica_on_the_tiny_model(
             )
             assert a.choices[0].message.content == b.choices[0].message.content
             assert a.usage.completion_tokens == usage.completion_tokens
+            # Sampling parity: logprobs (chat and completions, streamed and not), penalties and bias.
+            lp = await gw.openai.chat.completions.create(
+                model=BASE_MODEL,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=6,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=3,
+            )
+            content = lp.choices[0].logprobs.content  # type: ignore[union-attr]
+            assert content is not None and len(content) == lp.usage.completion_tokens  # type: ignore[union-attr]
+            assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+            assert all(c.bytes == list(c.token.encode()) for c in content)
+            streamed = await gw.openai.completions.create(
+                model=BASE_MODEL, prompt="hello", max_tokens=5, temperature=0, logprobs=2, stream=True
+            )
+            legacy = [c.choices[0].logprobs async for c in streamed if c.choices and c.choices[0].logprobs]
+            tokens = [t for lp_chunk in legacy for t in lp_chunk.tokens or []]
+            offsets = [o for lp_chunk in legacy for o in lp_chunk.text_offset or []]
+            assert 1 <= len(tokens) <= 5 and offsets[0] == 0 and offsets == sorted(offsets)
+            # +100 on one token id: every generated token is that token, whatever the other fields.
+            biased = await gw.openai.chat.completions.create(
+                model=BASE_MODEL,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=4,
+                temperature=1.0,
+                logprobs=True,
+                frequency_penalty=1.0,
+                logit_bias={"5": 100},
+                extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True},
+            )
+            got = biased.choices[0].logprobs.content  # type: ignore[union-attr]
+            assert got is not None and len(got) == 4 and len({c.token for c in got}) == 1
+            with pytest.raises(openai.BadRequestError) as err:
+                await gw.openai.chat.completions.create(
+                    model=BASE_MODEL,
+                    messages=[{"role": "user", "content": "hello"}],
+                    max_tokens=2,
+                    logit_bias={"99999999": 5},
+                )
+            assert "logit_bias" in str(err.value)

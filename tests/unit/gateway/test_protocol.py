@@ -22,8 +22,9 @@ def chat(**kw) -> ChatCompletionRequest:
 
 
 def test_unknown_openai_fields_are_accepted_and_ignored() -> None:
-    req = chat(frequency_penalty=0.5, response_format={"type": "text"}, metadata={"a": "b"})
-    assert req.ignored_fields == ["frequency_penalty", "metadata", "response_format"]
+    req = chat(frequency_penalty=0.5, response_format={"type": "text"}, metadata={"a": "b"}, tools=[])
+    assert req.ignored_fields == ["metadata", "response_format", "tools"]
+    req.check_supported()  # each sent at its neutral value
     req.check_supported()
 
 
@@ -192,7 +193,7 @@ def test_unsupported_prompt_forms_are_400(prompt) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("echo", True), ("logprobs", 2), ("best_of", 3), ("suffix", "x"), ("n", 3)]
+    ("field", "value"), [("echo", True), ("best_of", 3), ("suffix", "x"), ("n", 3), ("min_tokens", 4)]
 )
 def test_completion_features_that_would_change_the_answer_are_refused(field: str, value) -> None:
     with pytest.raises(APIError) as err:
@@ -209,3 +210,89 @@ def test_model_ids() -> None:
         assert parse_model_id(bad, "base") is None
     # a base model id that is not a valid adapter token still resolves to the base model
     assert parse_model_id("org/Model-1.5B", "org/Model-1.5B").adapter is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("guided_json", {"type": "object"}),
+        ("use_beam_search", True),
+        ("stop_token_ids", [2]),
+        ("modalities", ["text", "audio"]),
+    ],
+)
+def test_chat_fields_that_would_change_the_answer_are_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(APIError) as err:
+        chat(**{field: value}).check_supported()
+    assert err.value.status == 400 and err.value.param == field and field in err.value.message
+
+
+def test_sampling_fields_reach_the_wire() -> None:
+    req = chat(
+        temperature=0.5,
+        top_k=5,
+        min_p=0.1,
+        presence_penalty=-1.5,
+        frequency_penalty=2,
+        repetition_penalty=1.3,
+        logit_bias={"17": -100, "4": 2.5},
+        logprobs=True,
+        top_logprobs=4,
+    )
+    req.check_supported()
+    sp = req.sampling(GatewaySettings())
+    assert (sp.temperature, sp.top_k, sp.min_p) == (0.5, 5, 0.1)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (-1.5, 2.0, 1.3)
+    assert sp.logit_bias == [(17, -100.0), (4, 2.5)] and sp.logprobs == 4
+    assert chat(logprobs=True).sampling(GatewaySettings()).logprobs == 0
+    plain = chat().sampling(GatewaySettings())
+    assert plain.logprobs is None and plain.top_k == 0 and plain.logit_bias == []
+    text = CompletionRequest.model_validate({"model": "m", "prompt": "p", "logprobs": 3})
+    assert text.sampling(GatewaySettings()).logprobs == 3
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"top_k": -2},
+        {"top_k": 1.5},
+        {"min_p": 1.5},
+        {"min_p": -0.1},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"repetition_penalty": 0},
+        {"repetition_penalty": "1"},
+        {"logit_bias": {"5": 101}},
+        {"logit_bias": {"5": "1"}},
+        {"logit_bias": {str(i): 1 for i in range(301)}},
+        {"logprobs": 1},
+        {"logprobs": True, "top_logprobs": 21},
+        {"logprobs": True, "top_logprobs": -1},
+    ],
+)
+def test_sampling_fields_out_of_range_are_400(fields: dict[str, object]) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate_json(json.dumps(body))
+    api = from_validation(err.value.errors())
+    assert api.status == 400 and api.param is not None and api.param.split(".")[0] in fields
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"-1": 1}, {"1.5": 2}])
+def test_logit_bias_keys_must_be_token_ids(bias: dict[str, float]) -> None:
+    with pytest.raises(APIError) as err:
+        chat(logit_bias=bias).sampling(GatewaySettings())
+    assert err.value.status == 400 and err.value.param == "logit_bias"
+
+
+def test_top_logprobs_needs_logprobs() -> None:
+    with pytest.raises(APIError) as err:
+        chat(top_logprobs=2).check_supported()
+    assert err.value.status == 400 and err.value.param == "top_logprobs"

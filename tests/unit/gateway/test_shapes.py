@@ -4,7 +4,10 @@ import dataclasses
 import json
 
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from collm_common.wire.inference import TokenLogprob, TopLogprob
 from collm_gateway.shapes import (
     DONE_EVENT,
     ChatShape,
@@ -98,3 +101,42 @@ def test_model_card() -> None:
         "permission": [],
     }
     assert model_card("base", 5, "collm", None, "base", 2048)["max_model_len"] == 2048
+
+
+LP = [
+    TokenLogprob(
+        token_id=5,
+        token=" Hé",
+        logprob=-0.25,
+        top=[
+            TopLogprob(token_id=5, token=" Hé", logprob=-0.25),
+            TopLogprob(token_id=9, token="x", logprob=-2.0),
+        ],
+    ),
+    TokenLogprob(token_id=7, token="llo", logprob=-1.5, top=[]),
+]
+
+
+def test_chat_logprobs_parse_with_openai_types() -> None:
+    body = ChatShape().complete(ID, " Héllo", "stop", 3, 2, LP)
+    parsed = ChatCompletion.model_validate(body)
+    content = parsed.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and [c.token for c in content] == [" Hé", "llo"]
+    assert content[0].bytes == list(" Hé".encode()) and content[0].logprob == -0.25
+    assert [t.token for t in content[0].top_logprobs] == [" Hé", "x"] and content[1].top_logprobs == []
+    chunk = ChatCompletionChunk.model_validate(ChatShape().delta(ID, " Hé", LP[:1]))
+    assert chunk.choices[0].logprobs is not None and chunk.choices[0].logprobs.content[0].logprob == -0.25  # type: ignore[index]
+    assert ChatShape().complete(ID, "x", "stop", 1, 1)["choices"][0]["logprobs"] is None
+
+
+def test_text_logprobs_legacy_shape_with_offsets() -> None:
+    body = TextShape().complete(ID, " Héllo", "length", 3, 2, LP)
+    parsed = Completion.model_validate(body)
+    lp = parsed.choices[0].logprobs
+    assert lp is not None
+    assert lp.tokens == [" Hé", "llo"] and lp.token_logprobs == [-0.25, -1.5]
+    assert lp.top_logprobs == [{" Hé": -0.25, "x": -2.0}, {"llo": -1.5}]
+    assert lp.text_offset == [0, 3]
+    # A stream's chunk continues the offsets of the tokens before it.
+    mid = TextShape().delta(ID, "llo", LP[1:], offset=3)
+    assert mid["choices"][0]["logprobs"]["text_offset"] == [3]

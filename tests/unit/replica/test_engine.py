@@ -783,3 +783,39 @@ def test_every_round_job_trains_its_examples_in_its_own_order(tiny: LoadedModel)
     assert first_ids(7)[:5] != first_ids(8)[:5]
     assert first_ids(7)[:5] != first_ids(7, "med@v4")[:5]
     assert sorted(first_ids(7)) == sorted(first_ids(8))
+
+
+def test_logprobs_per_token_in_a_mixed_batch(tiny: LoadedModel) -> None:
+    with Engine(tiny, EngineConfig(), NoTraining()) as eng:
+        res = submit_all(eng, [greedy("lp", P1, 6, logprobs=3), greedy("plain", P1, 6)])
+    chunks = [e for e in res["lp"].events if e.kind == "token"]
+    assert all(e.logprobs is None for e in res["plain"].events if e.kind == "token")
+    assert res["lp"].token_ids == res["plain"].token_ids
+    for c in chunks:
+        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids) == 1
+        lp = c.logprobs[0]
+        assert lp.token_id == c.token_ids[0]
+        assert len(lp.top) == 3 and lp.logprob <= 0.0
+        # Greedy: the chosen token is the most likely one, and the top list is sorted.
+        assert lp.top[0].token_id == lp.token_id and lp.top[0].logprob == lp.logprob
+        assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+        assert lp.token == tiny.tokenizer.decode([lp.token_id], clean_up_tokenization_spaces=False)
+
+
+def test_penalties_change_greedy_output_only_for_their_request(tiny: LoadedModel) -> None:
+    with Engine(tiny, EngineConfig(), NoTraining()) as eng:
+        plain = submit_all(eng, [greedy("plain", P1, 24)])["plain"].token_ids
+        first = plain[0]
+        res = submit_all(
+            eng,
+            [
+                greedy("bias", P1, 24, logit_bias={first: -100.0}),
+                greedy("freq", P1, 24, frequency_penalty=2.0, presence_penalty=2.0),
+                greedy("same", P1, 24),
+            ],
+        )
+    assert res["same"].token_ids == plain
+    assert res["bias"].token_ids[0] != first and first not in res["bias"].token_ids
+    freq = res["freq"].token_ids
+    assert len(set(freq)) >= len(set(plain))
+    assert freq != plain

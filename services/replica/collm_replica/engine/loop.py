@@ -48,7 +48,14 @@ import torch
 from collm_common.data import Example, LocalDataset
 from collm_common.lora import AdapterWeights
 from collm_common.step_log import BackgroundWork, InferenceStep
-from collm_common.wire.inference import Accepted, Finished, GenerateError, TokenChunk
+from collm_common.wire.inference import (
+    Accepted,
+    Finished,
+    GenerateError,
+    TokenChunk,
+    TokenLogprob,
+    TopLogprob,
+)
 from collm_common.wire.telemetry import TrainingJobStatus
 from collm_replica.cosched import CoScheduler, TrainCost, effective_share, make_coscheduler
 from collm_replica.costs import FinishedSample, LatencyWindow, PieceCosts, StepCosts
@@ -80,7 +87,7 @@ from collm_replica.engine.types import (
 )
 from collm_replica.lora_bank import LoraBank
 from collm_replica.models import LoadedModel
-from collm_replica.sampling import IncrementalDetokenizer, StopMatcher, make_generator, sample_token
+from collm_replica.sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprobs, token_logprobs
 from collm_replica.training import TRAIN_HEAD_ROWS, EvalRun, JobSpec, PieceWork, TrainingJob
 
 log = logging.getLogger(__name__)
@@ -88,13 +95,13 @@ log = logging.getLogger(__name__)
 
 class _Seq:
     __slots__ = (
-        "req", "sink", "version_id", "slot", "prompt_len", "computed", "output", "kv", "reserve", "gen",
+        "req", "sink", "version_id", "slot", "prompt_len", "computed", "output", "kv", "reserve", "sampler",
         "detok", "stops", "chunk_seq", "t_arrival", "t_admit", "t_first", "t_last", "ttft_slo", "tpot_slo",
         "done", "eos",
     )  # fmt: skip
 
     def __init__(self, req: EngineRequest, sink: EventSink, version_id: str, slot: int, tokenizer: Any,
-                 eos: set[int], cfg: EngineConfig, now: float) -> None:  # fmt: skip
+                 eos: set[int], cfg: EngineConfig, now: float, vocab_size: int) -> None:  # fmt: skip
         self.req = req
         self.sink = sink
         self.version_id = version_id
@@ -104,7 +111,7 @@ class _Seq:
         self.output: list[int] = []
         self.kv: SeqKV | None = None
         self.reserve = self.prompt_len + req.max_tokens
-        self.gen = make_generator(req.seed) if req.temperature > 0 else None
+        self.sampler = Sampler(req.sampling_config(), req.prompt_ids, vocab_size)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(req.stop)
         self.chunk_seq = 0
@@ -251,7 +258,9 @@ class _Serving:
                 if bound is None:
                     raise NotResident(req.version_id or req.adapter)
                 version_id, slot = bound, self.slots.acquire(bound)
-            seq = _Seq(req, sink, version_id, slot, self.tok, self.eos_ids, self.cfg, self.clock())
+            seq = _Seq(
+                req, sink, version_id, slot, self.tok, self.eos_ids, self.cfg, self.clock(), self.vocab_size
+            )
             accepted = Accepted(
                 request_id=req.request_id,
                 replica_id=self.cfg.replica_id,
@@ -360,8 +369,10 @@ class _Serving:
             if seq.computed < seq.prompt_len + len(seq.output):
                 continue  # more prompt (or recompute) chunks to come
             try:
-                tok = sample_token(lg, seq.req.temperature, seq.req.top_p, seq.gen)
-                self._on_token(seq, tok, now)
+                tok = seq.sampler.sample(lg)
+                seq.sampler.observe(tok)
+                lp = None if seq.req.logprobs is None else token_logprobs(lg, tok, seq.req.logprobs)
+                self._on_token(seq, tok, now, lp)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep the batch
                 log.exception("request %s failed", seq.req.request_id)
                 self._emit_error(seq, 500, f"generation failed: {type(exc).__name__}")
@@ -381,7 +392,7 @@ class _Serving:
                 )
             )
 
-    def _on_token(self, seq: _Seq, tok: int, now: float) -> None:
+    def _on_token(self, seq: _Seq, tok: int, now: float, lp: TokenLogprobs | None = None) -> None:
         if seq.t_first is None:
             seq.t_first = now
             if seq.req.span is not None:
@@ -397,18 +408,38 @@ class _Serving:
             return
         text = seq.stops.push(seq.detok.push(tok))
         if seq.stops.stopped:
-            self._chunk(seq, [tok], text)
+            self._chunk(seq, [tok], text, lp)
             self._finish(seq, "stop", now)
             return
         if len(seq.output) >= seq.req.max_tokens:
-            self._chunk(seq, [tok], text + seq.stops.flush())
+            self._chunk(seq, [tok], text + seq.stops.flush(), lp)
             self._finish(seq, "length", now)
             return
-        self._chunk(seq, [tok], text)
+        self._chunk(seq, [tok], text, lp)
 
-    def _chunk(self, seq: _Seq, token_ids: list[int], text: str) -> None:
-        seq.sink(TokenChunk(request_id=seq.req.request_id, seq=seq.chunk_seq, token_ids=token_ids, text=text))
+    def _chunk(self, seq: _Seq, token_ids: list[int], text: str, lp: TokenLogprobs | None = None) -> None:
+        logprobs = None if lp is None else [self._wire_logprob(lp)]
+        seq.sink(
+            TokenChunk(
+                request_id=seq.req.request_id,
+                seq=seq.chunk_seq,
+                token_ids=token_ids,
+                text=text,
+                logprobs=logprobs,
+            )
+        )
         seq.chunk_seq += 1
+
+    def _token_text(self, token_id: int) -> str:
+        return str(self.tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    def _wire_logprob(self, lp: TokenLogprobs) -> TokenLogprob:
+        return TokenLogprob(
+            token_id=lp.token_id,
+            token=self._token_text(lp.token_id),
+            logprob=lp.logprob,
+            top=[TopLogprob(token_id=t, token=self._token_text(t), logprob=v) for t, v in lp.top],
+        )
 
     def _completion_tokens(self, seq: _Seq) -> int:
         return sum(1 for t in seq.output if t not in seq.eos)
@@ -497,6 +528,7 @@ class Engine(_Serving):
         self.loaded = loaded
         self.cfg = cfg or EngineConfig()
         self.tok = loaded.tokenizer
+        self.vocab_size = int(loaded.config.vocab_size)
         self.eos_ids = loaded.eos_token_ids
         self.max_model_len = loaded.max_model_len
         self.executor = Executor(loaded)

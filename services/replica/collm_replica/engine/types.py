@@ -14,6 +14,7 @@ from collm_common.wire.telemetry import ResidentAdapter, TrainingJobStatus
 from collm_replica.engine.scheduler import BatchConfig
 from collm_replica.errors import NotResident as NotResident  # re-exported: the engine raises it
 from collm_replica.errors import ReplicaError
+from collm_replica.sampling import SamplingConfig
 from collm_replica.training import JobConfig
 
 BASE = "base"
@@ -121,6 +122,13 @@ class EngineRequest:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely per position
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -128,6 +136,19 @@ class EngineRequest:
     tpot_slo_ms: float | None = None
     deadline_unix_s: float | None = None
     span: Any = None  # an OpenTelemetry span started by the service (context captured at admission)
+
+    def sampling_config(self) -> SamplingConfig:
+        return SamplingConfig(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            seed=self.seed,
+        )
 
 
 @dataclass
