@@ -5,7 +5,9 @@ Protocol. The gateway subscribes to a fresh inbox, then publishes a `GenerateReq
 headers. The replica answers on the inbox with a sequence of `GenerateEvent`s: exactly one `Accepted`
 or `GenerateError` first, then `TokenChunk`s numbered from 0 without gaps, then one `Finished` (or a
 `GenerateError` if generation fails midway). A gap in `seq` means a lost chunk and the gateway fails
-the stream with a clear error rather than return text with a hole. `CancelRequest` on
+the stream with a clear error rather than return text with a hole. A request for `n` choices gets one
+numbering of chunks for all of them (each chunk names its choice in `index`) and a single `Finished`
+once every choice has ended, with each choice's end in `Finished.choices`. `CancelRequest` on
 `subjects.replica(id, "cancel")` stops a generation (client disconnect).
 """
 
@@ -25,12 +27,15 @@ class ChatMessage(WireModel):
 
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_CHOICES = 16  # most choices (`n`) one request may ask for on the wire; the gateway's limit is lower
 
 
 class SamplingParams(WireModel):
     """How the replica picks tokens; definitions in collm_replica.sampling (OpenAI's and vLLM's)."""
 
     max_tokens: int = Field(16, ge=1)
+    # Choices generated from one prefill of the prompt (each with its own sampling state).
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # 0 or -1: off
@@ -114,6 +119,13 @@ class TokenChunk(WireModel):
     text: str
     # One entry per token in `token_ids` when the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # the choice these tokens belong to (0..n-1)
+
+
+class ChoiceFinish(WireModel):
+    index: int
+    finish_reason: Literal["stop", "length", "cancelled", "deadline"]
+    completion_tokens: int
 
 
 class Finished(WireModel):
@@ -129,6 +141,9 @@ class Finished(WireModel):
     ttft_ms: float = 0.0
     tpot_ms: float = 0.0
     e2e_ms: float = 0.0
+    # n > 1: how each choice ended (finish_reason above is choice 0's, completion_tokens the sum, the
+    # timings choice 0's); None for a single choice.
+    choices: list[ChoiceFinish] | None = None
 
 
 class GenerateError(WireModel):

@@ -1,12 +1,14 @@
 """OpenAI request schemas at the HTTP edge (pydantic), and their translation to the wire request.
 
 Sampling fields, as OpenAI and vLLM define them (collm_replica.sampling states each definition):
-`temperature`, `top_p`, `top_k`, `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
-`logit_bias` (at most 300 token ids, biases in [-100, 100]), `seed`, `stop`, `ignore_eos`, and log
+`n` (choices from one prefill, up to the gateway's `max_n`), `temperature`, `top_p`, `top_k`, `min_p`,
+`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias` (at most 300 token ids,
+biases in [-100, 100]), `seed` (choice i of a seeded request draws with seed + i), `stop`, `ignore_eos`,
+and log
 probabilities (chat: `logprobs` with `top_logprobs` 0..20; completions: `logprobs` 0..20), of the raw
 model distribution. Fields whose silent omission would change the answer and that CoLLM does not
-implement (`UNSUPPORTED_FIELDS`: `n > 1`, `echo`, `best_of`, `suffix`, tools, structured outputs, beam
-search, ...) and non-text content parts are refused with a 400 that names the field; a field sent at its
+implement (`UNSUPPORTED_FIELDS`, `echo`, `best_of`, `suffix`: tools, structured outputs, beam search,
+...) and non-text content parts are refused with a 400 that names the field; a field sent at its
 neutral value (`null`, `[]`, `"none"`, `{"type": "text"}`) is accepted. Other unknown fields are
 accepted and ignored, like vLLM (they are logged at debug level), so clients that send newer fields
 keep working.
@@ -262,10 +264,6 @@ class SamplingIn(OpenAIModel):
         return None
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request(
-                f"n={self.n} is not supported: CoLLM returns one choice (n=1)", "n", "unsupported_value"
-            )
         extra = self.model_extra or {}
         for name in UNSUPPORTED_FIELDS:
             if name in extra and not _neutral(name, extra[name]):
@@ -280,8 +278,11 @@ class SamplingIn(OpenAIModel):
                 f"max_tokens={max_tokens} exceeds this gateway's limit of {settings.max_tokens_limit}",
                 "max_tokens",
             )
+        if self.n is not None and self.n > settings.max_n:
+            raise bad_request(f"n={self.n} exceeds this gateway's limit of {settings.max_n} choices", "n")
         params: dict[str, Any] = {
             "max_tokens": max_tokens or settings.default_max_tokens,
+            "n": self.n or 1,
             "stop": list(self.stop or []),
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,

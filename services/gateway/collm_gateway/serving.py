@@ -37,7 +37,7 @@ from opentelemetry import trace
 from starlette.types import Receive, Scope, Send
 
 from collm_common.clock import Clock
-from collm_common.wire.inference import Finished, GenerateRequest, TokenChunk, TokenLogprob
+from collm_common.wire.inference import ChoiceFinish, Finished, GenerateRequest, TokenChunk, TokenLogprob
 from collm_gateway import metrics
 from collm_gateway.auth import Principal
 from collm_gateway.catalog import ModelCatalog
@@ -46,7 +46,17 @@ from collm_gateway.errors import APIError
 from collm_gateway.observe import CLIENT_CLOSED, RequestRecord, annotate, record, request_attributes
 from collm_gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingIn
 from collm_gateway.settings import GatewaySettings
-from collm_gateway.shapes import DONE_EVENT, ChatShape, Shape, StreamIdentity, TextShape, fingerprint, sse
+from collm_gateway.shapes import (
+    DONE_EVENT,
+    ChatShape,
+    Choice,
+    OpenAIFinish,
+    Shape,
+    StreamIdentity,
+    TextShape,
+    fingerprint,
+    sse,
+)
 
 REPLICA_HEADER = "x-collm-replica"
 ADAPTER_VERSION_HEADER = "x-collm-adapter-version"
@@ -235,7 +245,7 @@ class CompletionServing:
         span: trace.Span | None = None,
     ) -> AsyncIterator[bytes]:
         opened = False
-        offset = 0  # text length of the tokens streamed so far (legacy logprobs' text_offset)
+        offsets: dict[int, int] = {}  # per choice: text length of its tokens so far (legacy text_offset)
         try:
             async for event in gen.events(heartbeat_s=self.settings.sse_ping_s):
                 if event is None:
@@ -244,16 +254,17 @@ class CompletionServing:
                 if not opened:  # the replica that generates is known from here on (module docstring)
                     opened = True
                     ident = _identity(ident, gen)
-                    opening = shape.opening(ident)
+                    opening = shape.opening(ident, gen.request.sampling.n)
                     if opening is not None:
                         yield sse(opening)
                 if isinstance(event, TokenChunk):
+                    i = event.index
                     if event.text or event.logprobs:
-                        yield sse(shape.delta(ident, event.text, event.logprobs, offset))
-                    offset += sum(len(e.token) for e in event.logprobs or [])
+                        yield sse(shape.delta(ident, event.text, event.logprobs, offsets.get(i, 0), i))
+                    offsets[i] = offsets.get(i, 0) + sum(len(e.token) for e in event.logprobs or [])
                 elif isinstance(event, Finished):
-                    finish = "length" if event.finish_reason == "length" else "stop"
-                    yield sse(shape.closing(ident, finish))
+                    for index, reason in _choice_ends(event):
+                        yield sse(shape.closing(ident, reason, index))
                     if ident.include_usage:
                         yield sse(shape.usage_chunk(ident, event.prompt_tokens, event.completion_tokens))
         except APIError as err:
@@ -269,17 +280,18 @@ class CompletionServing:
     ) -> dict[str, Any] | None:
         """The whole answer, or None if the client disconnected first (the generation is then cancelled)."""
 
-        logprobs: list[TokenLogprob] | None = [] if gen.request.sampling.logprobs is not None else None
+        n = gen.request.sampling.n
+        want_logprobs = gen.request.sampling.logprobs is not None
+        parts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
 
-        async def collect() -> tuple[str, Finished]:
-            parts: list[str] = []
+        async def collect() -> Finished:
             async for event in gen.events():
                 if isinstance(event, TokenChunk):
-                    parts.append(event.text)
-                    if logprobs is not None:
-                        logprobs.extend(event.logprobs or [])
+                    parts[event.index].append(event.text)
+                    logprobs[event.index].extend(event.logprobs or [])
                 elif isinstance(event, Finished):
-                    return "".join(parts), event
+                    return event
             raise AssertionError("event stream ended without Finished")  # events() raises or finishes
 
         work = asyncio.ensure_future(collect())
@@ -296,17 +308,24 @@ class CompletionServing:
                 await work
             return None
         try:
-            text, fin = work.result()
+            fin = work.result()
         except APIError as err:
             rec.status, rec.error = err.status, err.message
             raise
         except Exception as exc:
             rec.status, rec.error = 500, f"{type(exc).__name__}: {exc}"
             raise
-        finish = "length" if fin.finish_reason == "length" else "stop"
-        return shape.complete(
-            _identity(ident, gen), text, finish, fin.prompt_tokens, fin.completion_tokens, logprobs
-        )
+        choices = [
+            Choice(i, "".join(parts[i]), reason, logprobs[i] if want_logprobs else None)
+            for i, reason in _choice_ends(fin)
+        ]
+        return shape.complete(_identity(ident, gen), choices, fin.prompt_tokens, fin.completion_tokens)
+
+
+def _choice_ends(fin: Finished) -> list[tuple[int, OpenAIFinish]]:
+    """(index, OpenAI finish_reason) of every choice the replica ended."""
+    ends = fin.choices or [ChoiceFinish(index=0, finish_reason=fin.finish_reason, completion_tokens=0)]
+    return [(e.index, "length" if e.finish_reason == "length" else "stop") for e in ends]
 
 
 def _identity(ident: StreamIdentity, gen: Generation) -> StreamIdentity:

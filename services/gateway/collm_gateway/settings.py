@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from collm_common.settings import CommonSettings
+from collm_common.wire.inference import MAX_CHOICES
 from collm_gateway.keys import ApiKeySpec, parse_keys, read_keys_file
 
 
@@ -78,6 +79,13 @@ class GatewaySettings(CommonSettings):
     )
     default_max_tokens: int = Field(
         256, ge=1, description="`max_tokens` of a request that sets none (capped by max_tokens_limit)."
+    )
+    max_n: int = Field(
+        8,
+        ge=1,
+        le=MAX_CHOICES,
+        description="Largest `n` (choices per request, decoded from one prefill of the prompt); more gets "
+        "400. A replica also refuses an `n` whose choices do not fit its batch or KV cache at once.",
     )
     # --- API keys, tenants, rate limits (see collm_gateway/keys.py and README "Keys, tenants, admin") ----
     api_keys: dict[str, ApiKeySpec] = Field(

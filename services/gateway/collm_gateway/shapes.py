@@ -92,6 +92,16 @@ def text_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any
     }
 
 
+@dataclass
+class Choice:
+    """One choice of a whole (non-streamed) answer."""
+
+    index: int
+    text: str
+    finish_reason: OpenAIFinish
+    logprobs: list[TokenLogprob] | None = None
+
+
 class ChatShape:
     """`chat.completion` and `chat.completion.chunk`."""
 
@@ -112,31 +122,37 @@ class ChatShape:
             },
         )
 
-    def opening(self, ident: StreamIdentity) -> dict[str, Any] | None:
+    def opening(self, ident: StreamIdentity, n: int = 1) -> dict[str, Any] | None:
         return self._chunk(
             ident,
             [
                 {
-                    "index": 0,
+                    "index": i,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }
+                for i in range(n)
             ],
         )
 
     def delta(
-        self, ident: StreamIdentity, text: str, logprobs: list[TokenLogprob] | None = None, offset: int = 0
+        self,
+        ident: StreamIdentity,
+        text: str,
+        logprobs: list[TokenLogprob] | None = None,
+        offset: int = 0,
+        index: int = 0,
     ) -> dict[str, Any]:
         del offset  # chat logprobs carry no text offsets
         lp = chat_logprobs(logprobs) if logprobs is not None else None
         return self._chunk(
-            ident, [{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}]
+            ident, [{"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}]
         )
 
-    def closing(self, ident: StreamIdentity, finish_reason: OpenAIFinish) -> dict[str, Any]:
+    def closing(self, ident: StreamIdentity, finish_reason: OpenAIFinish, index: int = 0) -> dict[str, Any]:
         return self._chunk(
-            ident, [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]
+            ident, [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]
         )
 
     def usage_chunk(
@@ -147,13 +163,7 @@ class ChatShape:
         return chunk
 
     def complete(
-        self,
-        ident: StreamIdentity,
-        text: str,
-        finish_reason: OpenAIFinish,
-        prompt_tokens: int,
-        completion_tokens: int,
-        logprobs: list[TokenLogprob] | None = None,
+        self, ident: StreamIdentity, choices: list[Choice], prompt_tokens: int, completion_tokens: int
     ) -> dict[str, Any]:
         return {
             "id": ident.id,
@@ -163,11 +173,12 @@ class ChatShape:
             "system_fingerprint": ident.system_fingerprint,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
-                    "finish_reason": finish_reason,
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
                 }
+                for c in choices
             ],
             "usage": usage(prompt_tokens, completion_tokens),
         }
@@ -193,19 +204,24 @@ class TextShape:
             },
         )
 
-    def opening(self, ident: StreamIdentity) -> dict[str, Any] | None:
-        del ident  # text streams have no role delta
+    def opening(self, ident: StreamIdentity, n: int = 1) -> dict[str, Any] | None:
+        del ident, n  # text streams have no role delta
         return None
 
     def delta(
-        self, ident: StreamIdentity, text: str, logprobs: list[TokenLogprob] | None = None, offset: int = 0
+        self,
+        ident: StreamIdentity,
+        text: str,
+        logprobs: list[TokenLogprob] | None = None,
+        offset: int = 0,
+        index: int = 0,
     ) -> dict[str, Any]:
         lp = text_logprobs(logprobs, offset) if logprobs is not None else None
-        return self._chunk(ident, [{"index": 0, "text": text, "logprobs": lp, "finish_reason": None}])
+        return self._chunk(ident, [{"index": index, "text": text, "logprobs": lp, "finish_reason": None}])
 
-    def closing(self, ident: StreamIdentity, finish_reason: OpenAIFinish) -> dict[str, Any]:
+    def closing(self, ident: StreamIdentity, finish_reason: OpenAIFinish, index: int = 0) -> dict[str, Any]:
         return self._chunk(
-            ident, [{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}]
+            ident, [{"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}]
         )
 
     def usage_chunk(
@@ -216,16 +232,20 @@ class TextShape:
         return chunk
 
     def complete(
-        self,
-        ident: StreamIdentity,
-        text: str,
-        finish_reason: OpenAIFinish,
-        prompt_tokens: int,
-        completion_tokens: int,
-        logprobs: list[TokenLogprob] | None = None,
+        self, ident: StreamIdentity, choices: list[Choice], prompt_tokens: int, completion_tokens: int
     ) -> dict[str, Any]:
-        lp = text_logprobs(logprobs) if logprobs is not None else None
-        out = self._chunk(ident, [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}])
+        out = self._chunk(
+            ident,
+            [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": text_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+        )
         out["usage"] = usage(prompt_tokens, completion_tokens)
         return out
 

@@ -133,3 +133,30 @@ async def test_stream_through_a_real_replica_on_the_tiny_model(
                     logit_bias={"99999999": 5},
                 )
             assert "logit_bias" in str(err.value)
+            # n choices from one prefill: greedy choices agree, seeded ones are each their own draw.
+            three = await gw.openai.chat.completions.create(
+                model=BASE_MODEL,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=4,
+                temperature=0,
+                n=3,
+            )
+            assert [c.index for c in three.choices] == [0, 1, 2]
+            assert len({c.message.content for c in three.choices}) == 1
+            assert {c.finish_reason for c in three.choices} == {"length"}
+            assert three.usage is not None and three.usage.completion_tokens == 3 * 4
+            stream = await gw.openai.completions.create(
+                model=BASE_MODEL, prompt="hello", max_tokens=4, temperature=1.0, seed=7, n=2, stream=True
+            )
+            texts = ["", ""]
+            ends: dict[int, str] = {}
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    texts[choice.index] += choice.text
+                    if choice.finish_reason:
+                        ends[choice.index] = choice.finish_reason
+            assert set(ends) == {0, 1}
+            alone = await gw.openai.completions.create(
+                model=BASE_MODEL, prompt="hello", max_tokens=4, temperature=1.0, seed=8
+            )
+            assert texts[1] == alone.choices[0].text  # choice 1 of seed 7 draws as seed 8 alone

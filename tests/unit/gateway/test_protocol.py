@@ -133,11 +133,12 @@ def test_an_integer_is_a_number_as_in_openai() -> None:
     assert (req.temperature, req.top_p, req.slo and req.slo.ttft_ms) == (1.0, 1.0, 500.0)
 
 
-def test_n_above_one_is_refused_clearly() -> None:
+def test_n_up_to_the_gateway_limit() -> None:
+    assert chat(n=3).sampling(GatewaySettings(max_n=3)).n == 3
+    assert chat().sampling(GatewaySettings()).n == 1
     with pytest.raises(APIError) as err:
-        chat(n=2).check_supported()
-    assert err.value.status == 400 and err.value.param == "n" and "n=1" in err.value.message
-    chat(n=1).check_supported()
+        chat(n=4).sampling(GatewaySettings(max_n=3))
+    assert err.value.status == 400 and err.value.param == "n" and "3" in err.value.message
 
 
 def test_stream_options_need_stream() -> None:
@@ -193,7 +194,7 @@ def test_unsupported_prompt_forms_are_400(prompt) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("echo", True), ("best_of", 3), ("suffix", "x"), ("n", 3), ("min_tokens", 4)]
+    ("field", "value"), [("echo", True), ("best_of", 3), ("suffix", "x"), ("min_tokens", 4)]
 )
 def test_completion_features_that_would_change_the_answer_are_refused(field: str, value) -> None:
     with pytest.raises(APIError) as err:

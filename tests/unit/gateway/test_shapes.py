@@ -11,6 +11,7 @@ from collm_common.wire.inference import TokenLogprob, TopLogprob
 from collm_gateway.shapes import (
     DONE_EVENT,
     ChatShape,
+    Choice,
     StreamIdentity,
     TextShape,
     fingerprint,
@@ -65,7 +66,7 @@ def test_with_include_usage_every_chunk_before_the_last_has_null_usage(shape: Ch
 
 
 def test_chat_complete_body() -> None:
-    body = ChatShape().complete(ID, "Hello", "stop", 7, 2)
+    body = ChatShape().complete(ID, [Choice(0, "Hello", "stop")], 7, 2)
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -84,7 +85,7 @@ def test_text_stream_chunks_and_body() -> None:
     }
     assert s.closing(ID, "stop")["choices"][0]["finish_reason"] == "stop"
     assert s.usage_chunk(ID, 1, 1)["choices"] == []
-    body = s.complete(ID, "abc", "length", 3, 3)
+    body = s.complete(ID, [Choice(0, "abc", "length")], 3, 3)
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "abc"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
@@ -118,7 +119,7 @@ LP = [
 
 
 def test_chat_logprobs_parse_with_openai_types() -> None:
-    body = ChatShape().complete(ID, " Héllo", "stop", 3, 2, LP)
+    body = ChatShape().complete(ID, [Choice(0, " Héllo", "stop", LP)], 3, 2)
     parsed = ChatCompletion.model_validate(body)
     content = parsed.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and [c.token for c in content] == [" Hé", "llo"]
@@ -126,11 +127,11 @@ def test_chat_logprobs_parse_with_openai_types() -> None:
     assert [t.token for t in content[0].top_logprobs] == [" Hé", "x"] and content[1].top_logprobs == []
     chunk = ChatCompletionChunk.model_validate(ChatShape().delta(ID, " Hé", LP[:1]))
     assert chunk.choices[0].logprobs is not None and chunk.choices[0].logprobs.content[0].logprob == -0.25  # type: ignore[index]
-    assert ChatShape().complete(ID, "x", "stop", 1, 1)["choices"][0]["logprobs"] is None
+    assert ChatShape().complete(ID, [Choice(0, "x", "stop")], 1, 1)["choices"][0]["logprobs"] is None
 
 
 def test_text_logprobs_legacy_shape_with_offsets() -> None:
-    body = TextShape().complete(ID, " Héllo", "length", 3, 2, LP)
+    body = TextShape().complete(ID, [Choice(0, " Héllo", "length", LP)], 3, 2)
     parsed = Completion.model_validate(body)
     lp = parsed.choices[0].logprobs
     assert lp is not None
@@ -140,3 +141,22 @@ def test_text_logprobs_legacy_shape_with_offsets() -> None:
     # A stream's chunk continues the offsets of the tokens before it.
     mid = TextShape().delta(ID, "llo", LP[1:], offset=3)
     assert mid["choices"][0]["logprobs"]["text_offset"] == [3]
+
+
+def test_several_choices_in_openai_shapes() -> None:
+    chat = ChatShape()
+    body = chat.complete(ID, [Choice(0, "a", "stop"), Choice(1, "bc", "length", LP[1:])], 5, 3)
+    parsed = ChatCompletion.model_validate(body)
+    assert [(c.index, c.message.content, c.finish_reason) for c in parsed.choices] == [
+        (0, "a", "stop"),
+        (1, "bc", "length"),
+    ]
+    assert parsed.choices[0].logprobs is None and parsed.choices[1].logprobs is not None
+    opening = ChatCompletionChunk.model_validate(chat.opening(ID, 3))
+    assert [c.index for c in opening.choices] == [0, 1, 2]
+    assert {c.delta.role for c in opening.choices} == {"assistant"}
+    assert ChatCompletionChunk.model_validate(chat.delta(ID, "x", index=2)).choices[0].index == 2
+    assert ChatCompletionChunk.model_validate(chat.closing(ID, "stop", 1)).choices[0].index == 1
+    two = [Choice(0, "a", "stop"), Choice(1, "b", "stop")]
+    text = Completion.model_validate(TextShape().complete(ID, two, 5, 2))
+    assert [c.text for c in text.choices] == ["a", "b"]

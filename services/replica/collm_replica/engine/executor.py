@@ -62,6 +62,16 @@ class KVPool:
         """A new sequence's handle, holding no blocks yet, that may grow to `limit_tokens` tokens."""
         return SeqKV(self, f"kv{next(self._ids)}", limit_tokens)
 
+    def copy_prefix(self, src: SeqKV, dst: SeqKV, tokens: int) -> None:
+        """Copy the keys and values of `src`'s first `tokens` tokens into `dst` (whose blocks must hold
+        them): a forked choice starts from its parent's prompt without computing it again."""
+        if tokens <= 0:
+            return
+        to, frm = dst.slots(0, tokens), src.slots(0, tokens)
+        self.k[:, :, to] = self.k[:, :, frm]
+        self.v[:, :, to] = self.v[:, :, frm]
+        dst.length = tokens
+
 
 class SeqKV:
     """One sequence's share of a `KVPool`: its block table and how many of its tokens are written.

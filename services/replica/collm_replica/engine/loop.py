@@ -50,6 +50,7 @@ from collm_common.lora import AdapterWeights
 from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.inference import (
     Accepted,
+    ChoiceFinish,
     Finished,
     GenerateError,
     TokenChunk,
@@ -61,6 +62,7 @@ from collm_replica.cosched import CoScheduler, TrainCost, effective_share, make_
 from collm_replica.costs import FinishedSample, LatencyWindow, PieceCosts, StepCosts
 from collm_replica.engine.background import Evaluations, Examples, Training
 from collm_replica.engine.executor import Executor, ForwardItem, SeqKV
+from collm_replica.engine.kv import OutOfBlocks
 from collm_replica.engine.scheduler import (
     ArrivalHistory,
     BackgroundInput,
@@ -93,16 +95,44 @@ from collm_replica.training import TRAIN_HEAD_ROWS, EvalRun, JobSpec, PieceWork,
 log = logging.getLogger(__name__)
 
 
+class _Group:
+    """The choices of one request: choice 0 prefills the prompt, the other `n - 1` fork from it at its
+    first token. They share one numbering of chunks, and one `Finished` goes out once all have ended."""
+
+    __slots__ = ("n", "seqs", "chunk_seq", "ends", "forked", "failed")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seqs: list[_Seq] = []
+        self.chunk_seq = 0
+        self.ends: dict[int, ChoiceFinish] = {}
+        self.forked = n == 1  # no more choices will be created
+        self.failed = False
+
+    def next_chunk(self) -> int:
+        self.chunk_seq += 1
+        return self.chunk_seq - 1
+
+    @property
+    def all_ended(self) -> bool:
+        return len(self.ends) == self.n
+
+
 class _Seq:
     __slots__ = (
         "req", "sink", "version_id", "slot", "prompt_len", "computed", "output", "kv", "reserve", "sampler",
-        "detok", "stops", "chunk_seq", "t_arrival", "t_admit", "t_first", "t_last", "ttft_slo", "tpot_slo",
-        "done", "eos",
+        "detok", "stops", "t_arrival", "t_admit", "t_first", "t_last", "ttft_slo", "tpot_slo",
+        "done", "eos", "id", "index", "group",
     )  # fmt: skip
 
     def __init__(self, req: EngineRequest, sink: EventSink, version_id: str, slot: int, tokenizer: Any,
-                 eos: set[int], cfg: EngineConfig, now: float, vocab_size: int) -> None:  # fmt: skip
+                 eos: set[int], cfg: EngineConfig, now: float, vocab_size: int,
+                 index: int = 0, group: _Group | None = None) -> None:  # fmt: skip
         self.req = req
+        self.index = index
+        self.id = req.request_id if index == 0 else f"{req.request_id}/{index}"
+        self.group = group or _Group(req.n)
+        self.group.seqs.append(self)
         self.sink = sink
         self.version_id = version_id
         self.slot = slot
@@ -111,10 +141,9 @@ class _Seq:
         self.output: list[int] = []
         self.kv: SeqKV | None = None
         self.reserve = self.prompt_len + req.max_tokens
-        self.sampler = Sampler(req.sampling_config(), req.prompt_ids, vocab_size)
+        self.sampler = Sampler(req.sampling_config(index), req.prompt_ids, vocab_size)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(req.stop)
-        self.chunk_seq = 0
         self.t_arrival = now
         self.t_admit: float | None = None
         self.t_first: float | None = None
@@ -126,7 +155,7 @@ class _Seq:
 
     def view(self, cfg: BatchConfig) -> SeqView:
         return SeqView(
-            self.req.request_id,
+            self.id,
             self.prompt_len,
             self.computed,
             kv_reserve=cfg.reserve_tokens(self.reserve),
@@ -144,7 +173,7 @@ class _Seq:
     def timing(self) -> RequestView:
         """The request as the background decision sees it."""
         return RequestView(
-            self.req.request_id,
+            self.id,
             self.t_arrival,
             self.ttft_slo,
             self.tpot_slo,
@@ -241,6 +270,16 @@ class _Serving:
                 f"{pool_tokens} tokens",
                 param="max_tokens",
             )
+        if req.n > 1 and (
+            req.n > self.cfg.batch.max_batch
+            or req.n * self.cfg.batch.reserve_tokens(n + req.max_tokens) > pool_tokens
+        ):
+            raise EngineRefusal(
+                400,
+                f"n={req.n} choices of prompt + max_tokens = {n + req.max_tokens} tokens do not fit this "
+                f"replica at once (at most {self.cfg.batch.max_batch} sequences, {pool_tokens} KV tokens)",
+                param="n",
+            )
         with self._lock:
             if self._stop.is_set():
                 raise EngineRefusal(503, "the replica is shutting down", "service_unavailable")
@@ -289,15 +328,14 @@ class _Serving:
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.running):
-            self._emit_error(seq, 500, message)
-            self._release(seq)
+            self._fail(seq, 500, message)
 
     def _preempt(self, seq_ids: list[str]) -> None:
         """Preempted sequences give back their KV blocks and return to the front of the queue, in
         arrival order, to recompute their prompt and output so far when readmitted."""
         if not seq_ids:
             return
-        by_id = {s.req.request_id: s for s in self.running}
+        by_id = {s.id: s for s in self.running}
         out = sorted((by_id[sid] for sid in seq_ids), key=lambda s: s.t_arrival)
         for seq in out:
             self.running.remove(seq)
@@ -324,21 +362,24 @@ class _Serving:
                 self._finish(seq, "deadline", now)
 
     def _cancel(self, request_id: str) -> None:
-        seq = self._active.get(request_id)
-        if seq is None or seq.done:
+        first = self._active.get(request_id)
+        if first is None:
             return
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-            with self._lock:
-                self._n_waiting -= 1
-        elif seq not in self.running:  # still in the inbox (cannot happen: the inbox is drained first)
-            return
-        self._finish(seq, "cancelled", self.clock())
+        for seq in list(first.group.seqs):
+            if seq.done:
+                continue
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+                with self._lock:
+                    self._n_waiting -= 1
+            elif seq not in self.running:  # still in the inbox (cannot happen: the inbox is drained first)
+                continue
+            self._finish(seq, "cancelled", self.clock())
 
     # --- execution ------------------------------------------------------------------------------------
     def _execute(self, items: list[tuple[str, int]]) -> None:
         t_start = time.perf_counter()
-        by_id = {s.req.request_id: s for s in self.running}
+        by_id = {s.id: s for s in self.running}
         work = sorted(((by_id[sid], n) for sid, n in items), key=lambda x: x[0].slot)
         fitems = []
         prefill_tokens = 0
@@ -369,14 +410,12 @@ class _Serving:
             if seq.computed < seq.prompt_len + len(seq.output):
                 continue  # more prompt (or recompute) chunks to come
             try:
-                tok = seq.sampler.sample(lg)
-                seq.sampler.observe(tok)
-                lp = None if seq.req.logprobs is None else token_logprobs(lg, tok, seq.req.logprobs)
-                self._on_token(seq, tok, now, lp)
+                choices = [seq] if seq.group.forked else [seq, *self._fork(seq)]
+                for choice in choices:
+                    self._sample(choice, lg, now)
             except Exception as exc:  # noqa: BLE001 - fail this request, keep the batch
                 log.exception("request %s failed", seq.req.request_id)
-                self._emit_error(seq, 500, f"generation failed: {type(exc).__name__}")
-                self._release(seq)
+                self._fail(seq, 500, f"generation failed: {type(exc).__name__}")
         if self.step_log is not None:
             self.step_log(
                 InferenceStep(
@@ -391,6 +430,48 @@ class _Serving:
                     train_limit=self._train_decision[1],
                 )
             )
+
+    def _sample(self, seq: _Seq, logits: torch.Tensor, now: float) -> None:
+        tok = seq.sampler.sample(logits)
+        seq.sampler.observe(tok)
+        lp = None if seq.req.logprobs is None else token_logprobs(logits, tok, seq.req.logprobs)
+        self._on_token(seq, tok, now, lp)
+
+    def _fork(self, parent: _Seq) -> list[_Seq]:
+        """Choices 1..n-1 of `parent`'s request, at the end of its prompt: each gets a copy of the
+        prompt's KV blocks, or, when the pool has too few free blocks, goes to the front of the queue to
+        recompute the prompt like a preempted sequence. They sample their first token from the parent's
+        logits (the caller does)."""
+        g = parent.group
+        g.forked = True
+        ready: list[_Seq] = []
+        queued: list[_Seq] = []
+        for i in range(1, g.n):
+            with self._lock:
+                slot = self.slots.acquire(parent.version_id) if parent.version_id != BASE else -1
+            child = _Seq(
+                parent.req, parent.sink, parent.version_id, slot, self.tok, self.eos_ids, self.cfg,
+                parent.t_arrival, self.vocab_size, index=i, group=g,
+            )  # fmt: skip
+            child.t_admit = parent.t_admit
+            child.kv = self.kv_pool.sequence(child.reserve)
+            try:
+                child.kv.ensure(parent.computed)
+            except OutOfBlocks:
+                child.kv.free()
+                child.kv = None
+                queued.append(child)
+            else:
+                self.kv_pool.copy_prefix(parent.kv, child.kv, parent.computed)  # type: ignore[arg-type]
+                child.computed = parent.computed
+                self.kv_reserved += self.cfg.batch.reserve_tokens(child.reserve)
+                self.running.append(child)
+            ready.append(child)
+        if queued:
+            self.waiting[:0] = queued
+            with self._lock:
+                self._n_waiting += len(queued)
+        return ready
 
     def _on_token(self, seq: _Seq, tok: int, now: float, lp: TokenLogprobs | None = None) -> None:
         if seq.t_first is None:
@@ -422,13 +503,13 @@ class _Serving:
         seq.sink(
             TokenChunk(
                 request_id=seq.req.request_id,
-                seq=seq.chunk_seq,
+                seq=seq.group.next_chunk(),
                 token_ids=token_ids,
                 text=text,
                 logprobs=logprobs,
+                index=seq.index,
             )
         )
-        seq.chunk_seq += 1
 
     def _token_text(self, token_id: int) -> str:
         return str(self.tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
@@ -445,9 +526,29 @@ class _Serving:
         return sum(1 for t in seq.output if t not in seq.eos)
 
     def _finish(self, seq: _Seq, reason: str, now: float) -> None:
+        """Choice `seq` ended; when it was the request's last, its `Finished` goes out."""
         if seq.done:
             return
-        completion = self._completion_tokens(seq)
+        g = seq.group
+        g.ends[seq.index] = ChoiceFinish(
+            index=seq.index,
+            finish_reason=reason,  # type: ignore[arg-type]
+            completion_tokens=self._completion_tokens(seq),
+        )
+        if not g.forked:  # ended before its first token: the other choices never start
+            g.forked = True
+            for i in range(1, g.n):
+                g.ends[i] = ChoiceFinish(index=i, finish_reason=reason, completion_tokens=0)  # type: ignore[arg-type]
+        self._release(seq)
+        if g.all_ended and not g.failed:
+            self._finished(g.seqs[0], now)
+
+    def _finished(self, seq: _Seq, now: float) -> None:
+        """The request's `Finished`: choice 0's reason and timings, the choices' tokens summed."""
+        g = seq.group
+        ends = [g.ends[i] for i in range(g.n)]
+        reason = ends[0].finish_reason
+        completion = sum(e.completion_tokens for e in ends)
         ttft_ms = (seq.t_first - seq.t_arrival) * 1e3 if seq.t_first is not None else 0.0
         e2e_ms = ((seq.t_last or now) - seq.t_arrival) * 1e3
         tpot_ms = (e2e_ms - ttft_ms) / (len(seq.output) - 1) if len(seq.output) > 1 else 0.0
@@ -455,8 +556,8 @@ class _Serving:
         seq.sink(
             Finished(
                 request_id=seq.req.request_id,
-                seq=seq.chunk_seq,
-                finish_reason=reason,  # type: ignore[arg-type]
+                seq=g.next_chunk(),
+                finish_reason=reason,
                 prompt_tokens=seq.prompt_len,
                 completion_tokens=completion,
                 adapter_version_id=seq.version_id,
@@ -465,6 +566,7 @@ class _Serving:
                 ttft_ms=ttft_ms,
                 tpot_ms=tpot_ms,
                 e2e_ms=e2e_ms,
+                choices=ends if g.n > 1 else None,
             )
         )
         if reason in ("stop", "length"):
@@ -479,15 +581,23 @@ class _Serving:
                 {
                     "gen_ai.usage.input_tokens": seq.prompt_len,
                     "gen_ai.usage.output_tokens": completion,
-                    "gen_ai.response.finish_reasons": (reason,),
+                    "gen_ai.response.finish_reasons": tuple(e.finish_reason for e in ends),
                 }
             )
             span.end()
-        self._release(seq)
+
+    def _fail(self, seq: _Seq, code: int, message: str) -> None:
+        """The request of `seq` fails: one error event, and every choice of it is released."""
+        self._emit_error(seq, code, message)
+        seq.group.forked = True
+        for s in list(seq.group.seqs):
+            self._release(s)
 
     def _emit_error(self, seq: _Seq, code: int, message: str, type_: str = "server_error") -> None:
-        if seq.done:
+        g = seq.group
+        if g.failed or (g.forked and all(s.done for s in g.seqs)):
             return
+        g.failed = True
         self.errors_total += 1
         with contextlib.suppress(Exception):
             seq.sink(GenerateError(request_id=seq.req.request_id, code=code, type=type_, message=message))
@@ -496,18 +606,25 @@ class _Serving:
             seq.req.span.end()
 
     def _release(self, seq: _Seq) -> None:
-        """Free the sequence's KV reservation and its hold on the adapter version (exactly once)."""
+        """Free the choice's KV reservation and its hold on the adapter version (exactly once); the
+        request leaves the active set with its last choice."""
         if seq.done:
             return
         seq.done = True
         if seq in self.running:
             self.running.remove(seq)
             self.kv_reserved -= self.cfg.batch.reserve_tokens(seq.reserve)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+            with self._lock:
+                self._n_waiting -= 1
         if seq.kv is not None:
             seq.kv.free()
         seq.kv = None
+        g = seq.group
         with self._lock:
-            self._active.pop(seq.req.request_id, None)
+            if g.forked and all(s.done for s in g.seqs):
+                self._active.pop(seq.req.request_id, None)
             self.slots.release(seq.version_id)
 
 
@@ -872,7 +989,7 @@ class Engine(_Serving):
             free_blocks=self.kv_pool.blocks.num_free,
         )
         self._preempt(plan.preempted)
-        by_id = {s.req.request_id: s for s in self.waiting}
+        by_id = {s.id: s for s in self.waiting}
         for sid in plan.admitted:
             seq = by_id[sid]
             self.waiting.remove(seq)

@@ -120,6 +120,7 @@ class EngineRequest:
     adapter: str | None = None  # None: the base model
     version_id: str | None = None  # exact version (pinned); None: the adapter's current version
     max_tokens: int = 16
+    n: int = 1  # choices, decoded from one prefill of the prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -137,7 +138,8 @@ class EngineRequest:
     deadline_unix_s: float | None = None
     span: Any = None  # an OpenTelemetry span started by the service (context captured at admission)
 
-    def sampling_config(self) -> SamplingConfig:
+    def sampling_config(self, index: int = 0) -> SamplingConfig:
+        """Choice `index`'s sampling (a seeded request's choice i draws with seed + i)."""
         return SamplingConfig(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -147,7 +149,7 @@ class EngineRequest:
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed + index,
         )
 
 
