@@ -60,6 +60,14 @@ class SamplingParams(WireModel):
         return v
 
 
+class OutputGrammar(WireModel):
+    """A grammar every output must follow (llguidance's Lark dialect; `collm_common.structured` builds it
+    from `response_format` or `tools`); `param` names the request field it came from, for errors."""
+
+    lark: str = Field(min_length=1)
+    param: str = "response_format"
+
+
 class SloTargets(WireModel):
     """Per-request latency targets; the gateway fills per-model defaults when the client sends none."""
 
@@ -77,6 +85,7 @@ class GenerateRequest(WireModel):
     adapter: str | None = None
     adapter_version: int | None = Field(None, ge=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    grammar: OutputGrammar | None = None
     slo: SloTargets = Field(default_factory=SloTargets)
     tenant: str | None = None
     arrival_unix_s: float = 0.0

@@ -25,15 +25,28 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
+from collm_common.structured import render_tool_calls, tool_system_prompt
 from collm_common.wire.inference import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     ChatMessage,
+    OutputGrammar,
     SamplingParams,
     SloTargets,
 )
 from collm_gateway.errors import bad_request
 from collm_gateway.settings import GatewaySettings
+from collm_gateway.tools import (
+    MAX_TOOLS,
+    ResponseFormatIn,
+    ToolCallIn,
+    ToolChoiceIn,
+    ToolIn,
+    calls_of,
+    output_grammar,
+    tool_choice_of,
+    wire_tools,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +142,8 @@ class ChatMessageIn(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -155,12 +170,12 @@ class ChatMessageIn(OpenAIModel):
 # Fields that would change the answer and that CoLLM does not implement: refused with a 400 naming them
 # unless sent at a neutral value (below). Other unknown fields are ignored.
 UNSUPPORTED_FIELDS = (
-    "tools",
+    "tools",  # chat completions declare these four (collm_gateway.tools); completions refuse them
     "tool_choice",
-    "functions",
-    "function_call",
     "parallel_tool_calls",
     "response_format",
+    "functions",
+    "function_call",
     "guided_json",
     "guided_regex",
     "guided_choice",
@@ -336,6 +351,19 @@ class ChatCompletionRequest(SamplingIn):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormatIn | None = None
+    tools: list[ToolIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoiceIn | None = None
+    parallel_tool_calls: Bool | None = None
+
+    @property
+    def tool_choice_name(self) -> str:
+        """ "none", "auto", "required" or the function to call (collm_gateway.tools)."""
+        return tool_choice_of(self.tools, self.tool_choice)
+
+    def grammar(self) -> OutputGrammar | None:
+        choice = self.tool_choice_name
+        return output_grammar(self.response_format, self.tools, choice, self.parallel_tool_calls)
 
     def requested_max_tokens(self) -> int | None:
         # `max_completion_tokens` is OpenAI's newer name; it wins when both are present.
@@ -348,9 +376,21 @@ class ChatCompletionRequest(SamplingIn):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        self.grammar()  # 400s for inconsistent tool and format fields, before any replica is asked
 
     def wire_messages(self) -> list[ChatMessage]:
-        return [ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)]
+        """The conversation as the replica templates it: active tools as a first system message, and
+        assistant turns that called tools with their calls in the text format the model writes."""
+        out: list[ChatMessage] = []
+        choice = self.tool_choice_name
+        if choice != "none" and self.tools:
+            out.append(ChatMessage(role="system", content=tool_system_prompt(wire_tools(self.tools), choice)))
+        for i, m in enumerate(self.messages):
+            text = m.text(i)
+            if m.role == "assistant" and m.tool_calls:
+                text += render_tool_calls(calls_of(m.tool_calls))
+            out.append(ChatMessage(role=m.role, content=text))
+        return out
 
 
 class CompletionRequest(SamplingIn):

@@ -57,6 +57,7 @@ from collm_gateway.shapes import (
     fingerprint,
     sse,
 )
+from collm_gateway.tools import openai_tool_calls
 
 REPLICA_HEADER = "x-collm-replica"
 ADAPTER_VERSION_HEADER = "x-collm-adapter-version"
@@ -117,6 +118,7 @@ class CompletionServing:
         fields: dict[str, Any] = {}
         if isinstance(body, ChatCompletionRequest):
             fields["messages"] = body.wire_messages()
+            fields["grammar"] = body.grammar()
         else:
             assert isinstance(body, CompletionRequest)
             prompt, ids = body.wire_prompt()
@@ -184,14 +186,14 @@ class CompletionServing:
             )
             if body.stream:
                 response = GenerationEventStream(
-                    self._stream(gen, shape, ident, rec, span),
+                    self._stream(gen, shape, ident, rec, span, _tools_on(body)),
                     headers=_headers(gen, request_id),
                     on_close=lambda: self._finish(gen, rec, span),
                 )
                 handed_over = True
                 return response
             try:
-                payload = await self._complete(gen, shape, ident, rec, request)
+                payload = await self._complete(gen, shape, ident, rec, request, _tools_on(body))
             finally:
                 await self._finish(gen, rec, span)
                 handed_over = True
@@ -243,9 +245,13 @@ class CompletionServing:
         ident: StreamIdentity,
         rec: RequestRecord,
         span: trace.Span | None = None,
+        tools_on: bool = False,
     ) -> AsyncIterator[bytes]:
+        """SSE chunks as tokens arrive; with active tools each choice's text is held until it ends, then
+        sent as its tool calls or as text (module `collm_gateway.tools`)."""
         opened = False
         offsets: dict[int, int] = {}  # per choice: text length of its tokens so far (legacy text_offset)
+        held: dict[int, list[TokenChunk]] = {}
         try:
             async for event in gen.events(heartbeat_s=self.settings.sse_ping_s):
                 if event is None:
@@ -257,13 +263,19 @@ class CompletionServing:
                     opening = shape.opening(ident, gen.request.sampling.n)
                     if opening is not None:
                         yield sse(opening)
-                if isinstance(event, TokenChunk):
+                if isinstance(event, TokenChunk) and tools_on:
+                    held.setdefault(event.index, []).append(event)
+                elif isinstance(event, TokenChunk):
                     i = event.index
                     if event.text or event.logprobs:
                         yield sse(shape.delta(ident, event.text, event.logprobs, offsets.get(i, 0), i))
                     offsets[i] = offsets.get(i, 0) + sum(len(e.token) for e in event.logprobs or [])
                 elif isinstance(event, Finished):
                     for index, reason in _choice_ends(event):
+                        if tools_on:
+                            chunk, reason = _held_choice(shape, ident, held.pop(index, []), index, reason)
+                            if chunk is not None:
+                                yield sse(chunk)
                         yield sse(shape.closing(ident, reason, index))
                     if ident.include_usage:
                         yield sse(shape.usage_chunk(ident, event.prompt_tokens, event.completion_tokens))
@@ -276,7 +288,13 @@ class CompletionServing:
         yield DONE_EVENT
 
     async def _complete(
-        self, gen: Generation, shape: Shape, ident: StreamIdentity, rec: RequestRecord, request: Request
+        self,
+        gen: Generation,
+        shape: Shape,
+        ident: StreamIdentity,
+        rec: RequestRecord,
+        request: Request,
+        tools_on: bool = False,
     ) -> dict[str, Any] | None:
         """The whole answer, or None if the client disconnected first (the generation is then cancelled)."""
 
@@ -315,11 +333,32 @@ class CompletionServing:
         except Exception as exc:
             rec.status, rec.error = 500, f"{type(exc).__name__}: {exc}"
             raise
-        choices = [
-            Choice(i, "".join(parts[i]), reason, logprobs[i] if want_logprobs else None)
-            for i, reason in _choice_ends(fin)
-        ]
+        choices = []
+        for i, reason in _choice_ends(fin):
+            text = "".join(parts[i])
+            calls = openai_tool_calls(text) if tools_on and reason == "stop" else None
+            lps = logprobs[i] if want_logprobs else None
+            choices.append(Choice(i, text, "tool_calls" if calls else reason, lps, calls))
         return shape.complete(_identity(ident, gen), choices, fin.prompt_tokens, fin.completion_tokens)
+
+
+def _held_choice(
+    shape: Shape, ident: StreamIdentity, chunks: list[TokenChunk], index: int, reason: OpenAIFinish
+) -> tuple[dict[str, Any] | None, OpenAIFinish]:
+    """A held choice's one chunk (its tool calls, or its text) and its finish reason."""
+    text = "".join(c.text for c in chunks)
+    calls = openai_tool_calls(text) if reason == "stop" else None
+    if calls is not None:
+        assert isinstance(shape, ChatShape)  # tools exist in chat completions only
+        return shape.tool_calls_delta(ident, calls, index), "tool_calls"
+    if not chunks:
+        return None, reason
+    lps = [lp for c in chunks for lp in c.logprobs or []] if chunks[0].logprobs is not None else None
+    return shape.delta(ident, text, lps, 0, index), reason
+
+
+def _tools_on(body: SamplingIn) -> bool:
+    return isinstance(body, ChatCompletionRequest) and body.tool_choice_name != "none"
 
 
 def _choice_ends(fin: Finished) -> list[tuple[int, OpenAIFinish]]:

@@ -26,7 +26,7 @@ from collm_common.wire.inference import TokenLogprob
 
 DONE_EVENT = format_sse_event(data_str="[DONE]")
 
-OpenAIFinish = Literal["stop", "length"]
+OpenAIFinish = Literal["stop", "length", "tool_calls"]
 
 
 def fingerprint(replica_id: str, adapter_version_id: str) -> str:
@@ -100,6 +100,13 @@ class Choice:
     text: str
     finish_reason: OpenAIFinish
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool_calls (then finish_reason "tool_calls")
+
+
+def _message(c: Choice) -> dict[str, Any]:
+    if c.tool_calls:
+        return {"role": "assistant", "content": None, "tool_calls": c.tool_calls}
+    return {"role": "assistant", "content": c.text}
 
 
 class ChatShape:
@@ -155,6 +162,15 @@ class ChatShape:
             ident, [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]
         )
 
+    def tool_calls_delta(
+        self, ident: StreamIdentity, tool_calls: list[dict[str, Any]], index: int = 0
+    ) -> dict[str, Any]:
+        """A choice's complete tool calls in one delta (each call whole, numbered by its `index`)."""
+        calls = [{"index": k, **call} for k, call in enumerate(tool_calls)]
+        return self._chunk(
+            ident, [{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]
+        )
+
     def usage_chunk(
         self, ident: StreamIdentity, prompt_tokens: int, completion_tokens: int
     ) -> dict[str, Any]:
@@ -174,7 +190,7 @@ class ChatShape:
             "choices": [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": _message(c),
                     "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
                 }

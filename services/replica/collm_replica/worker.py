@@ -137,6 +137,8 @@ def engine_request(gr: GenerateRequest, ids: list[int], span: Span, vocab_size: 
         repetition_penalty=sp.repetition_penalty,
         logit_bias=dict(sp.logit_bias),
         logprobs=sp.logprobs,
+        grammar=gr.grammar.lark if gr.grammar is not None else None,
+        grammar_param=gr.grammar.param if gr.grammar is not None else "response_format",
         seed=sp.seed,
         stop=list(gr.sampling.stop),
         ignore_eos=gr.sampling.ignore_eos,

@@ -1,6 +1,7 @@
 """Gateway -> NATS -> a real `python -m collm_replica` process (tiny model), through the openai client."""
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -160,3 +161,82 @@ async def test_stream_through_a_real_replica_on_the_tiny_model(
                 model=BASE_MODEL, prompt="hello", max_tokens=4, temperature=1.0, seed=8
             )
             assert texts[1] == alone.choices[0].text  # choice 1 of seed 7 draws as seed 8 alone
+            # Structured outputs and tools, constrained on the replica and parsed by the openai package.
+            schema = {
+                "type": "object",
+                "properties": {
+                    "ok": {"type": "boolean"},
+                    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["ok", "n"],
+                "additionalProperties": False,
+            }
+            js = await gw.openai.chat.completions.create(
+                model=BASE_MODEL,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=40,
+                seed=3,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema, "strict": True},
+                },
+            )
+            assert js.choices[0].finish_reason == "stop"
+            parsed = json.loads(js.choices[0].message.content or "")
+            assert set(parsed) == {"ok", "n"} and isinstance(parsed["ok"], bool) and 0 <= parsed["n"] <= 9
+            tool = {
+                "type": "function",
+                "function": {
+                    "name": "add",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["a"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+            call = await gw.openai.chat.completions.create(
+                model=BASE_MODEL,
+                messages=[{"role": "user", "content": "add"}],
+                max_tokens=60,
+                seed=4,
+                tools=[tool],
+                tool_choice="required",
+                parallel_tool_calls=False,
+            )
+            assert call.choices[0].finish_reason == "tool_calls"
+            calls = call.choices[0].message.tool_calls
+            assert calls is not None and len(calls) == 1 and calls[0].function.name == "add"  # type: ignore[union-attr]
+            assert 0 <= json.loads(calls[0].function.arguments)["a"] <= 9  # type: ignore[union-attr]
+            streamed_call = await gw.openai.chat.completions.create(
+                model=BASE_MODEL,
+                messages=[{"role": "user", "content": "add"}],
+                max_tokens=60,
+                seed=4,
+                tools=[tool],
+                tool_choice={"type": "function", "function": {"name": "add"}},
+                parallel_tool_calls=False,
+                stream=True,
+            )
+            deltas = [c async for c in streamed_call]
+            got = [tc for c in deltas if c.choices for tc in c.choices[0].delta.tool_calls or []]
+            assert [tc.function.name for tc in got] == ["add"]  # type: ignore[union-attr]
+            assert 0 <= json.loads(got[0].function.arguments or "")["a"] <= 9  # type: ignore[union-attr]
+            assert [
+                c.choices[0].finish_reason for c in deltas if c.choices and c.choices[0].finish_reason
+            ] == ["tool_calls"]
+            with pytest.raises(openai.BadRequestError) as bad:
+                await gw.openai.chat.completions.create(
+                    model=BASE_MODEL,
+                    messages=[{"role": "user", "content": "x"}],
+                    max_tokens=4,
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {
+                            "name": "x",
+                            "schema": {"type": "object", "propertyNames": {"maxLength": 2}},
+                        },
+                    },
+                )
+            assert "response_format" in str(bad.value)

@@ -58,6 +58,7 @@ from collm_common.wire.inference import (
     TopLogprob,
 )
 from collm_common.wire.telemetry import TrainingJobStatus
+from collm_replica.constrain import Constraint, Grammars
 from collm_replica.cosched import CoScheduler, TrainCost, effective_share, make_coscheduler
 from collm_replica.costs import FinishedSample, LatencyWindow, PieceCosts, StepCosts
 from collm_replica.engine.background import Evaluations, Examples, Training
@@ -122,13 +123,15 @@ class _Seq:
     __slots__ = (
         "req", "sink", "version_id", "slot", "prompt_len", "computed", "output", "kv", "reserve", "sampler",
         "detok", "stops", "t_arrival", "t_admit", "t_first", "t_last", "ttft_slo", "tpot_slo",
-        "done", "eos", "id", "index", "group",
+        "done", "eos", "id", "index", "group", "constraint",
     )  # fmt: skip
 
     def __init__(self, req: EngineRequest, sink: EventSink, version_id: str, slot: int, tokenizer: Any,
                  eos: set[int], cfg: EngineConfig, now: float, vocab_size: int,
-                 index: int = 0, group: _Group | None = None) -> None:  # fmt: skip
+                 index: int = 0, group: _Group | None = None,
+                 constraint: Constraint | None = None) -> None:  # fmt: skip
         self.req = req
+        self.constraint = constraint
         self.index = index
         self.id = req.request_id if index == 0 else f"{req.request_id}/{index}"
         self.group = group or _Group(req.n)
@@ -280,6 +283,8 @@ class _Serving:
                 f"replica at once (at most {self.cfg.batch.max_batch} sequences, {pool_tokens} KV tokens)",
                 param="n",
             )
+        if req.grammar is not None:
+            self.grammars.check(req.grammar, req.grammar_param)
         with self._lock:
             if self._stop.is_set():
                 raise EngineRefusal(503, "the replica is shutting down", "service_unavailable")
@@ -298,8 +303,9 @@ class _Serving:
                     raise NotResident(req.version_id or req.adapter)
                 version_id, slot = bound, self.slots.acquire(bound)
             seq = _Seq(
-                req, sink, version_id, slot, self.tok, self.eos_ids, self.cfg, self.clock(), self.vocab_size
-            )
+                req, sink, version_id, slot, self.tok, self.eos_ids, self.cfg, self.clock(), self.vocab_size,
+                constraint=self._constraint(req),
+            )  # fmt: skip
             accepted = Accepted(
                 request_id=req.request_id,
                 replica_id=self.cfg.replica_id,
@@ -431,9 +437,19 @@ class _Serving:
                 )
             )
 
+    def _constraint(self, req: EngineRequest) -> Constraint | None:
+        return self.grammars.constraint(req.grammar) if req.grammar is not None else None
+
     def _sample(self, seq: _Seq, logits: torch.Tensor, now: float) -> None:
-        tok = seq.sampler.sample(logits)
+        """Pick `seq`'s next token from its last-position logits (shared by a request's choices at a
+        fork: never changed in place): penalties, then the grammar's mask, then sampling."""
+        processed = seq.sampler.process(logits)
+        if seq.constraint is not None:
+            processed = seq.constraint.mask(processed)
+        tok = seq.sampler.pick(processed)
         seq.sampler.observe(tok)
+        if seq.constraint is not None:
+            seq.constraint.advance(tok)
         lp = None if seq.req.logprobs is None else token_logprobs(logits, tok, seq.req.logprobs)
         self._on_token(seq, tok, now, lp)
 
@@ -451,7 +467,7 @@ class _Serving:
                 slot = self.slots.acquire(parent.version_id) if parent.version_id != BASE else -1
             child = _Seq(
                 parent.req, parent.sink, parent.version_id, slot, self.tok, self.eos_ids, self.cfg,
-                parent.t_arrival, self.vocab_size, index=i, group=g,
+                parent.t_arrival, self.vocab_size, index=i, group=g, constraint=self._constraint(parent.req),
             )  # fmt: skip
             child.t_admit = parent.t_admit
             child.kv = self.kv_pool.sequence(child.reserve)
@@ -490,6 +506,10 @@ class _Serving:
         text = seq.stops.push(seq.detok.push(tok))
         if seq.stops.stopped:
             self._chunk(seq, [tok], text, lp)
+            self._finish(seq, "stop", now)
+            return
+        if seq.constraint is not None and seq.constraint.complete:  # the grammar admits nothing more
+            self._chunk(seq, [tok], text + seq.stops.flush(), lp)
             self._finish(seq, "stop", now)
             return
         if len(seq.output) >= seq.req.max_tokens:
@@ -646,6 +666,7 @@ class Engine(_Serving):
         self.cfg = cfg or EngineConfig()
         self.tok = loaded.tokenizer
         self.vocab_size = int(loaded.config.vocab_size)
+        self.grammars = Grammars(loaded.tokenizer, self.vocab_size)
         self.eos_ids = loaded.eos_token_ids
         self.max_model_len = loaded.max_model_len
         self.executor = Executor(loaded)

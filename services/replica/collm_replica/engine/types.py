@@ -130,6 +130,8 @@ class EngineRequest:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely per position
+    grammar: str | None = None  # llguidance Lark text every choice's output follows
+    grammar_param: str = "response_format"  # the request field the grammar came from (for errors)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
