@@ -1,0 +1,1 @@
+"""The frontier benchmark (see cli)."""
