@@ -279,3 +279,24 @@ def test_with_default_curves_adds_only_the_missing_domains() -> None:
 
 def test_estimate_counts_every_point_with_its_overhead() -> None:
     assert estimate_s(4, 60.0, 30.0, 10.0) == 10.0 + BASE_LOSS_S + 4 * (POINT_OVERHEAD_S + 90.0)
+
+
+def test_tables_show_every_point_and_each_goal() -> None:
+    from collm_bench.frontier.render import goals_table, markdown
+
+    points = grid_points(collm_ft=1000.0, collm_q=0.5, collm_gp=4.8)
+    doc = {
+        "mode": "sim",
+        "trace": {"label": "azure 2023 conv"},
+        "config": {"replicas": 8, "window_s": 3600.0, "rate_rps": 2.5},
+        "points": [p.as_dict() for p in points],
+        "goals": evaluate_goals(points),
+    }
+    text = markdown(doc)
+    assert text.startswith("sim, azure 2023 conv, 8 replicas, 3600 s windows at 2.500 req/s")
+    # fixed_ratio's K=1 trades goodput for quality and tokens: on both of its frontiers.
+    assert "| fixed_ratio | K=1 | 0.700 | 2.000 | 900 | 0.6000 | 100 | QT |" in text
+    assert "| goodput vs separate at equal quality gain | 3x | yes | 4.80 | separate |  |" in text
+    rows = goals_table([doc, doc]).splitlines()
+    assert len(rows) == 4 and rows[2].count("yes") == 4
+    assert "| sim azure 2023 conv, 8 replicas, 2.50 req/s | 2.50 yes (separate) |" in rows[2]

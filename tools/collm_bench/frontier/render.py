@@ -1,8 +1,8 @@
-"""The frontier's Markdown table (pure, from the result file) and its figure (PNG)."""
+"""The frontier's Markdown tables (pure, from result files) and its figure (PNG)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,15 @@ GOAL_TEXT = {
     "quality_gain_vs_best_baseline": "served quality gain vs the best baseline, attainment >= 0.9 x alone",
     "goodput_vs_separate": "goodput vs separate at equal quality gain",
     "goodput_vs_best_colocated": "goodput vs the best co-located baseline at equal quality gain",
+}
+
+
+VERDICT = {True: "yes", False: "no", None: "undecided"}
+GOAL_SHORT = {
+    "finetune_tokens_vs_best_baseline": "fine-tuning tokens",
+    "quality_gain_vs_best_baseline": "quality gain",
+    "goodput_vs_separate": "goodput vs separate",
+    "goodput_vs_best_colocated": "goodput vs co-located",
 }
 
 
@@ -58,14 +67,35 @@ def markdown(results: Mapping[str, Any]) -> str:
             f"| {_n(p.finetune_tokens, ',.0f')} | {_n(p.quality_gain_nats, '.4f')} | {p.n_requests} "
             f"| {marks.get((p.policy, p.knob), '')} |"
         )
-    lines += ["", "| goal | target | reached | ratio | against | why not told |", "|---|---|---|---|---|---|"]
+    lines += ["", "| goal | target | reached | ratio | against | why undecided |", "|" + "---|" * 6]
     for name, g in results["goals"].items():
-        reached = {True: "yes", False: "no", None: "undecided"}[g["reached"]]
+        reached = VERDICT[g["reached"]]
         against = g.get("best_baseline") or g.get("against") or "-"
         lines.append(
             f"| {GOAL_TEXT.get(name, name)} | {GOALS.get(name, g['goal']):g}x | {reached} "
             f"| {_n(g['ratio'], '.2f')} | {against} | {g['reason'] or ''} |"
         )
+    return "\n".join(lines)
+
+
+def _cell(goal: Mapping[str, Any]) -> str:
+    against = goal.get("best_baseline") or goal.get("against")
+    return f"{_n(goal['ratio'], '.2f')} {VERDICT[goal['reached']]}" + (f" ({against})" if against else "")
+
+
+def goals_table(docs: Sequence[Mapping[str, Any]]) -> str:
+    """One row per result file: each goal's ratio, whether it is reached, and against which baseline
+    (the results page's compact form; `markdown` has every point)."""
+    names = list(GOALS)
+    lines = [
+        "| run | " + " | ".join(f"{GOAL_SHORT[n]} (>= {GOALS[n]:g}x)" for n in names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for doc in docs:
+        cfg = doc["config"]
+        trace = f"{doc['mode']} {doc['trace']['label']}"
+        run = f"{trace}, {cfg['replicas']} replicas, {cfg['rate_rps']:.2f} req/s"
+        lines.append(f"| {run} | " + " | ".join(_cell(doc["goals"][n]) for n in names) + " |")
     return "\n".join(lines)
 
 
