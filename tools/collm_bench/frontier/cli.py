@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     g = p.add_argument_group("live")
     g.add_argument("--model", default=None, help="smollm2 (default) or tiny")
-    g.add_argument("--min-requests", type=int, default=100, help="per point: the window grows to hold them")
+    g.add_argument("--min-requests", type=int, default=None, help="per point; the window grows (100; tiny 4)")
     g.add_argument("--drain-s", type=float, default=None)
     g.add_argument("--data", action="append", metavar="DOMAIN=DIR", help="a prepared dataset directory")
     g.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -107,6 +107,8 @@ def headline_config(args: argparse.Namespace, replicas: int, window_s: float) ->
         "traces": (args.trace,),
         "seed": args.seed,
     }
+    if args.model is not None:
+        over["model"] = args.model
     if args.traces_dir is not None:
         over["traces_dir"] = args.traces_dir
     if args.calibration is not None:

@@ -63,7 +63,7 @@ class LiveFrontierConfig:
             return cls(
                 replicas=args.replicas or 2,
                 window_s=args.window_s or 3.0,
-                min_requests=args.min_requests if args.min_requests != 100 else 4,
+                min_requests=args.min_requests or 4,
                 rate_rps=args.rate or 2.0,
                 policies=TINY_POLICIES,
                 tiny=True,
@@ -75,7 +75,7 @@ class LiveFrontierConfig:
         return cls(
             replicas=args.replicas or 2,
             window_s=args.window_s or 60.0,
-            min_requests=args.min_requests,
+            min_requests=args.min_requests or 100,
             load=args.load,
             rate_rps=args.rate,
             policies=policies,
