@@ -19,7 +19,7 @@ from tests.integration.bench.bench_data import REPO, harness_inputs, run_harness
 pytestmark = pytest.mark.integration
 
 
-# Four fresh stacks of the tiny model: 59 s on a quiet 2-core machine (make test runs under the lock).
+# Four fresh stacks of the tiny model: 59 s on this 2-core machine under the heavy-work lock.
 def test_tiny_frontier_runs_each_knob_on_a_fresh_stack(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = [
