@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_LOCK ?= flock /tmp/collm-heavy.lock
 
-.PHONY: install up test lint bench compose-check clean
+.PHONY: install up test lint bench bench-frontier compose-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,12 @@ test: install
 
 bench: install
 	HF_HUB_OFFLINE=1 $(BENCH_LOCK) $(BIN)/python -m collm_bench headline $(BENCH_ARGS)
+
+# `make bench-frontier`: each policy's trade-off curve over its knob grid on the live stack (python -m
+# collm_bench frontier --help lists FRONTIER_ARGS; --sim runs it in the simulator), under the same lock.
+FRONTIER_ARGS ?=
+bench-frontier: install
+	HF_HUB_OFFLINE=1 $(BENCH_LOCK) $(BIN)/python -m collm_bench frontier $(FRONTIER_ARGS)
 
 # `make compose-check`: `docker compose up` of docker-compose.yml on this machine, proven end to end
 # (deploy/compose_check.py, as root; --help lists COMPOSE_CHECK_ARGS). Not part of `make test`.

@@ -7,6 +7,7 @@
     python -m collm_bench headline       # every policy on the live stack (collm_bench.headline)
     python -m collm_bench headline-repeat --repeats 3 ...   # the same N times: medians and ranges
     python -m collm_bench readme [--check] [--plots]       # bench/README.md's tables from bench/results/
+    python -m collm_bench frontier --sim --replicas 64   # trade-off curves (collm_bench.frontier)
 """
 
 from __future__ import annotations
@@ -520,6 +521,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         from collm_bench.headline.cli import main as headline_main
 
         return headline_main(argv[1:], out, err)
+    if argv[:1] == ["frontier"]:
+        # Each policy's trade-off curve over its knob grid (collm_bench.frontier).
+        from collm_bench.frontier.cli import main as frontier_main
+
+        return frontier_main(argv[1:], out, err)
     if argv[:1] == ["headline-repeat"]:
         # The headline comparison repeated, with medians and ranges (collm_bench.headline.repeat).
         from collm_bench.headline.repeat import main as repeat_main

@@ -169,6 +169,23 @@ def resolve_trace(spec: str, traces_dir: str | Path | None) -> Path:
     return p
 
 
+def trace_label(path: str | Path) -> str:
+    """The trace's source and name, by its format (as `load_trace` reads it): `azure <name>` for an
+    Azure CSV, `mooncake <name>` for a Mooncake JSONL, `<name>` otherwise; the name is the file's stem
+    less its source's prefix (`azure_llm_2023_conv.csv` -> `azure 2023 conv`,
+    `mooncake_fast25_conversation.jsonl` -> `mooncake fast25 conversation`)."""
+    p = Path(path)
+    source = {".csv": "azure", ".jsonl": "mooncake"}.get(p.suffix)
+    stem = p.stem
+    if source is None:
+        return stem
+    for prefix in (f"{source}_llm_", f"{source}_"):
+        if stem.lower().startswith(prefix):
+            stem = stem[len(prefix) :]
+            break
+    return f"{source} {stem.replace('_', ' ')}"
+
+
 def trace_stats(reqs: Sequence[TraceRequest]) -> TraceStats:
     if not reqs:
         raise TraceError("no requests")

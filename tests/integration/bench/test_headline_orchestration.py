@@ -2,55 +2,31 @@
 (its own NATS and Redis, aggregator, coordinator, two replicas with local data, gateway), the same plan
 replayed against each, one table, one figure, and the results file.
 
-The trace and the datasets are made up here (the real ones live outside the repository), so the test
-runs anywhere; the Makefile target is checked to run exactly this command under the heavy-work lock.
+The trace and the datasets are made up (`bench_data`: the real ones live outside the repository), so
+the test runs anywhere; the Makefile target is checked to run exactly this command under the heavy-work lock.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from collm_common.step_log import InferenceStep, read_step_log
+from tests.integration.bench.bench_data import REPO, harness_inputs, run_harness
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[3]
-TRACE = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(
-    f"2023-11-16 18:17:{i:02d}.2500000,{200 + 40 * (i % 9)},{30 + 10 * (i % 5)}" for i in range(40)
-)
-
-
-def dataset(root: Path, domain: str) -> Path:
-    for split, n in (("train", 24), ("eval", 6)):
-        rows = [
-            {"id": f"{domain}-{split}-{i}", "domain": domain, "prompt": f"A {domain} question number {i}?",
-             "response": f"The {domain} answer is {i * 7}."}
-            for i in range(n)
-        ]  # fmt: skip
-        (root / domain / split).mkdir(parents=True, exist_ok=True)
-        (root / domain / split / f"{domain}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return root / domain
-
 
 def test_headline_runs_each_policy_on_a_fresh_stack(tmp_path: Path) -> None:
-    trace = tmp_path / "trace.csv"
-    trace.write_text(TRACE)
     out = tmp_path / "out"
     argv = [
         "--model", "tiny", "--policies", "collm,separate", "--rate-labels", "light", "--rates", "light=1",
-        "--traces", str(trace), "--data", f"math={dataset(tmp_path, 'math')}",
-        "--data", f"medical={dataset(tmp_path, 'medical')}", "--duration", "5", "--drain-s", "10",
-        "--out-dir", str(out),
+        *harness_inputs(tmp_path, "--traces"), "--duration", "5", "--drain-s", "10", "--out-dir", str(out),
     ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "collm_bench", "headline", *argv],
-        capture_output=True, text=True, timeout=170, check=False, cwd=REPO,
-    )  # fmt: skip
+    proc = run_harness("headline", argv, 170)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(proc.stdout)  # the table, shown with -s
     (run_root,) = [p for p in out.iterdir() if p.is_dir()]
@@ -116,13 +92,18 @@ def test_headline_runs_each_policy_on_a_fresh_stack(tmp_path: Path) -> None:
     assert table.splitlines()[0] in proc.stdout
 
 
-def test_make_bench_runs_the_headline_command_under_the_lock() -> None:
+@pytest.mark.parametrize(
+    ("target", "args", "command"),
+    [("bench", "BENCH_ARGS", "headline"), ("bench-frontier", "FRONTIER_ARGS", "frontier")],
+)
+def test_make_bench_targets_run_their_command_under_the_lock(target: str, args: str, command: str) -> None:
     proc = subprocess.run(
-        ["make", "-n", "bench", "BENCH_ARGS=--model tiny"],
+        ["make", "-n", target, f"{args}=--model tiny"],
         capture_output=True,
         text=True,
         cwd=REPO,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench headline --model tiny" in proc.stdout
+    lock = "flock /tmp/collm-heavy.lock"
+    assert f"{lock} .venv/bin/python -m collm_bench {command} --model tiny" in proc.stdout

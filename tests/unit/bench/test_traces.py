@@ -19,6 +19,7 @@ from collm_bench.traces import (
     slice_window,
     take_at_rate,
     time_scale,
+    trace_label,
     trace_stats,
 )
 
@@ -174,3 +175,18 @@ def test_real_azure_traces(shared_data: Path) -> None:
     assert [r.input_tokens for r in out] == [r.input_tokens for r in original]
     cv = [np.std(g) / np.mean(g) for g in (np.diff([r.arrival_s for r in x]) for x in (out, original))]
     assert cv[0] == pytest.approx(cv[1], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        ("azure_llm_2023_conv.csv", "azure 2023 conv"),
+        ("azure_llm_2024_code.csv", "azure 2024 code"),
+        ("mooncake_fast25_conversation.jsonl", "mooncake fast25 conversation"),
+        ("mooncake_fast25_synthetic.jsonl", "mooncake fast25 synthetic"),
+        ("my_slice.csv", "azure my slice"),
+        ("other.txt", "other"),
+    ],
+)
+def test_trace_label_names_the_source_by_the_format(name: str, label: str) -> None:
+    assert trace_label(Path("/data") / name) == label

@@ -9,7 +9,8 @@
 Writes `OUT/<timestamp>/` (results.json, table.md, headline.png, one directory per run with the
 requests, summary, stack logs and telemetry) and copies the table and figure to `OUT/latest.md` and
 `OUT/latest.png`. Exit status: 0 done (goals met or not: the table says), 2 something required is
-missing (trace files, domain data, calibration), 1 a run failed.
+missing (trace files, domain data, calibration), 1 a run failed, 130 interrupted (SIGINT or SIGTERM:
+the stack of the run in progress is stopped first).
 """
 
 from __future__ import annotations
@@ -883,3 +884,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     except (SetupError, ValueError) as exc:
         err.write(f"collm-bench headline: {exc}\n")
         return 2
+    except KeyboardInterrupt:
+        # SIGINT or SIGTERM (`signals`): the run in progress stopped its stack before this.
+        err.write("collm-bench headline: interrupted; the stack of the run in progress is stopped\n")
+        return 130

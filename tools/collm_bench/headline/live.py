@@ -70,6 +70,7 @@ from collm_ops.servers import free_port
 from collm_sim.plugins import series_setup
 
 from .config import HeadlineConfig
+from .signals import interrupt_on_sigterm, signals_deferred, stopping
 
 FINAL_ROUND_STATES = ("published", "held_back", "aborted")
 REDIS_PREFIX = "headline"
@@ -98,9 +99,14 @@ class Phases:
 
 
 def stack_config(
-    cfg: HeadlineConfig, policy: str, replica_data: dict[str, Path], run_dir: Path
+    cfg: HeadlineConfig,
+    policy: str,
+    replica_data: dict[str, Path],
+    run_dir: Path,
+    knob_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> StackConfig:
-    """The launcher's configuration of one run (pure apart from picking free ports)."""
+    """The launcher's configuration of one run (pure apart from picking free ports); `knob_env`: more
+    environment per service (coordinator, aggregator, gateway, replica), set last."""
     nats_port, redis_port, gateway_port = free_port(), free_port(), free_port()
     coordinator = {
         "COLLM_COORDINATOR_SLOW_INTERVAL_S": str(cfg.slow_interval_s),
@@ -133,6 +139,16 @@ def stack_config(
         )
         for rid in cfg.replica_ids()
     ]
+    service_env = {
+        "coordinator": coordinator,
+        "aggregator": aggregator,
+        "gateway": gateway,
+        "replica": replica,
+    }
+    for service, env in (knob_env or {}).items():
+        if service not in service_env:
+            raise ValueError(f"knob_env: no service {service!r} (have {', '.join(service_env)})")
+        service_env[service].update(env)
     return StackConfig(
         nats_url=f"nats://127.0.0.1:{nats_port}",
         redis_url=f"redis://127.0.0.1:{redis_port}/0",
@@ -142,12 +158,7 @@ def stack_config(
         replicas=replicas,
         coordinator_policy=coord_policy,
         torch_threads=cfg.torch_threads,
-        service_env={
-            "coordinator": coordinator,
-            "aggregator": aggregator,
-            "gateway": gateway,
-            "replica": replica,
-        },
+        service_env=service_env,
         start_servers=True,
         run_dir=run_dir / "stack",
         ready_timeout_s=cfg.ready_timeout_s,
@@ -608,29 +619,37 @@ def run_live(
     run_dir: Path,
     progress: IO[str],
     base: dict[str, float] | None = None,
+    knob_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Run `plan` against a fresh stack under `policy`; return the run's results (see `_drive`). `base`:
-    the base model's held-out loss per domain, measured by an earlier run (None: this run measures it)."""
+    the base model's held-out loss per domain, measured by an earlier run (None: this run measures it).
+    `knob_env`: more environment per service (`stack_config`).
+
+    SIGINT and SIGTERM raise KeyboardInterrupt while it runs (`signals.interrupt_on_sigterm`, main
+    thread): the stack stops before the interruption goes on, whatever step it came in, and a second
+    signal does not cut its stop short (`signals.stopping`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    scfg = stack_config(cfg, policy, replica_data, run_dir)
+    scfg = stack_config(cfg, policy, replica_data, run_dir, knob_env)
     t0 = time.monotonic()
     phases = Phases(t=t0)
-    with (run_dir / "stack.log").open("w", encoding="utf-8") as log:
+    with interrupt_on_sigterm(), (run_dir / "stack.log").open("w", encoding="utf-8") as log:
         stack = Stack(scfg, log_sink=log)
-        try:
-            stack.start()
-        except Exception as exc:
-            raise LiveRunError(f"the stack did not start ({exc}); logs: {run_dir / 'stack.log'}") from exc
-        ready_s = time.monotonic() - t0
-        phases.mark("stack_start")
-        try:
-            out = asyncio.run(_drive(cfg, policy, plan, stack, run_dir, progress, base, phases))
-        finally:
-            phases.t = time.monotonic()
-            stack.stop()
-            phases.mark("stack_stop")
-            progress.write(f"[headline] {policy} phases: {phases.line()}\n")
-            progress.flush()
+        with stopping(stack):
+            try:
+                stack.start()
+            except Exception as exc:
+                raise LiveRunError(f"the stack did not start ({exc}); logs: {run_dir / 'stack.log'}") from exc
+            ready_s = time.monotonic() - t0
+            phases.mark("stack_start")
+            try:
+                out = asyncio.run(_drive(cfg, policy, plan, stack, run_dir, progress, base, phases))
+            finally:
+                with signals_deferred():
+                    phases.t = time.monotonic()
+                    stack.stop()
+                phases.mark("stack_stop")
+                progress.write(f"[headline] {policy} phases: {phases.line()}\n")
+                progress.flush()
     out["phases_s"] = dict(phases.seconds)
     out["stack_ready_s"] = ready_s
     out["wall_s"] = time.monotonic() - t0

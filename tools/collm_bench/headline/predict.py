@@ -23,7 +23,7 @@ What is made equal, and how:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +87,19 @@ def sim_config(
     samples_per_replica: int,
     eval_fit: EvalFit | None = None,
     first_slow_s: float | None = None,
+    core: Mapping[str, float] | None = None,
 ) -> Any:  # collm_sim.config.SimConfig
+    """The simulator's configuration of the live run's setup; `core`: the coordinator's knobs set
+    otherwise than by default (CoreConfig names; `fixed_ratio_k` also sets the replicas' fixed
+    co-scheduler, as COLLM_FIXED_RATIO_K sets every service live)."""
     from collm_sim.config import EngineSpec, SimConfig
     from collm_sim.plugins import series_setup
 
     coordinator_policy, coscheduler = series_setup(policy)
     engine = EngineSpec(eval_tokens=cfg.eval_max_tokens)
+    knobs = dict(core or {})
+    if "fixed_ratio_k" in knobs:
+        engine = dataclasses.replace(engine, fixed_every_iterations=int(knobs["fixed_ratio_k"]))
     by_replica: dict[str, dict[str, object]] = {}
     if eval_fit is not None:
         engine = dataclasses.replace(
@@ -110,6 +117,7 @@ def sim_config(
             # The coordinator's first slow tick when the live one's came (it starts with the stack,
             # before the replay; `replay_fit.measured_first_slow_s`), else `warmup_s` into the trace.
             "warmup_s": cfg.coordinator_warmup_s if first_slow_s is None else max(0.0, first_slow_s),
+            **knobs,
         },
         samples_per_replica=samples_per_replica,
         domains=tuple(sorted(cfg.domains)),
@@ -144,16 +152,19 @@ def simulate_run(
     step_logs_dir: Path | None = None,
     eval_fit: EvalFit | None = None,
     first_slow_s: float | None = None,
+    core: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """One simulated run: the summary (same code as the live one, after the drain cut), the simulator's
     own figures (fine-tuning tokens, rounds, quality model) and its request records after the cut (each
     with the replica that served it), to set beside the live ones request by request. With
     `step_logs_dir`, each simulated replica also writes its steps there (`sim_steps-<replica>.jsonl`, the
-    live step log's records, times from the simulation's start), to set beside the live step logs."""
+    live step log's records, times from the simulation's start), to set beside the live step logs.
+    `core`: the coordinator's knobs (`sim_config`)."""
     from collm_sim.cluster import Simulation
 
     simulation = Simulation(
-        sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica, eval_fit, first_slow_s), cal
+        sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica, eval_fit, first_slow_s, core),
+        cal,
     )
     logs = []
     if step_logs_dir is not None:

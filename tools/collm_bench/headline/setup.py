@@ -17,7 +17,14 @@ import numpy as np
 
 from collm_bench.prompts import PromptBuilder, read_domain_dir
 from collm_bench.tokens import CharEstimateCounter, HFTokenizerCounter, TokenCounter
-from collm_bench.traces import LengthPolicy, TraceRequest, fit_lengths, load_trace, resolve_trace
+from collm_bench.traces import (
+    LengthPolicy,
+    TraceRequest,
+    fit_lengths,
+    load_trace,
+    resolve_trace,
+    trace_label,
+)
 from collm_bench.workload import ArrivalSpec, ModelMap, PlannedRequest, Slo, plan_requests, request_shapes
 from collm_common.calibration import Calibration
 
@@ -43,8 +50,7 @@ class TraceSource:
     def label(self, cfg: HeadlineConfig) -> str:
         if self.path is None:
             return f"SYNTHETIC gamma(k={cfg.synthetic_burstiness:g}) (trace {self.name} absent)"
-        name = Path(self.name).stem if self.name.endswith((".csv", ".jsonl")) else self.name
-        return f"azure {name}"
+        return trace_label(self.path)
 
 
 def resolve_sources(cfg: HeadlineConfig) -> list[TraceSource]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from collm_bench import adaptation
+from collm_bench.frontier import render as frontier
 
 from . import engine, faults, federated, gate, gateway, sim
 
@@ -39,12 +40,17 @@ def _one(render: Callable[[Doc], str]) -> Table:
     return table
 
 
-def _adaptation_plots(doc: Doc) -> dict[str, Callable[[Path], Any]]:
-    return {"": lambda path: adaptation.plot(doc, path)}
+def _one_plot(draw: Callable[[Doc, Path], Any]) -> Plots:
+    """One plot per result file, `draw(doc, path)`, named after the file."""
+
+    def plots(doc: Doc) -> dict[str, Callable[[Path], Any]]:
+        return {"": lambda path: draw(doc, path)}
+
+    return plots
 
 
 KINDS: dict[str, Kind] = {
-    "adaptation": Kind(_one(adaptation.table), plots=_adaptation_plots),
+    "adaptation": Kind(_one(adaptation.table), plots=_one_plot(adaptation.plot)),
     "gate-noise": Kind(_one(gate.table)),
     "gateway-overhead": Kind(gateway.overhead_table, files=None),
     "sim-sweep": Kind(_one(sim.sweep_table), plots=sim.sweep_plots),
@@ -57,6 +63,7 @@ KINDS: dict[str, Kind] = {
     "faults-scenarios": Kind(_one(lambda doc: faults.scenarios_table(doc["reports"]))),
     "faults-supervision": Kind(_one(faults.supervision_table)),
     "federated-synthetic": Kind(_one(federated.synthetic_table)),
+    "frontier": Kind(frontier.goals_table, files=None, plots=_one_plot(frontier.plot)),
 }
 
 

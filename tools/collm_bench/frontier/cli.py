@@ -1,0 +1,195 @@
+"""`python -m collm_bench frontier`: each policy's trade-off curve, every knob of its grid.
+
+    python -m collm_bench frontier --sim --replicas 64 --window-s 3600 --trace conv   # the simulator
+    python -m collm_bench frontier                     # live, the default stack (make bench-frontier)
+    python -m collm_bench frontier --tiny              # live, the quick check of the pipeline
+    python -m collm_bench frontier --render bench/results/frontier/sim-conv-64r.json   # table and figure
+
+Writes `OUT/<sim|live>-<trace>-<N>r.json` (points, frontiers, goals, config, trace label) and the figure
+beside it (`.png`), and prints the table. Exit status: 0 done (goals met or not: the table says), 2
+something required is missing or a flag is bad, 1 a live point failed, 130 interrupted (SIGINT or
+SIGTERM: every process the run started is stopped first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from collm_bench.headline.config import SERIES, HeadlineConfig
+from collm_bench.headline.setup import SetupError
+from collm_bench.headline.signals import interrupt_on_sigterm
+
+from . import points as pts
+from .live import LiveFrontierConfig, live_frontier
+from .render import markdown, plot
+from .sim import sim_frontier, usable_jobs
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_OUT = REPO / "bench" / "results" / "frontier"
+DEFAULT_POLICIES = ("collm", "separate", "fixed_ratio", "leftover", pts.SERVING_ALONE)
+
+
+def _floats(text: str | None, default: Sequence[float]) -> tuple[float, ...]:
+    if text is None:
+        return tuple(default)
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"want comma-separated numbers (got {text!r})") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m collm_bench frontier",
+        description="Each coordinator policy's trade-off curve (goodput and attainment against fine-tuning "
+        "tokens and served quality gain) over its knob grid, each policy's Pareto frontier, and the goals.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument("--sim", action="store_true", help="the simulator (default: the live stack)")
+    p.add_argument("--render", type=Path, default=None, help="table and figure of a result file")
+    p.add_argument("--replicas", type=int, default=None, help="default: 8 simulated, 2 live")
+    p.add_argument(
+        "--window-s", type=float, default=None, help="arrivals per point (default 3600 sim, 60 live)"
+    )
+    p.add_argument("--trace", default="conv", help="conv, code, mooncake-conv, mooncake-synthetic or a file")
+    p.add_argument("--traces-dir", type=Path, default=None)
+    p.add_argument("--load", type=float, default=0.5, help="rate as a fraction of the capacity estimate")
+    p.add_argument("--rate", type=float, default=None, help="offered rate (req/s), instead of --load")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument(
+        "--fixed-shares", default=None, help="fixed_ratio's training shares (0.05,0.1,0.2,0.333,0.5)"
+    )
+    p.add_argument("--separate-fracs", default=None, help="separate's training fractions (0.125,...,0.5)")
+    p.add_argument("--collm-v", default=None, help="collm's quality weights V (5,20,80)")
+    p.add_argument("--collm-targets", default=None, help="collm's attainment targets (0.9,0.95,0.98)")
+    p.add_argument("--domains", default=None, help="replica i holds domain i mod n (default math,medical)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibration", type=Path, default=None)
+    p.add_argument("--jobs", type=int, default=None, help="simulated points at once (default: cores, <= 2)")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    g = p.add_argument_group("live")
+    g.add_argument("--model", default=None, help="smollm2 (default) or tiny")
+    g.add_argument("--min-requests", type=int, default=None, help="per point; the window grows (100; tiny 4)")
+    g.add_argument("--drain-s", type=float, default=None)
+    g.add_argument("--data", action="append", metavar="DOMAIN=DIR", help="a prepared dataset directory")
+    g.add_argument("--slo-ttft-ms", type=float, default=None)
+    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g.add_argument(
+        "--tiny", action="store_true", help="tiny model, 2 policies x 2 knobs, seconds-long windows (CI)"
+    )
+    g.add_argument("--runs-dir", type=Path, default=None, help="per-point run directories (logs)")
+    g.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, run nothing")
+    return p
+
+
+def knob_grid(args: argparse.Namespace, policies: tuple[str, ...], replicas: int) -> list[pts.Knob]:
+    return pts.knob_grid(
+        policies,
+        replicas,
+        _floats(args.fixed_shares, pts.FIXED_RATIO_SHARES),
+        _floats(args.separate_fracs, pts.SEPARATE_TRAIN_FRACS),
+        _floats(args.collm_v, pts.COLLM_QUALITY_WEIGHTS),
+        _floats(args.collm_targets, pts.COLLM_ATTAINMENT_TARGETS),
+    )
+
+
+def headline_config(args: argparse.Namespace, replicas: int, window_s: float) -> HeadlineConfig:
+    over: dict[str, Any] = {
+        "replicas": replicas,
+        "duration_s": window_s,
+        "traces": (args.trace,),
+        "seed": args.seed,
+    }
+    if args.model is not None:
+        over["model"] = args.model
+    if args.traces_dir is not None:
+        over["traces_dir"] = args.traces_dir
+    if args.calibration is not None:
+        over["calibration"] = args.calibration
+    if args.domains:
+        over["domains"] = tuple(d.strip() for d in args.domains.split(",") if d.strip())
+    if args.drain_s is not None:
+        over["drain_s"] = args.drain_s
+    if args.slo_ttft_ms is not None:
+        over["slo_ttft_ms"] = args.slo_ttft_ms
+    if args.slo_tpot_ms is not None:
+        over["slo_tpot_ms"] = args.slo_tpot_ms
+    return dataclasses.replace(HeadlineConfig(live=not args.sim), **over)
+
+
+def finish(results: dict[str, Any], path: Path, out: TextIO) -> None:
+    """Frontiers and goals from the points; the result file, its figure and the table."""
+    points = [pts.Point.from_dict(p) for p in results["points"]]
+    results["frontier"] = pts.fronts(points)
+    results["goals"] = pts.evaluate_goals(points)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+    png = plot(results, path.with_suffix(".png"))
+    out.write("\n" + markdown(results) + "\n\n")
+    out.write(f"[frontier] {path}\n[frontier] {png}\n")
+
+
+def result_path(out_dir: Path, mode: str, trace: str, replicas: int) -> Path:
+    return (
+        out_dir
+        / f"{mode}-{Path(trace).stem if trace.endswith(('.csv', '.jsonl')) else trace}-{replicas}r.json"
+    )
+
+
+def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO) -> int:
+    if args.render is not None:
+        results = json.loads(args.render.read_text(encoding="utf-8"))
+        finish(results, args.render, out)
+        return 0
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    if bad := [p for p in policies if p not in SERIES]:
+        raise ValueError(f"--policies: unknown {bad} (choose from {', '.join(SERIES)})")
+
+    def say(line: str) -> None:
+        out.write(f"[frontier] {line}\n")
+        out.flush()
+
+    command = ("python -m collm_bench frontier " + " ".join(argv)).strip()
+    say(command)
+    if args.sim:
+        replicas = args.replicas or 8
+        cfg = headline_config(args, replicas, args.window_s or 3600.0)
+        knobs = knob_grid(args, policies, replicas)
+        results = sim_frontier(cfg, knobs, args.load, args.rate, usable_jobs(args.jobs), say)
+        results["command"] = command
+        finish(results, result_path(args.out_dir, "sim", args.trace, replicas), out)
+        return 0
+    live = LiveFrontierConfig.from_args(args, policies)
+    cfg = headline_config(args, live.replicas, live.window_s)
+    knobs = knob_grid(args, live.policies, live.replicas)
+    if live.knobs_per_policy is not None:
+        knobs = [
+            k for p in live.policies for k in [x for x in knobs if x.policy == p][: live.knobs_per_policy]
+        ]
+    with interrupt_on_sigterm():
+        results, failed = live_frontier(live.apply(cfg), live, knobs, say, err)
+    if live.dry_run:
+        return 0
+    results["command"] = command
+    finish(results, result_path(args.out_dir, "live", args.trace, live.replicas), out)
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        return run(build_parser().parse_args(argv), argv, out, err)
+    except (SetupError, ValueError, OSError) as exc:
+        err.write(f"collm-bench frontier: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        err.write("collm-bench frontier: interrupted; every process it started is stopped\n")
+        return 130

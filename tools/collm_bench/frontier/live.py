@@ -1,0 +1,224 @@
+"""The live frontier: every policy x knob on the default stack, one fresh stack per point.
+
+Each point is `collm_bench.headline.live.run_live` (the headline's runner: NATS, Redis, aggregator,
+coordinator with the policy and its knobs, N replicas with local data, gateway) replaying the same
+plan: one trace slice at one offered rate (`--rate`, else `load` x the capacity estimate from the
+calibration), its window long enough to hold `min_requests` requests (`points.sized_window`: the
+window grows, the rate stays). Knobs reach the services through their settings: the coordinator's
+CoreConfig knobs as `COLLM_COORDINATOR_<KNOB>`, `fixed_ratio_k` as `COLLM_FIXED_RATIO_K` on the
+coordinator and every replica (`knob_env`). The base model's held-out loss is measured by the first
+point and reused. Served quality gain needs no calibrated curve (`frontier.curves`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from collm_bench.headline import setup
+from collm_bench.headline.config import HeadlineConfig, tiny_preset
+from collm_bench.headline.live import LiveRunError, run_live
+from collm_common.calibration import Calibration
+
+from .points import Knob, sized_window
+from .sim import SCHEMA, capacity_rps, max_batch, point_of
+
+# Per point beside its window and drain, measured on the default stack (2 SmolLM2 replicas, 2 cores):
+# stack start 12-17 s, v1 adapters and residency 3-5 s, read-out and stop 3-8 s.
+POINT_OVERHEAD_S = 30.0
+BASE_LOSS_S = 20.0  # the base model's held-out loss, measured by the first point
+TINY_POLICIES = ("collm", "fixed_ratio")
+
+
+@dataclass(frozen=True)
+class LiveFrontierConfig:
+    replicas: int = 2
+    window_s: float = 60.0
+    min_requests: int = 100
+    load: float = 0.5
+    rate_rps: float | None = None
+    policies: tuple[str, ...] = ()
+    tiny: bool = False
+    knobs_per_policy: int | None = None
+    runs_dir: Path | None = None
+    data_dirs: Mapping[str, Path] = dataclasses.field(default_factory=dict)
+    dry_run: bool = False  # the plan and the time estimate only
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, policies: tuple[str, ...]) -> LiveFrontierConfig:
+        data: dict[str, Path] = {}
+        for item in args.data or []:
+            domain, sep, path = item.partition("=")
+            if not sep:
+                raise ValueError(f"--data: want DOMAIN=DIR (got {item!r})")
+            data[domain.strip()] = Path(path)
+        if args.tiny:
+            # The quick check: 2 policies x 2 knobs, seconds-long windows of a handful of requests.
+            return cls(
+                replicas=args.replicas or 2,
+                window_s=args.window_s or 3.0,
+                min_requests=args.min_requests or 4,
+                rate_rps=args.rate or 2.0,
+                policies=TINY_POLICIES,
+                tiny=True,
+                knobs_per_policy=2,
+                runs_dir=args.runs_dir,
+                data_dirs=data,
+                dry_run=args.dry_run,
+            )
+        return cls(
+            replicas=args.replicas or 2,
+            window_s=args.window_s or 60.0,
+            min_requests=args.min_requests or 100,
+            load=args.load,
+            rate_rps=args.rate,
+            policies=policies,
+            runs_dir=args.runs_dir,
+            data_dirs=data,
+            dry_run=args.dry_run,
+        )
+
+    def apply(self, cfg: HeadlineConfig) -> HeadlineConfig:
+        """The headline's configuration of every point's stack."""
+        cfg = dataclasses.replace(cfg, data_dirs=dict(self.data_dirs), live=True, simulate=False)
+        if self.tiny:
+            cfg = dataclasses.replace(
+                tiny_preset(cfg), duration_s=self.window_s, drain_s=min(cfg.drain_s, 10.0)
+            )
+        return cfg
+
+
+def knob_env(knob: Knob) -> dict[str, dict[str, str]]:
+    """The services' environment that sets the knob (module docstring)."""
+    env: dict[str, dict[str, str]] = {"coordinator": {}}
+    for name, value in knob.core.items():
+        if name == "fixed_ratio_k":
+            env["coordinator"]["COLLM_FIXED_RATIO_K"] = str(int(value))
+            env["replica"] = {"COLLM_FIXED_RATIO_K": str(int(value))}
+        else:
+            env["coordinator"][f"COLLM_COORDINATOR_{name.upper()}"] = str(value)
+    return env
+
+
+def estimate_s(points: int, window_s: float, drain_s: float, prep_s: float = 0.0) -> float:
+    """Wall seconds of a live frontier of `points` points (`POINT_OVERHEAD_S` each beside the window
+    and the drain, the base loss once, `prep_s` of setup)."""
+    return prep_s + BASE_LOSS_S + points * (POINT_OVERHEAD_S + window_s + drain_s)
+
+
+def live_rate(cfg: HeadlineConfig, live: LiveFrontierConfig, source: setup.TraceSource) -> tuple[float, str]:
+    """The offered rate and how it was had."""
+    if live.rate_rps is not None:
+        return live.rate_rps, "given"
+    if cfg.calibration is None or not Path(cfg.calibration).is_file():
+        raise setup.SetupError("without --rate the rate comes from a calibration (--calibration FILE)")
+    cap = capacity_rps(cfg, Calibration.load(cfg.calibration), source)
+    return live.load * cap, f"{live.load:g} x the capacity estimate {cap:.3f} req/s"
+
+
+def sized_plan(
+    cfg: HeadlineConfig, source: setup.TraceSource, rate: float, min_requests: int
+) -> HeadlineConfig:
+    """The config whose window holds at least `min_requests` of the slice at `rate` (the trace's
+    arrivals are not evenly spaced: the window grows by a tenth until the slice holds them)."""
+    window, _ = sized_window(rate, cfg.duration_s, min_requests)
+    cfg = dataclasses.replace(cfg, duration_s=window)
+    while len(setup.shapes(cfg, source, rate)) < min_requests:
+        cfg = dataclasses.replace(cfg, duration_s=cfg.duration_s * 1.1)
+    return cfg
+
+
+def live_frontier(
+    cfg: HeadlineConfig,
+    live: LiveFrontierConfig,
+    knobs: Sequence[Knob],
+    say: Callable[[str], None],
+    err: IO[str],
+) -> tuple[dict[str, Any], int]:
+    """Every knob's point on a fresh stack (none with `dry_run`: the plan and the estimate only); (the
+    result file's content less goals and frontiers, the number of points that failed)."""
+    t0 = time.monotonic()
+    (source,) = setup.resolve_sources(cfg)
+    cal = None
+    if cfg.calibration is not None and Path(cfg.calibration).is_file():
+        cal = Calibration.load(cfg.calibration)
+    slo = setup.slo_for(cfg, source, cal, max_batch())
+    rate, how = live_rate(cfg, live, source)
+    cfg = sized_plan(cfg, source, rate, live.min_requests)
+    root = (live.runs_dir or Path(cfg.out_dir).parent / "frontier-runs") / time.strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    datasets = setup.prepare_data(cfg, root / "data")
+    plan = setup.build_plan(cfg, source, rate, setup.prompt_builder(cfg, setup.token_counter(cfg.model)), slo)
+    total = estimate_s(len(knobs), cfg.duration_s, cfg.drain_s, time.monotonic() - t0)
+    say(
+        f"{source.label(cfg)}, model {cfg.model}, {cfg.replicas} replicas: {rate:.3f} req/s ({how}), "
+        f"{len(plan)} requests in {cfg.duration_s:.0f} s windows, SLO TTFT {slo.ttft_ms:.0f} ms / TPOT "
+        f"{slo.tpot_ms:.0f} ms; {len(knobs)} points, estimated {total / 60:.1f} min "
+        f"({POINT_OVERHEAD_S:.0f} s per stack + {cfg.duration_s:.0f} s window + {cfg.drain_s:.0f} s drain "
+        f"each); runs in {root}"
+    )
+    results: dict[str, Any] = {
+        "schema": SCHEMA,
+        "mode": "live",
+        "trace": {"name": source.name, "label": source.label(cfg), "path": str(source.path)},
+        "config": {
+            "model": cfg.model,
+            "replicas": cfg.replicas,
+            "window_s": cfg.duration_s,
+            "drain_s": cfg.drain_s,
+            "rate_rps": rate,
+            "rate_from": how,
+            "min_requests": live.min_requests,
+            "slo": dataclasses.asdict(slo),
+            "domains": list(cfg.domains),
+            "seed": cfg.seed,
+            "estimated_s": round(total),
+            "runs_dir": str(root),
+        },
+        "points": [],
+        "runs": [],
+    }
+    base: dict[str, float] | None = None
+    failed = 0
+    for i, knob in enumerate([] if live.dry_run else knobs):
+        run_dir = root / f"{i:02d}-{knob.policy}"
+        say(f"{knob.policy} {knob.label} ...")
+        t_point = time.monotonic()
+        try:
+            data = setup.replica_data(cfg, datasets, run_dir)
+            res = run_live(cfg, knob.policy, plan, data, run_dir, err, base, knob_env(knob))
+        except (LiveRunError, OSError) as exc:
+            failed += 1
+            results["runs"].append({"policy": knob.policy, "knob": knob.label, "error": str(exc)})
+            say(f"  FAILED: {exc}")
+            continue
+        base = base or dict(res["base_losses"])
+        p = point_of(knob, res["summary"], res["ft_tokens"])
+        results["points"].append(p.as_dict())
+        results["runs"].append(
+            {
+                "policy": knob.policy,
+                "knob": knob.label,
+                "rounds": res["rounds"],
+                "quality_gain_end_nats": res["summary"]["quality"].get("final_quality_gain"),
+                "wall_s": round(time.monotonic() - t_point, 1),
+                "run_dir": str(run_dir),
+            }
+        )
+        (root / "results.json").write_text(
+            json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8"
+        )
+        say(
+            f"  attainment {p.slo_attainment or 0:.3f}, goodput {p.goodput_rps or 0:.3f} req/s, ft tokens "
+            f"{p.finetune_tokens or 0:.0f}, quality gain {p.quality_gain_nats or 0:.4f} "
+            f"({time.monotonic() - t_point:.0f} s)"
+        )
+    results["base_losses"] = base
+    results["wall_s"] = round(time.monotonic() - t0, 1)
+    return results, failed

@@ -1,0 +1,353 @@
+"""The frontier's arithmetic (pure): knob grids, points, Pareto dominance, each policy's frontier,
+readings of one metric where another reaches a level, and the goals.
+
+A point is one run of one policy at one knob setting: its SLO attainment, goodput (good requests / run
+duration, req/s), fine-tuning tokens and mean served quality gain (nats per token; docs/architecture.md,
+Goodput and SLO attainment, Served quality). Every metric is higher-is-better. A missing metric (None: a
+run that served no joined request has no quality gain) is worse than any value.
+
+Readings on a frontier treat the knob as continuous: between two frontier points, a metric is read by
+linear interpolation along the segment joining them (`value_at`); "at least x" (`best_at_least`) is the
+best the frontier reaches with the other metric >= x, the segment's crossing of x included.
+
+Goals (`evaluate_goals`), with serving-alone = the `serving_only` reference run (collm's coordinator,
+fine-tuning off on every replica):
+
+* at SLO attainment >= 0.9 x serving-alone's, collm's fine-tuning tokens >= 2 x the best baseline's
+  (the baseline whose frontier trains the most there) and its quality gain >= 1.5 x the best
+  baseline's; a policy none of whose knobs attains that much counts 0 there;
+* at equal quality gain (the highest gain both frontiers reach), collm's goodput >= 3 x separate's
+  and >= 1.3 x the best co-located baseline's (of fixed_ratio and leftover, the one collm leads by the
+  least).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from collm_bench.headline.config import BASELINES, CO_LOCATED
+
+SERVING_ALONE = "serving_only"
+METRICS = ("slo_attainment", "goodput_rps", "finetune_tokens", "quality_gain_nats")
+# The axes of the trade-off each policy's frontier is drawn on: serving (goodput) against training
+# (served quality gain), and attainment against fine-tuning tokens.
+QUALITY_AXES = ("quality_gain_nats", "goodput_rps")
+TRAINING_AXES = ("slo_attainment", "finetune_tokens")
+ATTAINMENT_FRACTION = 0.9
+GOALS: dict[str, float] = {
+    "finetune_tokens_vs_best_baseline": 2.0,
+    "quality_gain_vs_best_baseline": 1.5,
+    "goodput_vs_separate": 3.0,
+    "goodput_vs_best_colocated": 1.3,
+}
+# Knob grids (the coordinator's names, `collm_coordinator.core.config.CoreConfig`).
+FIXED_RATIO_SHARES = (0.05, 0.1, 0.2, 1 / 3, 0.5)
+SEPARATE_TRAIN_FRACS = (0.125, 0.25, 0.375, 0.5)
+COLLM_QUALITY_WEIGHTS = (5.0, 20.0, 80.0)
+COLLM_ATTAINMENT_TARGETS = (0.9, 0.95, 0.98)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting of one policy: `core` are CoreConfig overrides (`fixed_ratio_k` also sets the
+    replicas' fixed co-scheduler, as the services share COLLM_FIXED_RATIO_K)."""
+
+    policy: str
+    label: str
+    core: Mapping[str, float | int] = field(default_factory=dict)
+
+
+def fixed_ratio_knobs(shares: Sequence[float] = FIXED_RATIO_SHARES) -> list[Knob]:
+    """Training share s of the fixed-ratio baseline as its K (one training step per K inference
+    iterations: share 1/(K+1)), K = round(1/s - 1) >= 1; shares giving the same K run once."""
+    out: dict[int, Knob] = {}
+    for s in shares:
+        if not 0 < s <= 0.5:
+            raise ValueError(f"fixed_ratio's training share must be in (0, 0.5] (got {s})")
+        k = max(1, round(1 / s - 1))
+        out.setdefault(k, Knob("fixed_ratio", f"K={k} (share {1 / (k + 1):.2f})", {"fixed_ratio_k": k}))
+    return sorted(out.values(), key=lambda kn: -int(kn.core["fixed_ratio_k"]))
+
+
+def separate_knobs(replicas: int, fracs: Sequence[float] = SEPARATE_TRAIN_FRACS) -> list[Knob]:
+    """Training replicas of the static split: round(f x replicas), at least one and at most all but
+    one (`separate_split`); fractions giving the same count run once. None with fewer than 2 replicas."""
+    if replicas < 2:
+        return []
+    counts = sorted({min(replicas - 1, max(1, round(f * replicas))) for f in fracs})
+    return [
+        Knob("separate", f"{n} of {replicas} train", {"separate_train_frac": n / replicas}) for n in counts
+    ]
+
+
+def collm_knobs(
+    weights: Sequence[float] = COLLM_QUALITY_WEIGHTS, targets: Sequence[float] = COLLM_ATTAINMENT_TARGETS
+) -> list[Knob]:
+    """The two-timescale policy's quality weight V and long-term attainment target, every pair."""
+    return [
+        Knob("collm", f"V={v:g}, target {a:g}", {"quality_weight_v": v, "attainment_target": a})
+        for a in targets
+        for v in weights
+    ]
+
+
+def knob_grid(
+    policies: Sequence[str],
+    replicas: int,
+    fixed_shares: Sequence[float] = FIXED_RATIO_SHARES,
+    separate_fracs: Sequence[float] = SEPARATE_TRAIN_FRACS,
+    collm_weights: Sequence[float] = COLLM_QUALITY_WEIGHTS,
+    collm_targets: Sequence[float] = COLLM_ATTAINMENT_TARGETS,
+) -> list[Knob]:
+    """Every (policy, knob) to run, in the order of `policies`; `leftover` and `serving_only` run as
+    they are (leftover grants the share 1: training fills whatever inference leaves)."""
+    out: list[Knob] = []
+    for p in policies:
+        if p == "fixed_ratio":
+            out += fixed_ratio_knobs(fixed_shares)
+        elif p == "separate":
+            out += separate_knobs(replicas, separate_fracs)
+        elif p == "collm":
+            out += collm_knobs(collm_weights, collm_targets)
+        elif p == "leftover":
+            out.append(Knob("leftover", "share 1 (as is)"))
+        elif p == SERVING_ALONE:
+            out.append(Knob(SERVING_ALONE, "fine-tuning off"))
+        else:
+            raise ValueError(f"no knob grid for {p!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Point:
+    policy: str
+    knob: str
+    slo_attainment: float | None
+    goodput_rps: float | None
+    finetune_tokens: float | None
+    quality_gain_nats: float | None
+    n_requests: int
+    core: Mapping[str, float | int] = field(default_factory=dict)
+
+    def get(self, metric: str) -> float:
+        """The metric, -inf when missing (worse than any value)."""
+        v = getattr(self, metric)
+        return -math.inf if v is None else float(v)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"core": dict(self.core)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Point:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def dominates(a: Point, b: Point, axes: Sequence[str]) -> bool:
+    """a is at least as good as b on every axis and better on one."""
+    va, vb = [a.get(m) for m in axes], [b.get(m) for m in axes]
+    return all(x >= y for x, y in zip(va, vb, strict=True)) and any(
+        x > y for x, y in zip(va, vb, strict=True)
+    )
+
+
+def frontier(points: Iterable[Point], axes: Sequence[str]) -> list[Point]:
+    """The points no other point dominates on `axes` whose metrics are all known, sorted by the first
+    axis (ties: by the second), duplicates of one position kept once."""
+    pts = [p for p in points if all(getattr(p, m) is not None for m in axes)]
+    front: list[Point] = []
+    seen: set[tuple[float, ...]] = set()
+    for p in pts:
+        key = tuple(p.get(m) for m in axes)
+        if key in seen or any(dominates(q, p, axes) for q in pts):
+            continue
+        seen.add(key)
+        front.append(p)
+    return sorted(front, key=lambda p: tuple(p.get(m) for m in axes))
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A metric read off a frontier: the value and how it was had, or None and why not."""
+
+    value: float | None
+    how: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "how": self.how}
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def value_at(front: Sequence[Point], x_axis: str, x: float, y_axis: str) -> Reading:
+    """`y_axis` at `x_axis` = x along a frontier sorted by `x_axis` (`frontier(points, (x_axis,
+    y_axis))`): a point's own value when one lies at x, else linear interpolation between the two
+    neighbours; None when x lies outside the frontier's range."""
+    if not front:
+        return Reading(None, "no frontier point")
+    xs = [p.get(x_axis) for p in front]
+    if x < xs[0] or x > xs[-1]:
+        return Reading(
+            None, f"no overlap: {x_axis} {_fmt(x)} outside the frontier's [{_fmt(xs[0])}, {_fmt(xs[-1])}]"
+        )
+    for p, px in zip(front, xs, strict=True):
+        if px == x:
+            return Reading(p.get(y_axis), f"{p.policy} {p.knob}")
+    i = next(i for i, px in enumerate(xs) if px > x)
+    a, b = front[i - 1], front[i]
+    f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    y = a.get(y_axis) + f * (b.get(y_axis) - a.get(y_axis))
+    return Reading(y, f"interpolated between {a.knob} and {b.knob}")
+
+
+def best_at_least(points: Iterable[Point], x_axis: str, x_min: float, y_axis: str) -> Reading:
+    """The most of `y_axis` a policy's frontier reaches with `x_axis` >= x_min: its best point there, or
+    where the frontier's segment crosses x_min when that is higher; None when no point reaches x_min."""
+    front = frontier(points, (x_axis, y_axis))
+    if not front:
+        return Reading(None, f"no point with both {x_axis} and {y_axis}")
+    ok = [p for p in front if p.get(x_axis) >= x_min]
+    if not ok:
+        top = max(p.get(x_axis) for p in front)
+        return Reading(None, f"no point reaches {x_axis} >= {_fmt(x_min)} (best {_fmt(top)})")
+    best = max(ok, key=lambda p: p.get(y_axis))
+    out = Reading(best.get(y_axis), f"{best.policy} {best.knob}")
+    crossing = value_at(front, x_axis, x_min, y_axis)
+    if crossing.value is not None and out.value is not None and crossing.value > out.value:
+        return crossing
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b; +inf when only a is positive; None when either is unknown or both are <= 0."""
+    if a is None or b is None:
+        return None
+    if b <= 0:
+        return math.inf if a > 0 else None
+    return a / b
+
+
+def by_policy(points: Iterable[Point]) -> dict[str, list[Point]]:
+    out: dict[str, list[Point]] = {}
+    for p in points:
+        out.setdefault(p.policy, []).append(p)
+    return out
+
+
+def serving_alone_attainment(points: Iterable[Point]) -> float | None:
+    alone = [p.slo_attainment for p in points if p.policy == SERVING_ALONE and p.slo_attainment is not None]
+    return max(alone) if alone else None
+
+
+def _goal(name: str, value: float | None, reason: str | None, **figures: Any) -> dict[str, Any]:
+    target = GOALS[name]
+    reached = None if value is None else value >= target
+    return {"goal": target, "ratio": value, "reached": reached, "reason": reason, **figures}
+
+
+def _constrained_goal(
+    name: str, pols: Mapping[str, list[Point]], threshold: float | None, metric: str
+) -> dict[str, Any]:
+    """collm's most `metric` at attainment >= threshold over the best baseline's there. A policy none of
+    whose knobs reaches the threshold counts 0 there (it cannot train at that attainment with them)."""
+    if threshold is None:
+        return _goal(name, None, f"no {SERVING_ALONE} run: the attainment floor is unknown")
+    if "collm" not in pols:
+        return _goal(name, None, "no collm run")
+    readings = {}
+    for p in ("collm", *BASELINES):
+        if p not in pols:
+            continue
+        r = best_at_least(pols[p], "slo_attainment", threshold, metric)
+        readings[p] = r if r.value is not None else Reading(0.0, f"counted 0: {r.how}")
+    figures: dict[str, Any] = {
+        "attainment_floor": threshold,
+        "readings": {p: r.as_dict() for p, r in readings.items()},
+    }
+    base = {b: r for b, r in readings.items() if b != "collm"}
+    if not base:
+        return _goal(name, None, "no baseline run", best_baseline=None, **figures)
+    best = max(base, key=lambda b: base[b].value or 0.0)
+    c = readings["collm"]
+    r = ratio(c.value, base[best].value)
+    why = None if r is not None else f"collm {c.how}; {best} {base[best].how}"
+    return _goal(name, r, why, best_baseline=best, **figures)
+
+
+def equal_quality(a: Sequence[Point], b: Sequence[Point]) -> dict[str, Any]:
+    """Goodput of a and b at the highest served quality gain both reach (`best_at_least` of each at
+    it), and their ratio; None with a reason when either has no point with a quality gain."""
+    tops = []
+    for name, pts in (("a", a), ("b", b)):
+        q = [
+            p.quality_gain_nats for p in pts if p.quality_gain_nats is not None and p.goodput_rps is not None
+        ]
+        if not q:
+            return {"level": None, "ratio": None, "reason": f"{name}: no point with a quality gain"}
+        tops.append(max(q))
+    level = min(tops)
+    ra = best_at_least(a, "quality_gain_nats", level, "goodput_rps")
+    rb = best_at_least(b, "quality_gain_nats", level, "goodput_rps")
+    r = ratio(ra.value, rb.value)
+    return {
+        "level": level,
+        "a": ra.as_dict(),
+        "b": rb.as_dict(),
+        "ratio": r,
+        "reason": None if r is not None else "no goodput ratio at that quality gain",
+    }
+
+
+def evaluate_goals(points: Sequence[Point]) -> dict[str, dict[str, Any]]:
+    """Every goal (`GOALS`) with its ratio, whether it is reached (None: it cannot be told, `reason`
+    says why) and the figures behind it."""
+    pols = by_policy(points)
+    alone = serving_alone_attainment(points)
+    floor = None if alone is None else ATTAINMENT_FRACTION * alone
+    out = {
+        "finetune_tokens_vs_best_baseline": _constrained_goal(
+            "finetune_tokens_vs_best_baseline", pols, floor, "finetune_tokens"
+        ),
+        "quality_gain_vs_best_baseline": _constrained_goal(
+            "quality_gain_vs_best_baseline", pols, floor, "quality_gain_nats"
+        ),
+    }
+    for name, against in (("goodput_vs_separate", ("separate",)), ("goodput_vs_best_colocated", CO_LOCATED)):
+        present = [b for b in against if b in pols]
+        if "collm" not in pols or not present:
+            out[name] = _goal(name, None, f"needs collm and one of {', '.join(against)}")
+            continue
+        each = {b: equal_quality(pols["collm"], pols[b]) for b in present}
+        known = {b: e for b, e in each.items() if e["ratio"] is not None}
+        if not known:
+            why = "; ".join(f"{b}: {e['reason']}" for b, e in each.items())
+            out[name] = _goal(name, None, why, against=None, by_baseline=each)
+            continue
+        # The strongest competitor: the baseline collm leads by the least.
+        best = min(known, key=lambda b: known[b]["ratio"])
+        out[name] = _goal(name, known[best]["ratio"], None, against=best, by_baseline=each)
+    return out
+
+
+def fronts(points: Sequence[Point]) -> dict[str, dict[str, list[str]]]:
+    """Per policy, the knobs on its frontier on each pair of axes."""
+    return {
+        p: {
+            "quality_vs_goodput": [x.knob for x in frontier(pts, QUALITY_AXES)],
+            "attainment_vs_finetune_tokens": [x.knob for x in frontier(pts, TRAINING_AXES)],
+        }
+        for p, pts in by_policy(points).items()
+    }
+
+
+def sized_window(rate_rps: float, window_s: float, min_requests: int) -> tuple[float, int]:
+    """(window, requests) of a live point: `window_s` of arrivals at `rate_rps`, extended until it
+    holds at least `min_requests` requests (the load level stays the same)."""
+    if not rate_rps > 0 or not window_s > 0 or min_requests < 1:
+        raise ValueError("rate_rps and window_s must be > 0 and min_requests >= 1")
+    n = max(min_requests, round(rate_rps * window_s))
+    return max(window_s, n / rate_rps), n

@@ -1,0 +1,177 @@
+"""The simulated frontier: every policy x knob of the grid in the simulator, on the headline's setup.
+
+Each point is `collm_bench.headline.predict.simulate_run` (the coordinator, gateway routing and replica
+co-schedulers' own code) with the headline's setup at `replicas` and a `window_s` slice of the trace,
+at one offered rate for every point: `--rate`, else `load` x the cluster's capacity estimate from the
+calibration (`headline.rates.capacity_estimate_rps`). SLOs, lengths, domains and cadences are the
+headline's. Points run in `jobs` processes at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from collm_bench.headline import setup
+from collm_bench.headline.config import HeadlineConfig
+from collm_bench.headline.rates import capacity_estimate_rps
+from collm_bench.workload import Slo
+from collm_common.calibration import Calibration
+
+from .curves import with_default_curves
+from .points import Knob, Point
+
+SCHEMA = "collm-frontier/1"
+
+
+def max_batch() -> int:
+    from collm_replica.settings import ReplicaSettings
+
+    return int(ReplicaSettings.model_fields["max_batch"].default)
+
+
+def capacity_rps(cfg: HeadlineConfig, cal: Calibration, source: setup.TraceSource) -> float:
+    """The cluster's capacity estimate for the slice's mean lengths (headline's rate search grid)."""
+    probe = setup.shapes(cfg, source, max(1.0, 200 / cfg.duration_s))
+    mb = max_batch()
+    return capacity_estimate_rps(
+        cal.cost.prefill_ms_per_token,
+        cal.cost.decode_ms(mb),
+        mb,
+        cal.cost.lora_overhead_frac_per_adapter,
+        sum(s.input_tokens for s in probe) / len(probe),
+        sum(s.output_tokens for s in probe) / len(probe),
+        cfg.replicas,
+    )
+
+
+def point_of(knob: Knob, summary: dict[str, Any], finetune_tokens: float) -> Point:
+    """A point from a run's collm-bench summary (live or simulated) and its fine-tuning tokens."""
+    return Point(
+        policy=knob.policy,
+        knob=knob.label,
+        slo_attainment=summary["attainment"],
+        goodput_rps=summary["goodput_rps"],
+        finetune_tokens=finetune_tokens,
+        quality_gain_nats=(summary.get("quality") or {}).get("mean_quality_gain"),
+        n_requests=summary["counts"]["submitted"],
+        core=dict(knob.core),
+    )
+
+
+def run_point(cfg: HeadlineConfig, cal: Calibration, rate_rps: float, slo: Slo, knob: Knob) -> dict[str, Any]:
+    """One simulated point: the point and the run's other figures (one process; picklable in and out)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from collm_bench.headline.predict import simulate_run
+
+    (source,) = setup.resolve_sources(cfg)
+    t0 = time.monotonic()
+    run = simulate_run(cfg, cal, source, rate_rps, slo, knob.policy, cfg.train_examples, core=knob.core)
+    q = run["summary"].get("quality") or {}
+    return {
+        "point": point_of(knob, run["summary"], run["sim"]["ft_tokens_to_cut"]).as_dict(),
+        "quality_gain_end_nats": q.get("final_quality_gain"),
+        "rounds": run["sim"]["rounds"],
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def simulate_grid(
+    cfg: HeadlineConfig,
+    cal: Calibration,
+    rate_rps: float,
+    slo: Slo,
+    knobs: Sequence[Knob],
+    jobs: int,
+    on_done: Callable[[dict[str, Any]], None],
+) -> list[dict[str, Any]]:
+    """Every knob's point, in `jobs` processes (1: in this one); `on_done` sees each as it finishes."""
+    out: list[dict[str, Any]] = []
+    if jobs <= 1:
+        for k in knobs:
+            out.append(run_point(cfg, cal, rate_rps, slo, k))
+            on_done(out[-1])
+        return out
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(run_point, cfg, cal, rate_rps, slo, k) for k in knobs]
+        for f in futures:
+            out.append(f.result())
+            on_done(out[-1])
+    return out
+
+
+def usable_jobs(asked: int | None) -> int:
+    """Processes to run points in: as asked, else one per core, at most two on a small machine."""
+    if asked is not None:
+        if asked < 1:
+            raise ValueError("--jobs must be >= 1")
+        return asked
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def sim_frontier(
+    cfg: HeadlineConfig,
+    knobs: Sequence[Knob],
+    load: float,
+    rate_rps: float | None,
+    jobs: int,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """The whole simulated frontier (the result file's content, less goals and frontiers)."""
+    if cfg.calibration is None or not Path(cfg.calibration).is_file():
+        raise setup.SetupError(f"the simulated frontier needs a calibration (got {cfg.calibration})")
+    cal, defaulted = with_default_curves(Calibration.load(cfg.calibration), cfg.domains)
+    (source,) = setup.resolve_sources(cfg)
+    slo = setup.slo_for(cfg, source, cal, max_batch())
+    cap = capacity_rps(cfg, cal, source)
+    rate = rate_rps if rate_rps is not None else load * cap
+    n = round(rate * cfg.duration_s)
+    say(
+        f"{source.label(cfg)}, {cfg.replicas} replicas, {cfg.duration_s:g} s windows: {rate:.3f} req/s "
+        f"({n} requests; capacity estimate {cap:.3f} req/s), SLO TTFT {slo.ttft_ms:.0f} ms / TPOT "
+        f"{slo.tpot_ms:.0f} ms; {len(knobs)} points in {jobs} process(es)"
+    )
+    if defaulted:
+        say(f"no calibrated quality curve for {', '.join(defaulted)}: the default curve (frontier.curves)")
+    t0 = time.monotonic()
+
+    def done(r: dict[str, Any]) -> None:
+        p = r["point"]
+        say(
+            f"  {p['policy']:<12} {p['knob']:<22} attainment {p['slo_attainment'] or 0:.3f}  goodput "
+            f"{p['goodput_rps'] or 0:.3f} req/s  ft tokens {p['finetune_tokens'] or 0:.0f}  quality gain "
+            f"{p['quality_gain_nats'] or 0:.4f}  ({r['wall_s']:.0f} s)"
+        )
+
+    runs = simulate_grid(cfg, cal, rate, slo, knobs, jobs, done)
+    return {
+        "schema": SCHEMA,
+        "mode": "sim",
+        "trace": {"name": source.name, "label": source.label(cfg), "path": str(source.path)},
+        "config": {
+            "replicas": cfg.replicas,
+            "window_s": cfg.duration_s,
+            "drain_s": cfg.drain_s,
+            "rate_rps": rate,
+            "load_of_capacity": rate / cap,
+            "capacity_estimate_rps": cap,
+            "slo": dataclasses.asdict(slo),
+            "domains": list(cfg.domains),
+            "default_quality_curves": defaulted,
+            "input_scale": cfg.input_scale,
+            "output_scale": cfg.output_scale,
+            "seed": cfg.seed,
+            "calibration": str(cfg.calibration),
+            "jobs": jobs,
+        },
+        "points": [r["point"] for r in runs],
+        "runs": [{k: v for k, v in r.items() if k != "point"} for r in runs],
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
