@@ -213,3 +213,32 @@ def calibration_table(docs: Sequence[Mapping[str, Any]]) -> str:
             f"| {_per_token(c['eval_fixed_ms'], c['eval_ms_per_token'])} | {quality} |"
         )
     return "\n".join(lines)
+
+
+def structured_table(docs: Sequence[Mapping[str, Any]]) -> str:
+    """The grammar libraries side by side (grammar_libs.json), then constrained decoding's cost in the
+    engine (constrained_decode.json)."""
+    libs, decode = docs
+    lines = [
+        "| library | schemas compiled | random walks valid / invalid | compile ms (median / max) "
+        f"| mask µs per token at batch {libs['batch']} (median) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in libs["results"].items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} | | | |")
+            continue
+        w = r["walks"]
+        lines.append(
+            f"| {name} {libs['versions'].get(name.replace('-', '_')) or ''} | {r['compiled']}/{r['schemas']} "
+            f"| {w['valid']} / {w['invalid']} | {r['compile_ms_median']} / {r['compile_ms_max']} "
+            f"| {r['mask_us_per_token_batch16_median']} |"
+        )
+    med = decode["tokens_per_s_median"]
+    lines += [
+        "",
+        f"Decode, {decode['batch']} requests x {decode['max_tokens']} tokens: {med['none']:.1f} tok/s "
+        f"unconstrained, {med['half']:.1f} with {decode['constrained']} constrained: "
+        f"**{decode['half_vs_none']:.2f}x**.",
+    ]
+    return "\n".join(lines)
