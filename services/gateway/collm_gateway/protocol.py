@@ -181,6 +181,13 @@ UNSUPPORTED_FIELDS = (
 )
 
 
+def refuse_unsupported(extra: Mapping[str, Any], names: tuple[str, ...]) -> None:
+    """400 naming the first of `names` sent in `extra` at a value that is not neutral (`_neutral`)."""
+    for name in names:
+        if name in extra and not _neutral(name, extra[name]):
+            raise bad_request(f"{name} is not supported by CoLLM", name, "unsupported_value")
+
+
 def _neutral(name: str, value: Any) -> bool:
     """A value of an unsupported field that asks for nothing (the default behaviour)."""
     if value is None or value == [] or value == {}:
@@ -266,10 +273,7 @@ class SamplingIn(OpenAIModel):
             raise bad_request(
                 f"n={self.n} is not supported: CoLLM returns one choice (n=1)", "n", "unsupported_value"
             )
-        extra = self.model_extra or {}
-        for name in UNSUPPORTED_FIELDS:
-            if name in extra and not _neutral(name, extra[name]):
-                raise bad_request(f"{name} is not supported by CoLLM", name, "unsupported_value")
+        refuse_unsupported(self.model_extra or {}, UNSUPPORTED_FIELDS)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
@@ -349,7 +353,12 @@ class ChatCompletionRequest(SamplingIn):
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 
     def wire_messages(self) -> list[ChatMessage]:
-        return [ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)]
+        return wire_messages(self.messages)
+
+
+def wire_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """Chat messages as the replica takes them (text content; 400 naming a part that is not text)."""
+    return [ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(messages)]
 
 
 class CompletionRequest(SamplingIn):
