@@ -95,13 +95,17 @@ def redact_url(url: str) -> str:
 
 
 class BusError(Exception):
-    """An error reply, a missing responder (503) or a timeout (504), with an HTTP-like code."""
+    """An error reply, a missing responder (503) or a timeout (504), with an HTTP-like code; `param` is
+    the request field at fault when the reply's body names one."""
 
-    def __init__(self, code: int, message: str, type_: str = "server_error") -> None:
+    def __init__(
+        self, code: int, message: str, type_: str = "server_error", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.type = type_
+        self.param = param
 
 
 class PayloadTooLarge(BusError):
@@ -160,12 +164,12 @@ def error_of(msg: Msg, subject: str) -> BusError | None:
         code_s = headers.get(ERROR_CODE_HEADER, "500")
         code = int(code_s) if code_s.isdigit() else 500
         text = headers.get(ERROR_HEADER, "error")
-        type_ = "server_error"
+        type_, param = "server_error", None
         if msg.data:
             with contextlib.suppress(WireError):
                 body = decode_payload(ErrorReply, msg.data, headers)
-                text, type_ = body.message, body.type
-        return BusError(code, text, type_)
+                text, type_, param = body.message, body.type, body.param
+        return BusError(code, text, type_, param)
     return None
 
 

@@ -46,11 +46,11 @@ def subject(*tokens: str) -> str:
 
 
 # --- replica (request path and control) -------------------------------------------------------------
-REPLICA_VERBS = ("generate", "cancel", "control", "status", "evaluate")
+REPLICA_VERBS = ("generate", "cancel", "control", "status", "evaluate", "tokenize")
 
 
 def replica(replica_id: str, verb: str) -> str:
-    """Endpoint of one replica: generate, cancel, control, status, evaluate."""
+    """Endpoint of one replica: generate, cancel, control, status, evaluate, tokenize."""
     if verb not in REPLICA_VERBS:
         raise ValueError(f"unknown replica verb {verb!r}")
     return subject("replica", check_token(replica_id, "replica id"), verb)

@@ -2,11 +2,11 @@
 
 One user per service role, each allowed exactly what that service does on the bus and nothing else:
 
-* `gateway`: requests `generate`/`cancel` of any replica, publishes training samples (JetStream) and
-  asks the aggregator to `import`/`rollback` (its adapter admin API); listens to telemetry, routing
-  weights and publications, and for its dashboard to coordinator decisions and round events, and reads
-  the aggregator's round records (`rounds`) and the coordinator's `status`. It can send no control
-  command and publish no adapter or round event.
+* `gateway`: requests `generate`/`cancel`/`tokenize` of any replica, publishes training samples
+  (JetStream) and asks the aggregator to `import`/`rollback` (its adapter admin API); listens to
+  telemetry, routing weights and publications, and for its dashboard to coordinator decisions and
+  round events, and reads the aggregator's round records (`rounds`) and the coordinator's `status`. It
+  can send no control command and publish no adapter or round event.
 * `replica-<id>`, one per replica: serves only its own endpoints (`collm.v1.replica.<id>.*`), publishes
   only its own telemetry and its own updates (`collm.v1.updates.*.<id>`, so the subject token of an
   update *is* the authenticated sender), consumes only its own samples (its durable consumer, bound to
@@ -140,6 +140,7 @@ def gateway() -> User:
         publish=(
             any_replica("generate"),
             any_replica("cancel"),
+            any_replica("tokenize"),  # POST /tokenize, /detokenize
             subjects.subject("samples", "*"),  # POST /v1/samples (JetStream; acknowledged to its inbox)
             subjects.aggregator("import"),  # the adapter admin API (load)
             subjects.aggregator("rollback"),

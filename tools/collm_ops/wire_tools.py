@@ -12,7 +12,8 @@ The NATS CLI prints each message followed by one to three newlines; `decode` dro
 bytes only when what it was given is not one msgpack value, and then only as many as leave one (a value
 can itself end in 0x0a, which is kept). Type names are the schema
 class names (`collm wire types` lists them with the subjects they travel on); `control` is the union of
-every replica control command, chosen by its `"op"` field.
+every replica control command, chosen by its `"op"` field, and `tokenize` that of a replica's tokenize
+requests.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from collm_common.wire import gateway as w_gateway
 from collm_common.wire import inference as w_inference
 from collm_common.wire import rounds as w_rounds
 from collm_common.wire import telemetry as w_telemetry
+from collm_common.wire import tokenize as w_tokenize
 
-_MODULES = (w_inference, w_telemetry, w_control, w_rounds, w_admin, w_adapters, w_gateway)
+_MODULES = (w_inference, w_telemetry, w_control, w_rounds, w_admin, w_adapters, w_gateway, w_tokenize)
 
 # Where each request type is sent / each event type is published (for `collm wire types`); upper-case
 # tokens are placeholders (ID: a replica id, N: a round id, NAME: an adapter name).
@@ -42,6 +44,7 @@ WHERE: dict[str, str] = {
     "CancelRequest": subjects.replica("ID", "cancel"),
     "control": subjects.replica("ID", "control"),
     "EvaluateCandidate": subjects.replica("ID", "evaluate"),
+    "tokenize": subjects.replica("ID", "tokenize"),
     "ReplicaTelemetry": subjects.telemetry("ID")
     + " (also the reply of "
     + subjects.replica("ID", "status")
@@ -72,6 +75,7 @@ def _wire_types() -> dict[str, Any]:
                 found[name] = obj
     found["control"] = w_control.CONTROL_COMMAND
     found["GenerateEvent"] = w_inference.GENERATE_EVENT
+    found["tokenize"] = w_tokenize.TOKENIZE_REQUEST
     return dict(sorted(found.items(), key=lambda kv: kv[0].lower()))
 
 

@@ -172,3 +172,5 @@ class ErrorReply(WireModel):
     code: int
     type: str
     message: str
+    # Additive (v1): the request field at fault, when one is.
+    param: str | None = None

@@ -2,7 +2,8 @@
 
 The app does not own its bus and store (the service entrypoint, or a test, does); its lifespan
 subscribes to telemetry, routing weights and adapter publications, and registers the `collm-gateway`
-micro service, and undoes all of it on shutdown. Every `/v1/` request is authenticated first (auth.py:
+micro service, and undoes all of it on shutdown. Every `/v1/` request (and vLLM's `/tokenize` and
+`/detokenize`) is authenticated first (auth.py:
 API keys, tenants, rate limits), then its body size is checked (limits.py); the admin routes
 (api/admin.py) need an admin key. Every response of a traced route carries `x-collm-trace-id`
 (traceid.py). Every error leaves as the OpenAI envelope: validation errors become 400 (not FastAPI's
@@ -36,7 +37,7 @@ from collm_common.tracing import current_trace_id
 from collm_common.wire.adapters import AdapterPublished
 from collm_gateway import __version__, metrics, micro
 from collm_gateway.adapter_admin import AdapterAdmin
-from collm_gateway.api import admin, chat, completions, health, models
+from collm_gateway.api import admin, chat, completions, health, models, tokenize
 from collm_gateway.api.responses import document as openapi_document
 from collm_gateway.api.responses import errors
 from collm_gateway.auth import Authenticator, AuthMiddleware
@@ -52,6 +53,7 @@ from collm_gateway.samples import SampleIntake
 from collm_gateway.serving import CompletionServing
 from collm_gateway.settings import GatewaySettings
 from collm_gateway.shapes import model_card
+from collm_gateway.tokenization import Tokenization
 from collm_gateway.traceid import TRACE_ID_HEADER, TraceIdMiddleware, TraceIdProvider
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ class GatewayState:
     auth: Authenticator
     adapter_admin: AdapterAdmin
     sample_intake: SampleIntake
+    tokenization: Tokenization
     dashboard: DashboardHub | None = None
     started_unix_s: float = 0.0
     micro: MicroService | None = None
@@ -154,9 +157,11 @@ def build_state(
     auth = Authenticator(settings, clock)
     adapter_admin = AdapterAdmin(settings, bus, store, catalog)
     intake = SampleIntake(settings, bus, cluster, clock)
+    tokenization = Tokenization(settings, bus, cluster, catalog, rng)
     state = GatewayState(
-        settings, bus, store, clock, cluster, catalog, dispatcher, serving, auth, adapter_admin, intake
-    )
+        settings, bus, store, clock, cluster, catalog, dispatcher, serving, auth, adapter_admin, intake,
+        tokenization,
+    )  # fmt: skip
     limits = DashboardLimits(
         stale_after_s=settings.telemetry_stale_s, stale_after_intervals=settings.telemetry_stale_intervals
     )
@@ -198,7 +203,7 @@ def build_app(
     # Outermost of the app's own middleware: every answer below it carries the trace id.
     app.add_middleware(TraceIdMiddleware)
     install_error_handlers(app)
-    for module in (chat, completions, models, health, admin, dashboard_routes):
+    for module in (chat, completions, models, tokenize, health, admin, dashboard_routes):
         app.include_router(module.router)
     FastAPIInstrumentor.instrument_app(
         app,

@@ -13,10 +13,10 @@ Admin endpoints need an admin key in both modes: a key with `admin: true`, or `C
 a key they answer 401; with a key that is not an admin key, 403; and when no admin key is configured
 at all, 403 saying so. They are never open by default.
 
-`AuthMiddleware` authenticates every `/v1/` request before its body is read (so an unauthenticated
-client learns nothing about the body), and leaves the principal in the request's state for routes,
-which take it through `PrincipalDep` / `AdminDep`. The tenant travels to the replica in
-`GenerateRequest.tenant`.
+`AuthMiddleware` authenticates every `/v1/` request (and vLLM's `/tokenize` and `/detokenize`) before
+its body is read (so an unauthenticated client learns nothing about the body), and leaves the principal
+in the request's state for routes, which take it through `PrincipalDep` / `AdminDep`. The tenant
+travels to the replica in `GenerateRequest.tenant`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ from collm_gateway.settings import GatewaySettings
 log = logging.getLogger(__name__)
 
 PROTECTED_PREFIX = "/v1/"
+# vLLM's routes outside /v1/ that take keys as the /v1/ routes do.
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+def is_protected(path: str) -> bool:
+    """Whether `path` needs an API key (when keys are required) and counts against rate limits."""
+    return path.startswith(PROTECTED_PREFIX) or path in PROTECTED_PATHS
 
 
 @dataclass(frozen=True)
@@ -220,14 +227,15 @@ class Authenticator:
 
 
 class AuthMiddleware:
-    """Authenticates `/v1/` requests before anything reads their body; refusals leave as the envelope."""
+    """Authenticates protected requests (`is_protected`) before anything reads their body; refusals leave
+    as the envelope."""
 
     def __init__(self, app: ASGIApp, authenticator: Authenticator) -> None:
         self.app = app
         self.authenticator = authenticator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(PROTECTED_PREFIX):
+        if scope["type"] != "http" or not is_protected(str(scope.get("path", ""))):
             await self.app(scope, receive, send)
             return
         authorization = None

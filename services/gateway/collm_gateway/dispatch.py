@@ -65,7 +65,7 @@ LIVENESS_PROBE_S = 0.5
 
 
 @dataclass(frozen=True)
-class _Refusal:
+class Refusal:
     """A replica said no (or nothing) before accepting: try the next one."""
 
     reason: str
@@ -326,6 +326,18 @@ class Generation:
                 await self._leg.stack.aclose()
 
 
+def exhausted(refusals: list[Refusal], retry_after_s: int, timeout_s: float) -> APIError:
+    """The error of a request every replica tried refused: 429 when all queues were full, 504 when none
+    answered within `timeout_s`, else 503 listing each refusal."""
+    statuses = {r.error.status for r in refusals}
+    if statuses == {429}:
+        return errors.queues_full(retry_after_s, len(refusals))
+    if statuses == {504}:
+        return errors.timeout(f"no replica answered within {timeout_s:.1f} s ({len(refusals)} tried)")
+    detail = "; ".join(f"{r.reason}: {r.error.message}" for r in refusals)
+    return errors.no_replica(retry_after_s, f"no replica could take the request ({detail})")
+
+
 def routing_config(settings: GatewaySettings) -> RoutingConfig:
     return RoutingConfig(
         telemetry_stale_s=settings.telemetry_stale_s,
@@ -403,7 +415,7 @@ class Dispatcher:
         if not ranked:
             other = " other" if exclude else ""
             raise errors.no_replica(s.retry_after_s, f"no{other} replica has reported fresh telemetry")
-        refusals: list[_Refusal] = []
+        refusals: list[Refusal] = []
         for attempt, choice in enumerate(ranked[: s.max_retries + 1]):
             if attempt > 0:
                 metrics.RETRIES.labels(refusals[-1].reason).inc()
@@ -421,23 +433,11 @@ class Dispatcher:
                 extra={"request_id": req.request_id, "replica": choice.replica_id, "reason": outcome.reason},
             )
             refusals.append(outcome)
-        raise self._exhausted(refusals)
-
-    def _exhausted(self, refusals: list[_Refusal]) -> APIError:
-        s = self.settings
-        statuses = {r.error.status for r in refusals}
-        if statuses == {429}:
-            return errors.queues_full(s.retry_after_s, len(refusals))
-        if statuses == {504}:
-            return errors.timeout(
-                f"no replica answered within {s.first_event_timeout_s:.1f} s ({len(refusals)} tried)"
-            )
-        detail = "; ".join(f"{r.reason}: {r.error.message}" for r in refusals)
-        return errors.no_replica(s.retry_after_s, f"no replica could take the request ({detail})")
+        raise exhausted(refusals, s.retry_after_s, s.first_event_timeout_s)
 
     async def _attempt(
         self, req: GenerateRequest, choice: Choice, timeout_s: float, attempt: int
-    ) -> _Leg | _Refusal:
+    ) -> _Leg | Refusal:
         rid = choice.replica_id
         subject = subjects.replica(rid, "generate")
         stack = contextlib.AsyncExitStack()
@@ -514,10 +514,10 @@ class Dispatcher:
 
     async def _refused(
         self, stack: contextlib.AsyncExitStack, span: trace.Span, reason: str, err: APIError
-    ) -> _Refusal:
+    ) -> Refusal:
         span.set_status(Status(StatusCode.ERROR, f"{reason}: {err.message}"))
         await stack.aclose()
-        return _Refusal(reason, err)
+        return Refusal(reason, err)
 
     async def cancel(self, replica_id: str, request_id: str, reason: str) -> None:
         """Tell a replica to stop `request_id` (best effort: a lost cancel only wastes its time)."""

@@ -198,6 +198,13 @@ UNSUPPORTED_FIELDS = (
 )
 
 
+def refuse_unsupported(extra: Mapping[str, Any], names: tuple[str, ...]) -> None:
+    """400 naming the first of `names` sent in `extra` at a value that is not neutral (`_neutral`)."""
+    for name in names:
+        if name in extra and not _neutral(name, extra[name]):
+            raise bad_request(f"{name} is not supported by CoLLM", name, "unsupported_value")
+
+
 def _neutral(name: str, value: Any) -> bool:
     """A value of an unsupported field that asks for nothing (the default behaviour)."""
     if value is None or value == [] or value == {}:
@@ -279,10 +286,7 @@ class SamplingIn(OpenAIModel):
         return None
 
     def check_supported(self) -> None:
-        extra = self.model_extra or {}
-        for name in UNSUPPORTED_FIELDS:
-            if name in extra and not _neutral(name, extra[name]):
-                raise bad_request(f"{name} is not supported by CoLLM", name, "unsupported_value")
+        refuse_unsupported(self.model_extra or {}, UNSUPPORTED_FIELDS)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
@@ -379,18 +383,24 @@ class ChatCompletionRequest(SamplingIn):
         self.grammar()  # 400s for inconsistent tool and format fields, before any replica is asked
 
     def wire_messages(self) -> list[ChatMessage]:
-        """The conversation as the replica templates it: active tools as a first system message, and
-        assistant turns that called tools with their calls in the text format the model writes."""
-        out: list[ChatMessage] = []
+        """The conversation as the replica templates it, active tools as a first system message."""
         choice = self.tool_choice_name
-        if choice != "none" and self.tools:
-            out.append(ChatMessage(role="system", content=tool_system_prompt(wire_tools(self.tools), choice)))
-        for i, m in enumerate(self.messages):
-            text = m.text(i)
-            if m.role == "assistant" and m.tool_calls:
-                text += render_tool_calls(calls_of(m.tool_calls))
-            out.append(ChatMessage(role=m.role, content=text))
-        return out
+        if choice == "none" or not self.tools:
+            return wire_messages(self.messages)
+        prompt = tool_system_prompt(wire_tools(self.tools), choice)
+        return [ChatMessage(role="system", content=prompt), *wire_messages(self.messages)]
+
+
+def wire_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """Chat messages as the replica takes them: text content (400 naming a part that is not text), and
+    assistant turns that called tools with their calls in the text format the model writes."""
+    out = []
+    for i, m in enumerate(messages):
+        text = m.text(i)
+        if m.role == "assistant" and m.tool_calls:
+            text += render_tool_calls(calls_of(m.tool_calls))
+        out.append(ChatMessage(role=m.role, content=text))
+    return out
 
 
 class CompletionRequest(SamplingIn):

@@ -15,13 +15,16 @@ micro-service path (`MicroService.endpoint` / `stream_endpoint`) on `subjects.re
 * `control`: `CONTROL_COMMAND` -> `ControlReply` (share with TTL, start/stop training, pause/resume,
   publish now, sync adapter).
 * `status`: `StatusRequest` (an empty body is one) -> the current `ReplicaTelemetry`.
+* `tokenize`: a `TOKENIZE_REQUEST` (text, chat messages, or ids to decode) -> `TokenizeReply` or
+  `DetokenizeReply` (`collm_replica.tokenization`, off the event loop; chat messages take the generate
+  path's chat template), or an error reply with an `ErrorReply` body naming the field at fault.
 * `evaluate` (streaming, one reply): `EvaluateCandidate` -> `EvalReport` (`Participant.evaluate`), or an
   error reply with an `ErrorReply` body. Each evaluation runs in a task; the engine orders them itself (a
   candidate on a publication's critical path before background pre-scoring).
 
-`control` and `status` also take and answer JSON (`Content-Type: application/json`); `generate`, `cancel`
-and `evaluate` are msgpack only. Every refusal is a `ReplicaError` (`collm_replica.errors`), which the
-bus's endpoint wrapper turns into the error reply.
+`control`, `status` and `tokenize` also take and answer JSON (`Content-Type: application/json`);
+`generate`, `cancel` and `evaluate` are msgpack only. Every refusal is a `ReplicaError`
+(`collm_replica.errors`), which the bus's endpoint wrapper turns into the error reply.
 
 Background: telemetry every `telemetry_interval_s` on `subjects.telemetry(id)`; adapter versions from
 `subjects.adapter_published_all()` and the store's pointers (`AdapterManager`, re-read at start and every
@@ -42,11 +45,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from collm_common import subjects, tracing
-from collm_common.bus import Bus, ServiceFailure
+from collm_common.bus import Bus, ServiceFailure, message_size
 from collm_common.service import ServiceContext
 from collm_common.step_log import StepLog
 from collm_common.store import AdapterStore, version_id
 from collm_common.streams import ensure_streams
+from collm_common.wire import encode_reply
 from collm_common.wire.adapters import AdapterPublished
 from collm_common.wire.admin import StatusRequest
 from collm_common.wire.control import (
@@ -64,6 +68,13 @@ from collm_common.wire.control import (
 from collm_common.wire.inference import CancelRequest, GenerateError, GenerateRequest
 from collm_common.wire.rounds import EvalReport, EvaluateCandidate
 from collm_common.wire.telemetry import ReplicaTelemetry
+from collm_common.wire.tokenize import (
+    TOKENIZE_REQUEST,
+    Detokenize,
+    DetokenizeReply,
+    TokenizeReply,
+    TokenizeRequest,
+)
 from collm_replica import __version__, metrics, observe
 from collm_replica.adapters import AdapterManager
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
@@ -74,6 +85,7 @@ from collm_replica.samples import SamplesConsumer, load_local_dataset
 from collm_replica.settings import ReplicaSettings
 from collm_replica.tasks import Tasks
 from collm_replica.telemetry import TelemetryBuilder
+from collm_replica.tokenization import answer, chat_ids, check_token_ids, vocab_size
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("collm_replica.requests")  # one line per finished request
@@ -90,28 +102,12 @@ def prompt_ids(gr: GenerateRequest, loaded: LoadedModel) -> list[int]:
         raise ReplicaError(
             400, "exactly one of prompt, messages and prompt_token_ids must be set", param="messages"
         )
-    tok = loaded.tokenizer
     if gr.prompt_token_ids is not None:
-        vocab = int(loaded.config.vocab_size)
-        if not gr.prompt_token_ids or any(t < 0 or t >= vocab for t in gr.prompt_token_ids):
-            raise ReplicaError(400, f"prompt_token_ids must be non-empty ids in [0, {vocab})", param="prompt")
-        return list(gr.prompt_token_ids)
+        return check_token_ids(gr.prompt_token_ids, vocab_size(loaded), "prompt")
     if gr.messages is not None:
-        if not gr.messages:
-            raise ReplicaError(400, "messages must not be empty", param="messages")
-        try:
-            text = tok.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in gr.messages],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - a template that rejects these messages
-            raise ReplicaError(
-                400, f"the chat template rejected the messages: {exc}", param="messages"
-            ) from None
-        return list(tok.encode(text, add_special_tokens=False))
+        return chat_ids(loaded.tokenizer, gr.messages)
     assert gr.prompt is not None
-    return list(tok.encode(gr.prompt))
+    return list(loaded.tokenizer.encode(gr.prompt))
 
 
 def engine_request(gr: GenerateRequest, ids: list[int], span: Span, vocab_size: int) -> EngineRequest:
@@ -200,6 +196,10 @@ class Replica:
         await svc.endpoint("cancel", subjects.replica(rid, "cancel"), CancelRequest, self._cancel, json=False)
         await svc.endpoint("status", subjects.replica(rid, "status"), StatusRequest, self._status)
         await svc.endpoint("control", subjects.replica(rid, "control"), CONTROL_COMMAND, self._control)
+        await svc.endpoint(
+            "tokenize", subjects.replica(rid, "tokenize"), TOKENIZE_REQUEST, self._tokenize,
+            error_body=_error_reply,
+        )  # fmt: skip
         await svc.stream_endpoint(
             "evaluate", subjects.replica(rid, "evaluate"), EvaluateCandidate, self._evaluate,
             self.tasks.spawn, _error_reply,
@@ -363,6 +363,23 @@ class Replica:
             raise failure
         yield report
 
+    # ================================================================================== tokenize
+    async def _tokenize(
+        self, req: TokenizeRequest, headers: Mapping[str, str]
+    ) -> TokenizeReply | DetokenizeReply:
+        """`tokenization.answer` off the event loop; 413 for a reply that would not fit in one message."""
+        reply = await asyncio.to_thread(answer, req, self.loaded)
+        body, reply_headers = encode_reply(reply, headers)
+        size, limit = message_size(body, reply_headers), self.bus.nc.max_payload
+        if size > limit:
+            raise ReplicaError(
+                413,
+                f"the reply would be {size} bytes, more than the {limit} bytes of one NATS message: send "
+                "less text (or leave return_token_strs off)",
+                param="tokens" if isinstance(req, Detokenize) else None,
+            )
+        return reply
+
     # ================================================================================== telemetry
     def telemetry(self) -> ReplicaTelemetry:
         snap = self.engine.snapshot()
@@ -385,8 +402,8 @@ class Replica:
 
 
 def _error_reply(_req: Any, err: ServiceFailure) -> ErrorReply:
-    """The body of an evaluation's error reply."""
-    return ErrorReply(code=err.code, type=err.type, message=err.message)
+    """The body of an error reply of `evaluate` and `tokenize`."""
+    return ErrorReply(code=err.code, type=err.type, message=err.message, param=err.param)
 
 
 async def serve(ctx: ServiceContext[ReplicaSettings]) -> None:

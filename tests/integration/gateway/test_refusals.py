@@ -109,7 +109,7 @@ REFUSALS: list[tuple[str, Send, int, str]] = [
     ),
     (
         "an unsupported parameter",
-        lambda h: h.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required"}, headers=auth()),
+        lambda h: h.post("/v1/chat/completions", json={**CHAT, "functions": [{"name": "f"}]}, headers=auth()),
         400,
         "unsupported_value",
     ),

@@ -74,12 +74,28 @@ async def test_micro_ping_info_stats(replica: Running) -> None:
     assert ping["name"] == "collm-replica" and ping["metadata"] == {"replica_id": REPLICA_ID, "model": "tiny"}
     info = json.loads((await nc.request("$SRV.INFO.collm-replica", b"", timeout=2)).data)
     assert {e["subject"] for e in info["endpoints"]} == {
-        subjects.replica(REPLICA_ID, v) for v in ("generate", "cancel", "status", "control", "evaluate")
+        subjects.replica(REPLICA_ID, v) for v in subjects.REPLICA_VERBS
     }
     await collect(replica, gen())
     stats = json.loads((await nc.request("$SRV.STATS.collm-replica", b"", timeout=2)).data)
     by_name = {e["name"]: e for e in stats["endpoints"]}
     assert by_name["generate"]["num_requests"] >= 1
+
+
+async def test_tokenize_answers_json_and_error_replies_name_the_field(replica: Running) -> None:
+    nc, subject = replica.bus.nc, subjects.replica(REPLICA_ID, "tokenize")
+    headers = {"Content-Type": "application/json"}
+    raw = await nc.request(subject, b'{"op": "tokenize_text", "prompt": "hello world"}', 5, headers=headers)
+    reply = json.loads(raw.data)
+    assert reply["tokens"] == replica.replica.loaded.tokenizer.encode("hello world")
+    assert reply["max_model_len"] == replica.replica.loaded.max_model_len and reply["token_strs"] is None
+    vocab = int(replica.replica.loaded.config.vocab_size)
+    bad = json.dumps({"op": "detokenize", "tokens": [vocab]}).encode()
+    raw = await nc.request(subject, bad, 5, headers=headers)
+    assert raw.headers["Nats-Service-Error-Code"] == "400"
+    assert json.loads(raw.data)["param"] == "tokens"
+    raw = await nc.request(subject, b'{"op": "nope"}', 5, headers=headers)
+    assert raw.headers["Nats-Service-Error-Code"] == "400"
 
 
 async def test_generate_streams_over_nats(replica: Running) -> None:

@@ -270,7 +270,7 @@ async def test_every_service_can_do_its_job(secure_nats: SecureNats) -> None:
             stream=subjects.STREAM_SAMPLES,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT),
         )
-        # Gateway: routes a sample (JetStream), streams a generation, cancels, asks the aggregator.
+        # Gateway: routes a sample (JetStream), streams a generation, cancels, tokenizes, asks the aggregator.
         ack = await gw.jetstream().publish(subjects.samples("r1"), b"sample", stream=subjects.STREAM_SAMPLES)
         assert ack.stream == subjects.STREAM_SAMPLES
         inbox = gw.new_inbox()
@@ -280,6 +280,7 @@ async def test_every_service_can_do_its_job(secure_nats: SecureNats) -> None:
         await gw.publish(subjects.replica("r0", "generate"), b"prompt", reply=inbox)
         await eventually(lambda: len(tokens) == 40, what="40 streamed replies")
         assert (await gw.request(subjects.replica("r1", "cancel"), b"", timeout=2)).data == b"r1:0"
+        assert (await gw.request(subjects.replica("r1", "tokenize"), b"", timeout=2)).data == b"r1:0"
         assert (await gw.request(subjects.aggregator("import"), b"", timeout=2)).data == b"import:0"
         assert (await gw.request(subjects.aggregator("rollback"), b"", timeout=2)).data == b"rollback:0"
         # ... and, for its dashboard, reads round records and the coordinator's status.

@@ -20,6 +20,7 @@ from schemathesis.checks import (
 )
 
 from collm_gateway.app import build_app
+from collm_gateway.auth import is_protected
 from collm_gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.unit
@@ -59,14 +60,14 @@ def test_every_error_is_the_envelope_and_no_fastapi_validation_error(app: Any) -
             assert (400 in statuses) == has_input, (
                 where
             )  # invalid input is 400, and only where there is input
-            if path.startswith("/v1/"):
+            if is_protected(path):
                 assert {401, 429} <= statuses, where  # keys and rate limits apply to every /v1/ route
             for status in statuses - {200}:
                 content = op["responses"][str(status)]["content"]
                 assert content == {"application/json": {"schema": {"$ref": ENVELOPE_REF}}}, (where, status)
             for status in statuses & {429, 503}:
                 assert op["responses"][str(status)]["headers"]["Retry-After"]["required"], (where, status)
-    assert operations == 14
+    assert operations == 16
 
 
 # (method, path, path parameters, body or raw bytes, key): each answered with an error the document lists.
@@ -82,6 +83,11 @@ REFUSED: list[tuple[str, str, dict[str, str], Any, str | None]] = [
     ("GET", "/v1/adapters/{name}/versions", {"name": "bad name"}, None, ADMIN),
     ("POST", "/v1/adapters/{name}/rollback", {"name": "med"}, {"version": 0}, ADMIN),
     ("POST", "/v1/samples", {}, {"samples": "none"}, ADMIN),
+    ("POST", "/tokenize", {}, {"model": "m"}, None),
+    ("POST", "/tokenize", {}, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, None),
+    ("POST", "/tokenize", {}, {"prompt": "x" * 5000}, None),  # 413: over max_body_bytes
+    ("POST", "/detokenize", {}, {"tokens": [-1]}, None),
+    ("POST", "/detokenize", {}, {"tokens": "1 2"}, None),
 ]
 
 
