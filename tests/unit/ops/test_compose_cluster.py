@@ -1,8 +1,8 @@
 """deploy/cluster/docker-compose.cluster.yml (the overlay on docker-compose.yml), checked without a Docker
-engine: the overlay is merged onto the base file the way Compose merges `environment` (by key),
-`secrets` and `volumes` (by target); then every CoLLM service is checked for the cluster settings, and
-the NATS nodes, Redis nodes and Sentinels for what makes them one cluster. `docker compose config`
-itself runs when a Compose v2 binary is present.
+engine: the overlay is merged onto the base file the way Compose merges (`environment` and
+`depends_on` by key, `secrets` and `volumes` by target); then every CoLLM service is checked for the
+cluster settings, and the NATS nodes, Redis nodes and Sentinels for what makes them one cluster.
+`docker compose config` itself runs when a Compose v2 binary is present.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def merged() -> dict[str, Any]:
             elif key == "secrets":
                 both = {**secrets_of(into), **secrets_of(svc)}
                 into[key] = [{"source": s, "target": t} for t, s in both.items()]
+            elif key == "depends_on":
+                into[key] = {**into.get(key, {}), **value}
             elif key == "volumes":
                 by_target = {v.split(":")[1]: v for v in [*into.get(key, []), *value]}
                 into[key] = list(by_target.values())
@@ -154,3 +156,17 @@ def test_docker_compose_config_accepts_the_overlay() -> None:
     files = ["-f", str(COMPOSE), "-f", str(OVERLAY)]
     r = subprocess.run(["docker", "compose", *files, "config", "--quiet"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_collm_services_wait_for_every_node_and_sentinel_and_those_have_health_checks(
+    cluster: dict[str, Any],
+) -> None:
+    svcs = cluster["services"]
+    for name in collm_services(cluster):
+        deps = svcs[name]["depends_on"]
+        for dep in [*nats_nodes(cluster), *sentinels(cluster), "redis"]:
+            assert deps.get(dep, {}).get("condition") == "service_healthy", (name, dep)
+    for name, svc in svcs.items():
+        for dep, spec in (svc.get("depends_on") or {}).items():
+            if spec.get("condition") == "service_healthy":
+                assert "healthcheck" in svcs[dep], (name, dep)
