@@ -225,28 +225,10 @@ def start_redis(
     return ServerProcess("redis", port, proc, wd, args, own)
 
 
-def start_redis_sentinel(
-    master_port: int,
-    workdir: Path,
-    master_name: str = "collm",
-    quorum: int = 2,
-    down_after_ms: int = 1000,
-    wait_s: float = 10.0,
-) -> ServerProcess:
-    """A Redis Sentinel on 127.0.0.1 monitoring the primary at 127.0.0.1:`master_port` as `master_name`
-    (`quorum` Sentinels must agree it is down; it counts as down after `down_after_ms` without an
-    answer). Its configuration file is written in `workdir`: Sentinel rewrites it as it learns."""
-    port = free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    conf = workdir / "sentinel.conf"
-    conf.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {workdir}\n"
-        f"sentinel monitor {master_name} 127.0.0.1 {master_port} {quorum}\n"
-        f"sentinel down-after-milliseconds {master_name} {down_after_ms}\n"
-        f"sentinel failover-timeout {master_name} {max(3 * down_after_ms, 3000)}\n"
-        f"sentinel parallel-syncs {master_name} 1\n"
-    )
-    args = [redis_server_binary(), str(conf), "--sentinel"]
+def start_redis_sentinel(config: Path, port: int, wait_s: float = 10.0) -> ServerProcess:
+    """A Redis Sentinel (`redis-server <config> --sentinel`) listening on `port`, which `config` must set;
+    Sentinel rewrites the file as it learns, so it must be writable (its directory is the workdir)."""
+    args = [redis_server_binary(), str(config), "--sentinel"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_port(port, wait_s, proc, "redis-sentinel")
-    return ServerProcess("redis", port, proc, workdir, args, False)
+    return ServerProcess("redis", port, proc, config.parent, args, False)
