@@ -349,11 +349,13 @@ async def wait_for_jetstream(nats_url: str, timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def running(fs: FaultStack) -> Iterator[FaultStack]:
-    """`fs` started (its logs printed if the start fails), then stopped after the block."""
+    """`fs` started (its logs printed and whatever it started stopped if the start fails), then stopped
+    after the block."""
     try:
         fs.start()
     except Exception:
         print(fs.log_tail())  # noqa: T201
+        fs.stop()
         raise
     try:
         yield fs
