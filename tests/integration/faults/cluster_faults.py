@@ -5,7 +5,10 @@ serving, storing samples and running a federated round while one node is down, a
 with closed-loop completions (streamed and plain) and sample uploads running, SIGKILLs it. While it is
 down a federated round runs to its end; then the node starts again (same port and store) and must
 rejoin: three peers, and every stream's replicas current. Every accepted sample (HTTP 200 with its
-stream sequence) must be in the samples stream under its id and reach its replica's local data.
+stream sequence) must be in the samples stream under its id and reach its replica's local data, and no
+upload may be refused (the gateway retries past the stream's leader election). A completion may fail,
+with a clear error, only if it was in flight at the kill or sent within `RECONNECT_WINDOW_S` after it:
+core NATS messages through the lost node (a token chunk, an acceptance) are gone.
 """
 
 from __future__ import annotations
