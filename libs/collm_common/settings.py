@@ -39,6 +39,20 @@ def with_password(url: str, password: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
 
 
+def sentinel_addresses(text: str) -> list[tuple[str, int]]:
+    """(host, port) of each `host:port` in a comma separated list (COLLM_REDIS_SENTINELS); ValueError
+    naming a malformed one."""
+    out = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"COLLM_REDIS_SENTINELS takes host:port, comma separated (got {item!r})")
+        out.append((host, int(port)))
+    return out
+
+
 class CommonSettings(BaseSettings):
     """Connection and observability settings that every service has."""
 
@@ -52,7 +66,11 @@ class CommonSettings(BaseSettings):
         "(`collm_nats_password`, ...): each gives that setting when its variable is unset "
         "(docker-compose.yml: /run/secrets).",
     )
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated.")
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="NATS server URL(s), comma separated: on a NATS cluster list several nodes; the "
+        "connection reconnects to another listed (or cluster-announced) node when its node goes away.",
+    )
     nats_user: str | None = Field(
         None,
         description="NATS user name (when the server requires auth). Replies to this service's requests "
@@ -71,7 +89,33 @@ class CommonSettings(BaseSettings):
     nats_connect_timeout_s: float = Field(
         30.0, gt=0, description="How long a service keeps retrying its first NATS connection."
     )
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL of the adapter store.")
+    nats_stream_replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="Replicas of each JetStream stream CoLLM creates (`collm_common.streams`): 1 on one "
+        "nats-server, 3 on a three-node NATS cluster (a stream then survives the loss of one node). An "
+        "existing stream keeps the replicas it was created with.",
+    )
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis URL of the adapter store (with `redis_sentinels`: only its user, password and "
+        "database count; the primary's address comes from the Sentinels).",
+    )
+    redis_sentinels: str = Field(
+        "",
+        description="Redis Sentinel addresses, host:port comma separated. When set, the adapter store "
+        "connects to the primary that the Sentinels name `redis_sentinel_master`, and to the new primary "
+        "after a failover. Empty: COLLM_REDIS_URL's host.",
+    )
+    redis_sentinel_master: str = Field(
+        "collm", min_length=1, description="Name of the primary that the Sentinels monitor."
+    )
+    redis_sentinel_password: SecretStr | None = Field(
+        None,
+        description="Password of the Sentinels themselves (their `requirepass`), or the file "
+        "`collm_redis_sentinel_password`; none: Sentinels without a password.",
+    )
     redis_password: SecretStr | None = Field(
         None,
         description="Password of the Redis user that COLLM_REDIS_URL names (redis://user@host:6379/0), for a "
@@ -115,6 +159,12 @@ class CommonSettings(BaseSettings):
         for url in v.split(","):
             if not url.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
                 raise ValueError(f"COLLM_NATS_URL must be nats://host:port (got {url!r})")
+        return v
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinel_addresses(cls, v: str) -> str:
+        sentinel_addresses(v)
         return v
 
     @field_validator("redis_url")

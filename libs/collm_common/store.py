@@ -29,10 +29,51 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Redis
+from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
+from collm_common.settings import CommonSettings, sentinel_addresses
 from collm_common.subjects import check_token
+
+# Short timeouts so a dead Redis fails fast, not hangs. After a Redis restart (or a Sentinel failover)
+# every pooled connection is dead: a command that finds its connection closed reconnects (through the
+# Sentinels: to the primary they name now) and is sent again, twice at most, instead of failing once
+# per connection.
+_CLIENT_OPTIONS: dict[str, Any] = {
+    "socket_timeout": 5,
+    "socket_connect_timeout": 2,
+    "health_check_interval": 10,
+}
+
+
+def _retry() -> Retry:
+    return Retry(ExponentialBackoff(cap=0.5, base=0.05), 2)
+
+
+def redis_client(settings: CommonSettings) -> Redis:
+    """The adapter store's Redis client (bytes in and out: blobs are binary): through the Sentinels when
+    `redis_sentinels` is set (the primary named `redis_sentinel_master`, with COLLM_REDIS_URL's user,
+    password and database), else straight to COLLM_REDIS_URL."""
+    sentinels = sentinel_addresses(settings.redis_sentinels)
+    if not sentinels:
+        return aioredis.Redis.from_url(settings.redis_url, retry=_retry(), **_CLIENT_OPTIONS)
+    login = {k: v for k, v in parse_url(settings.redis_url).items() if k in ("username", "password", "db")}
+    tls = {"ssl": True} if settings.redis_url.startswith("rediss://") else {}
+    sentinel_password = settings.redis_sentinel_password
+    sentinel = Sentinel(
+        sentinels,
+        sentinel_kwargs={
+            "password": sentinel_password.get_secret_value() if sentinel_password else None,
+            "socket_timeout": _CLIENT_OPTIONS["socket_timeout"],
+            "socket_connect_timeout": _CLIENT_OPTIONS["socket_connect_timeout"],
+            **tls,
+        },
+        **_CLIENT_OPTIONS,
+        **tls,
+    )
+    return sentinel.master_for(settings.redis_sentinel_master, retry=_retry(), **login)
 
 
 class StoreError(Exception):
@@ -109,17 +150,14 @@ class AdapterStore:
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "collm", retention_versions: int = 5) -> AdapterStore:
-        # Bytes in and out (blobs are binary); short timeouts so a dead Redis fails fast, not hangs.
-        # After a Redis restart every pooled connection is dead: a command that finds its connection
-        # closed reconnects and is sent again (twice at most), instead of failing once per connection.
-        client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=5,
-            socket_connect_timeout=2,
-            health_check_interval=10,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-        )
+        """A store on the Redis at `url` (operators' tools, tests)."""
+        client = aioredis.Redis.from_url(url, retry=_retry(), **_CLIENT_OPTIONS)
         return cls(client, prefix, retention_versions)
+
+    @classmethod
+    def connect(cls, settings: CommonSettings, retention_versions: int = 5) -> AdapterStore:
+        """A service's store: `redis_client(settings)` under `redis_prefix`."""
+        return cls(redis_client(settings), settings.redis_prefix, retention_versions)
 
     async def close(self) -> None:
         await self.r.aclose()

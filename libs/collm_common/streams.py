@@ -1,8 +1,14 @@
-"""JetStream streams CoLLM relies on, declared once and created idempotently by whoever starts first."""
+"""JetStream streams CoLLM relies on, declared once and created idempotently by whoever starts first.
+
+Each is created with the replicas that COLLM_NATS_STREAM_REPLICAS sets (`CommonSettings`): 1 on one
+nats-server, 3 on a three-node cluster, where a stream keeps accepting and serving messages while one
+node is down.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -34,11 +40,12 @@ STREAMS = {
 }
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Create every stream that does not exist yet; an existing stream is left as it is."""
+async def ensure_streams(js: JetStreamContext, replicas: int) -> None:
+    """Create every stream that does not exist yet, with `replicas` copies (`nats_stream_replicas`); an
+    existing stream is left as it is."""
     for cfg in STREAMS.values():
         try:
             await js.stream_info(cfg.name)
         except Exception:
             with contextlib.suppress(BadRequestError):  # created concurrently by another service
-                await js.add_stream(cfg)
+                await js.add_stream(dataclasses.replace(cfg, num_replicas=replicas))

@@ -272,9 +272,10 @@ class Stack:
         from collm_common.bus import Bus
         from collm_common.streams import ensure_streams
 
-        bus = await Bus.connect(self.operator_settings(nats_connect_timeout_s=10.0), "collm-launcher")
+        settings = self.operator_settings(nats_connect_timeout_s=10.0)
+        bus = await Bus.connect(settings, "collm-launcher")
         try:
-            await ensure_streams(bus.js)
+            await ensure_streams(bus.js, settings.nats_stream_replicas)
         finally:
             await bus.close()
 

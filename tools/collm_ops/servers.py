@@ -128,8 +128,10 @@ def start_nats(
     config: Path | None = None,
     wait_s: float = 10.0,
     env: dict[str, str] | None = None,
+    jetstream: bool = True,
 ) -> ServerProcess:
-    """nats-server with JetStream on 127.0.0.1 (a config file, when given, supplies users/permissions).
+    """nats-server with JetStream (unless `jetstream` is False: a leaf node whose JetStream traffic goes
+    to its hub) on 127.0.0.1 (a config file, when given, supplies users/permissions, cluster, leaf nodes).
 
     The command line sets the address, the port and the JetStream store (`<workdir>/js`), so a `config`
     must not set `store_dir` itself; `env` is added to the server's environment (the `$VAR` passwords
@@ -138,12 +140,63 @@ def start_nats(
     own = workdir is None
     wd = workdir or Path(tempfile.mkdtemp(prefix="collm-nats-"))
     wd.mkdir(parents=True, exist_ok=True)
-    args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(wd / "js")]
+    args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+    if jetstream:
+        args += ["-js", "-sd", str(wd / "js")]
     if config is not None:
         args += ["-c", str(config)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_with_env(env))
     _wait_port(port, wait_s, proc, "nats-server")
     return ServerProcess("nats", port, proc, wd, args, own, env=env)
+
+
+def nats_cluster_config(name: str, cluster_port: int, route_ports: list[int], http_port: int) -> str:
+    """nats-server configuration of one node of a local JetStream cluster named `collm`: its own
+    `server_name`, a route listener on `cluster_port` and routes to every node (itself included, as
+    nats-server expects of a static route list), and a monitoring port (/varz, /connz, /jsz)."""
+    routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in route_ports)
+    return (
+        f"server_name: {name}\n"
+        f"http: 127.0.0.1:{http_port}\n"
+        f"cluster {{\n  name: collm\n  listen: 127.0.0.1:{cluster_port}\n  routes: [{routes}]\n}}\n"
+    )
+
+
+@dataclass
+class NatsCluster:
+    """Local nats-server processes clustered with JetStream; `nodes[i].url` is node i's client URL."""
+
+    nodes: list[ServerProcess]
+    http_ports: list[int]
+
+    @property
+    def urls(self) -> str:
+        """Every node's client URL, comma separated (COLLM_NATS_URL)."""
+        return ",".join(n.url for n in self.nodes)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+def start_nats_cluster(workdir: Path, size: int = 3, wait_s: float = 10.0) -> NatsCluster:
+    """`size` nats-server nodes on 127.0.0.1 clustered with JetStream (`nats_cluster_config`), each
+    with its store and configuration under `workdir/n<i>`. JetStream answers once the nodes have
+    elected a meta leader (a few seconds after start); callers wait for that themselves."""
+    client, cluster, http = ([free_port() for _ in range(size)] for _ in range(3))
+    nodes: list[ServerProcess] = []
+    try:
+        for i in range(size):
+            wd = workdir / f"n{i}"
+            wd.mkdir(parents=True, exist_ok=True)
+            conf = wd / "nats.conf"
+            conf.write_text(nats_cluster_config(f"n{i}", cluster[i], cluster, http[i]))
+            nodes.append(start_nats(port=client[i], workdir=wd, config=conf, wait_s=wait_s))
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return NatsCluster(nodes, http)
 
 
 def start_redis(
@@ -170,3 +223,12 @@ def start_redis(
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_port(port, wait_s, proc, "redis-server")
     return ServerProcess("redis", port, proc, wd, args, own)
+
+
+def start_redis_sentinel(config: Path, port: int, wait_s: float = 10.0) -> ServerProcess:
+    """A Redis Sentinel (`redis-server <config> --sentinel`) listening on `port`, which `config` must set;
+    Sentinel rewrites the file as it learns, so it must be writable (its directory is the workdir)."""
+    args = [redis_server_binary(), str(config), "--sentinel"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_port(port, wait_s, proc, "redis-sentinel")
+    return ServerProcess("redis", port, proc, config.parent, args, False)

@@ -13,7 +13,7 @@ from collm_common.subjects import SERVICE_AGGREGATOR
 async def serve(ctx: ServiceContext[AggregatorSettings]) -> None:
     s = ctx.settings
     bus = await ctx.stack.enter_async_context(await Bus.connect(s, ctx.name))
-    store = AdapterStore.from_url(s.redis_url, s.redis_prefix, s.retention_versions)
+    store = AdapterStore.connect(s, s.retention_versions)
     ctx.stack.push_async_callback(store.close)
     await store.ping()
     agg = Aggregator(s, bus, store, ctx.clock, ctx.instance_id)

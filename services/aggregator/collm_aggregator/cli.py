@@ -52,7 +52,7 @@ async def call(
 
 
 async def export(settings: CommonSettings, adapter: str, version: int, out_dir: str) -> dict[str, Any]:
-    store = AdapterStore.from_url(settings.redis_url, settings.redis_prefix)
+    store = AdapterStore.connect(settings)
     try:
         rec = await store.get_version(adapter, version)
         path = export_peft_dir(await store.get_blob(adapter, version), out_dir)

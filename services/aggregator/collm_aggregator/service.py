@@ -142,7 +142,7 @@ class Aggregator:
 
     # --- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
-        await ensure_streams(self.bus.js)
+        await ensure_streams(self.bus.js, self.settings.nats_stream_replicas)
         await self.bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, self._on_telemetry)
         await self.bus.subscribe(subjects.coordinator_decisions(), CoordinatorDecisions, self._on_decisions)
         await self._resume()

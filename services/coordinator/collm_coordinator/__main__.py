@@ -20,7 +20,7 @@ async def serve(ctx: ServiceContext[CoordinatorSettings]) -> None:
     store: AdapterStore | None = None
     if s.coordinator_use_store:
         # Optional: without Redis the coordinator plans from the versions replicas report.
-        store = AdapterStore.from_url(s.redis_url, s.redis_prefix)
+        store = AdapterStore.connect(s)
         ctx.stack.push_async_callback(store.close)
     coord = Coordinator(s, bus, ctx.clock, store)
     await coord.start()

@@ -9,7 +9,12 @@ replica, the batch is refused with 422 before anything is published.
 
 Every sample is published with `Nats-Msg-Id` = its `sample_id` (made up when the client sends none),
 so a client that retries a batch after a failure does not add a sample twice within the stream's
-duplicate window (an hour).
+duplicate window (an hour). The gateway itself retries a publish that failed transiently (`transient`:
+no JetStream responder while a replicated stream elects a new leader after losing a NATS node, no
+acknowledgement in time, the connection moving to another node) until `samples_ack_timeout_s` has
+passed for that sample, and an upload that finds the connection down waits `RECONNECT_GRACE_S` for it
+before the 503; an acknowledgement then reads `duplicate: true` when an earlier attempt (its
+own, or an earlier upload's) had already stored the sample.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.errors import Error as NatsError
+from nats.js.api import PubAck
+from nats.js.errors import APIError as JetStreamAPIError
 from pydantic import ConfigDict, Field
 
 from collm_common import subjects, tracing
@@ -36,6 +43,23 @@ from collm_gateway.settings import GatewaySettings
 
 TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MSG_ID_HEADER = "Nats-Msg-Id"
+# One attempt waits at most this long for its acknowledgement (less when the sample's time is nearly up),
+# then the next attempt goes out this long after a failure.
+ATTEMPT_TIMEOUT_S = 1.0
+RETRY_PAUSE_S = 0.1
+# An upload that finds the NATS connection down waits this long for it to come back (nats-py reconnects
+# to another cluster node within about a second) before it is refused with 503.
+RECONNECT_GRACE_S = 2.0
+CONNECT_POLL_S = 0.05
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether another attempt at the same publish may succeed: no responder (a stream without a leader
+    while its replicas elect one), no acknowledgement in time, JetStream unavailable (a 5xx reply), the
+    connection lost or moving to another server. A JetStream refusal (a 4xx reply) is final."""
+    if isinstance(exc, JetStreamAPIError):
+        return exc.code is None or exc.code >= 500
+    return isinstance(exc, NatsError | TimeoutError | OSError)
 
 
 class SampleIn(EdgeModel):
@@ -158,12 +182,12 @@ class SampleIntake:
             return
         async with self._lock:
             if not self._streams_ready:
-                await ensure_streams(self.bus.js)
+                await ensure_streams(self.bus.js, self.settings.nats_stream_replicas)
                 self._streams_ready = True
 
     async def publish(self, samples: list[TrainingSample]) -> list[dict[str, Any]]:
         """Publish every sample and wait for each acknowledgement; APIError 503 names what was stored."""
-        if not self.bus.connected:
+        if not await self._connected_within(min(RECONNECT_GRACE_S, self.settings.samples_ack_timeout_s)):
             raise self._failed([], samples, "NATS is unreachable")
         try:
             await self._ensure_streams()
@@ -172,17 +196,9 @@ class SampleIntake:
                 [], samples, f"JetStream is unavailable ({type(exc).__name__}: {exc})"
             ) from None
         acked: list[dict[str, Any]] = []
-        timeout_s = self.settings.samples_ack_timeout_s
         for sample in samples:
-            headers = tracing.inject({MSG_ID_HEADER: sample.sample_id})
             try:
-                ack = await self.bus.js.publish(
-                    subjects.samples(sample.replica_id),
-                    encode(sample),
-                    timeout=timeout_s,
-                    stream=subjects.STREAM_SAMPLES,
-                    headers=headers,
-                )
+                ack = await self._publish_one(sample)
             except (NatsError, TimeoutError, OSError) as exc:
                 raise self._failed(acked, samples, f"{type(exc).__name__}: {exc}") from None
             acked.append(
@@ -195,6 +211,35 @@ class SampleIntake:
                 }
             )
         return acked
+
+    async def _connected_within(self, grace_s: float) -> bool:
+        """Whether the NATS connection is up, or comes up within `grace_s` (it is moving to another node)."""
+        deadline = self.clock.monotonic() + grace_s
+        while not self.bus.connected:
+            if self.clock.monotonic() >= deadline:
+                return False
+            await self.clock.sleep(CONNECT_POLL_S)
+        return True
+
+    async def _publish_one(self, sample: TrainingSample) -> PubAck:
+        """Publish `sample` until JetStream acknowledges it, retrying transient failures until
+        `samples_ack_timeout_s` has passed; raises the last failure."""
+        headers = tracing.inject({MSG_ID_HEADER: sample.sample_id})
+        deadline = self.clock.monotonic() + self.settings.samples_ack_timeout_s
+        while True:
+            remaining_s = deadline - self.clock.monotonic()
+            try:
+                return await self.bus.js.publish(
+                    subjects.samples(sample.replica_id),
+                    encode(sample),
+                    timeout=max(0.001, min(ATTEMPT_TIMEOUT_S, remaining_s)),
+                    stream=subjects.STREAM_SAMPLES,
+                    headers=headers,
+                )
+            except (NatsError, TimeoutError, OSError) as exc:
+                if not transient(exc) or self.clock.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise
+            await self.clock.sleep(RETRY_PAUSE_S)
 
     def _failed(self, acked: list[dict[str, Any]], samples: list[TrainingSample], why: str) -> APIError:
         stored = [a["sample_id"] for a in acked]

@@ -40,7 +40,7 @@ class GatewayServer(uvicorn.Server):
 async def serve(ctx: ServiceContext[GatewaySettings]) -> None:
     s = ctx.settings
     bus = await ctx.stack.enter_async_context(await Bus.connect(s, f"{ctx.name}-{s.gateway_id}"))
-    store = AdapterStore.from_url(s.redis_url, s.redis_prefix)
+    store = AdapterStore.connect(s)
     ctx.stack.push_async_callback(store.close)
     app = build_app(s, bus, store, clock=ctx.clock)
     config = uvicorn.Config(

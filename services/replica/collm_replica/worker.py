@@ -180,7 +180,7 @@ class Replica:
         metrics.ENGINE_TOKENS.attach(self.rid, lambda: self.engine)
         self.engine.start()
         with contextlib.suppress(Exception):
-            await ensure_streams(self.bus.js)
+            await ensure_streams(self.bus.js, self.s.nats_stream_replicas)
         svc = await self.bus.service(
             subjects.SERVICE_REPLICA,
             __version__,
@@ -415,7 +415,7 @@ async def serve(ctx: ServiceContext[ReplicaSettings]) -> None:
         max_model_len=s.max_model_len, matmul_dtype=s.matmul_dtype,
     )  # fmt: skip
     bus = await ctx.stack.enter_async_context(await Bus.connect(s, f"collm-replica-{s.replica_id}"))
-    store = AdapterStore.from_url(s.redis_url, s.redis_prefix)
+    store = AdapterStore.connect(s)
     ctx.stack.push_async_callback(store.close)
     replica = Replica(s, loaded, bus, store)
     await replica.start()

@@ -6,18 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from .harness import FaultStack
+from .harness import FaultStack, running
 
 
 @pytest.fixture(scope="session")
 def fault_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack]:
-    fs = FaultStack(tmp_path_factory.mktemp("faults"))
-    try:
-        fs.start()
-    except Exception:
-        print(fs.log_tail())
-        raise
-    try:
+    with running(FaultStack(tmp_path_factory.mktemp("faults"))) as fs:
         yield fs
-    finally:
-        fs.stop()

@@ -5,7 +5,9 @@ persistence in `<tmp>/redis`, as the shipped config) on free ports, writes a sma
 replica, and runs the whole stack through `collm_ops.launcher.Stack` with the tiny model: aggregator,
 coordinator, replicas and gateway, each a `python -m collm_<service>` process. Faults act on those real
 processes: `Stack.kill` / `Stack.restart` for a service, `ServerProcess.stop` / `restart` for NATS and
-Redis (same port, same data directory).
+Redis (same port, same data directory). With `nats_nodes` = 3 NATS is a three-node JetStream cluster
+instead (`collm_ops.servers.start_nats_cluster`): every service gets every node's URL and creates its
+streams with three replicas.
 
 Settings are shortened so that a fault shows within a second or two (telemetry every 0.25 s, a replica
 stale after 1 s, coordinator weights and shares with a 2 s TTL) and the coordinator plans no round of
@@ -20,12 +22,13 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
+from nats.errors import Error as NatsError
 
 from collm_common import subjects
 from collm_common.bus import Bus, BusError
@@ -36,7 +39,14 @@ from collm_common.wire.control import CoordinatorStatus, CoordinatorStatusReques
 from collm_common.wire.gateway import GatewayStatus, GatewayStatusRequest
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
-from collm_ops.servers import ServerProcess, free_port, start_nats, start_redis
+from collm_ops.servers import (
+    NatsCluster,
+    ServerProcess,
+    free_port,
+    start_nats,
+    start_nats_cluster,
+    start_redis,
+)
 from collm_replica.naming import served_name
 
 from .probe import Outcome, run_load
@@ -134,7 +144,11 @@ class FaultStack:
     # with the aggregator's built-in rounds on: what the soak runs.
     fault_settings: bool = True
     prefix: str = field(default_factory=lambda: f"f{uuid.uuid4().hex[:8]}")
+    # 1: one nats-server (`nats`); more: a JetStream cluster of that many nodes (`nats_cluster`, whose
+    # first node is also `nats`), streams with that many replicas (at most 3 here).
+    nats_nodes: int = 1
     nats: ServerProcess | None = None
+    nats_cluster: NatsCluster | None = None
     redis: ServerProcess | None = None
     stack: Stack | None = None
     _log: IO[str] | None = None
@@ -142,7 +156,14 @@ class FaultStack:
     # --- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> FaultStack:
         self.tmp.mkdir(parents=True, exist_ok=True)
-        self.nats = start_nats(workdir=self.tmp / "nats")
+        env = dict(self.env)
+        if self.nats_nodes > 1:
+            self.nats_cluster = start_nats_cluster(self.tmp / "nats", self.nats_nodes)
+            self.nats = self.nats_cluster.nodes[0]
+            env.setdefault("COLLM_NATS_STREAM_REPLICAS", str(min(self.nats_nodes, 3)))
+            asyncio.run(wait_for_jetstream(self.nats_url, 30.0))
+        else:
+            self.nats = start_nats(workdir=self.tmp / "nats")
         self.redis = start_redis(workdir=self.tmp / "redis")
         specs = []
         for rid in self.replicas:
@@ -160,13 +181,13 @@ class FaultStack:
         for name, extra in self.service_env.items():
             service_env.setdefault(name, {}).update(extra)
         cfg = StackConfig(
-            nats_url=self.nats.url,
+            nats_url=self.nats_url,
             redis_url=self.redis.url,
             redis_prefix=self.prefix,
             model="tiny",
             gateway_port=free_port(),
             replicas=specs,
-            env=dict(self.env),
+            env=env,
             service_env=service_env,
             with_coordinator=self.with_coordinator,
             with_aggregator=self.with_aggregator,
@@ -188,6 +209,8 @@ class FaultStack:
     def stop(self) -> None:
         if self.stack is not None:
             self.stack.stop()
+        if self.nats_cluster is not None:
+            self.nats_cluster.stop()
         for srv in (self.nats, self.redis):
             if srv is not None:
                 srv.stop()
@@ -209,6 +232,14 @@ class FaultStack:
         return self.stack
 
     @property
+    def nats_url(self) -> str:
+        """COLLM_NATS_URL of the services: the server's URL, or every cluster node's."""
+        if self.nats_cluster is not None:
+            return self.nats_cluster.urls
+        assert self.nats is not None, "NATS is not running"
+        return self.nats.url
+
+    @property
     def gateway_url(self) -> str:
         return self.s.gateway_url
 
@@ -221,8 +252,7 @@ class FaultStack:
 
     @contextlib.asynccontextmanager
     async def bus(self, name: str = "fault-client") -> AsyncIterator[Bus]:
-        assert self.nats is not None
-        b = await Bus.connect(CommonSettings(nats_url=self.nats.url, nats_connect_timeout_s=10), name)
+        b = await Bus.connect(CommonSettings(nats_url=self.nats_url, nats_connect_timeout_s=10), name)
         try:
             yield b
         finally:
@@ -300,6 +330,37 @@ class FaultStack:
         return {
             name: not isinstance(res, BusError | Exception) for name, res in zip(probes, results, strict=True)
         }
+
+
+async def wait_for_jetstream(nats_url: str, timeout_s: float) -> None:
+    """Until JetStream answers at `nats_url` (a cluster's: once its nodes have elected a meta leader)."""
+    settings = CommonSettings(nats_url=nats_url, nats_connect_timeout_s=10)
+    async with await Bus.connect(settings, "fault-js-wait") as bus:
+
+        async def ready() -> bool:
+            try:
+                await bus.js.account_info()
+            except (NatsError, TimeoutError):
+                return False
+            return True
+
+        await wait_for(ready, timeout_s, "JetStream", interval_s=0.2)
+
+
+@contextlib.contextmanager
+def running(fs: FaultStack) -> Iterator[FaultStack]:
+    """`fs` started (its logs printed and whatever it started stopped if the start fails), then stopped
+    after the block."""
+    try:
+        fs.start()
+    except Exception:
+        print(fs.log_tail())  # noqa: T201
+        fs.stop()
+        raise
+    try:
+        yield fs
+    finally:
+        fs.stop()
 
 
 def scrape(text: str, name: str, **labels: str) -> float:

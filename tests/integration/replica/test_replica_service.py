@@ -264,7 +264,7 @@ async def test_round_participation_sends_a_local_update(replica: Running) -> Non
     js = replica.bus.js
     from collm_common.streams import ensure_streams
 
-    await ensure_streams(js)
+    await ensure_streams(js, replicas=1)
 
     async def on_update(msg) -> None:  # noqa: ANN001
         updates.append(decode(LocalUpdate, msg.data))
@@ -326,7 +326,7 @@ async def test_new_samples_are_persisted_and_used(replica: Running) -> None:
     from collm_common.streams import ensure_streams
     from collm_replica.samples import SAMPLES_FILE, samples_dir
 
-    await ensure_streams(replica.bus.js)
+    await ensure_streams(replica.bus.js, replicas=1)
     for i in range(3):
         s = TrainingSample(
             sample_id=f"s{i}", replica_id=REPLICA_ID, domain="med", prompt=f"q{i}", response=f"a{i}"

@@ -32,7 +32,7 @@ def sample(name: str, **labels: str) -> float:
 
 async def updates_of(r: Running) -> list[LocalUpdate]:
     got: list[LocalUpdate] = []
-    await ensure_streams(r.bus.js)
+    await ensure_streams(r.bus.js, replicas=1)
 
     async def on_update(msg) -> None:  # noqa: ANN001
         got.append(decode(LocalUpdate, msg.data))

@@ -199,7 +199,7 @@ async def test_every_service_can_do_its_job(secure_nats: SecureNats) -> None:
     clients = [admin, agg, coord, gw, r0, r1]
     try:
         # The aggregator creates the streams and its durable update consumer.
-        await ensure_streams(agg.jetstream())
+        await ensure_streams(agg.jetstream(), replicas=1)
         updates = await agg.jetstream().pull_subscribe(
             subjects.updates_all(),
             durable=nats_auth.AGGREGATOR_CONSUMER,
@@ -356,7 +356,7 @@ async def test_every_service_can_do_its_job(secure_nats: SecureNats) -> None:
 async def test_a_replica_has_no_authority_and_cannot_act_as_another(secure_nats: SecureNats) -> None:
     s = secure_nats
     admin = await s.connect("admin")
-    await ensure_streams(admin.jetstream())
+    await ensure_streams(admin.jetstream(), replicas=1)
     errors: list[str] = []
     r1 = await s.connect("replica-r1", errors=errors)
     try:

@@ -130,7 +130,7 @@ def stack(secure_nats: SecureNats, secure_redis: SecureRedis, tmp_path: Path) ->
 async def create_streams(nats: SecureNats) -> None:
     nc = await nats.connect("admin")
     try:
-        await ensure_streams(nc.jetstream())
+        await ensure_streams(nc.jetstream(), replicas=1)
     finally:
         await nc.close()
 

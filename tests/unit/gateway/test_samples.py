@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import PubAck
+from nats.js.errors import BadRequestError, ServiceUnavailableError
 
-from collm_common.clock import VirtualClock
+from collm_common.clock import VirtualClock, WallClock
+from collm_common.wire.adapters import TrainingSample
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_gateway.cluster import ClusterView
 from collm_gateway.errors import APIError
 from collm_gateway.routing import RoutingConfig
-from collm_gateway.samples import ReplicaData, SampleIntake, SamplesIn, choose_replica
+from collm_gateway.samples import ReplicaData, SampleIntake, SamplesIn, choose_replica, transient
 from collm_gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.unit
@@ -89,3 +94,89 @@ def test_plan_refuses_unroutable_oversized_and_too_many_samples() -> None:
     with pytest.raises(APIError) as err:
         si.plan(batch({"replica_id": "r0", "prompt": "x" * 300_000, "response": "r"}))
     assert err.value.status == 413 and err.value.code == "sample_too_large"
+
+
+# --- publishing: transient failures are retried within samples_ack_timeout_s ---------------------------
+class ScriptedJetStream:
+    """Test double of a JetStream context: `publish` raises the scripted failures in order, then acks."""
+
+    def __init__(self, failures: list[Exception]) -> None:
+        self.failures = list(failures)
+        self.attempts = 0
+
+    async def publish(self, subject: str, payload: bytes, **kw: object) -> PubAck:
+        self.attempts += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return PubAck(stream="COLLM_SAMPLES", seq=self.attempts, duplicate=self.attempts > 1)
+
+
+class _JsBus:
+    def __init__(self, js: ScriptedJetStream, connected_after_s: float = 0.0) -> None:
+        self.js = js
+        self._up_at = WallClock().monotonic() + connected_after_s
+
+    @property
+    def connected(self) -> bool:
+        return WallClock().monotonic() >= self._up_at
+
+
+def publishing_intake(
+    js: ScriptedJetStream, ack_timeout_s: float, connected_after_s: float = 0.0
+) -> SampleIntake:
+    clock = WallClock()
+    si = SampleIntake(
+        GatewaySettings(samples_ack_timeout_s=ack_timeout_s),
+        _JsBus(js, connected_after_s),  # type: ignore[arg-type]
+        ClusterView(clock, RoutingConfig()),
+        clock,
+    )
+    si._streams_ready = True  # the streams exist (ensure_streams is the bus's, tested in integration)
+    return si
+
+
+def one_sample() -> list[TrainingSample]:
+    return [TrainingSample(sample_id="s1", replica_id="r0", prompt="p", response="r")]
+
+
+def test_transient_failures_are_those_a_retry_may_get_past() -> None:
+    assert transient(NoRespondersError())
+    assert transient(NatsTimeoutError())
+    assert transient(
+        ServiceUnavailableError(code=503, description="JetStream system temporarily unavailable")
+    )
+    assert not transient(BadRequestError(code=400, description="duplicate message id is in process"))
+
+
+async def test_a_publish_is_retried_past_a_leader_election() -> None:
+    js = ScriptedJetStream([NoRespondersError(), NatsTimeoutError()])
+    acked = await publishing_intake(js, 5.0).publish(one_sample())
+    assert js.attempts == 3
+    assert acked == [
+        {"sample_id": "s1", "replica_id": "r0", "stream": "COLLM_SAMPLES", "seq": 3, "duplicate": True}
+    ]
+
+
+async def test_retries_stop_at_the_ack_timeout_and_a_refusal_is_final() -> None:
+    js = ScriptedJetStream([NoRespondersError()] * 1000)
+    t0 = WallClock().monotonic()
+    with pytest.raises(APIError) as err:
+        await publishing_intake(js, 0.5).publish(one_sample())
+    assert err.value.status == 503 and err.value.code == "samples_not_stored"
+    assert 0.3 < WallClock().monotonic() - t0 < 1.5 and 3 <= js.attempts <= 6
+    js = ScriptedJetStream([BadRequestError(code=400, description="refused")])
+    with pytest.raises(APIError) as err:
+        await publishing_intake(js, 5.0).publish(one_sample())
+    assert err.value.status == 503 and js.attempts == 1
+
+
+async def test_an_upload_waits_for_a_reconnect_then_gives_up() -> None:
+    js = ScriptedJetStream([])
+    acked = await publishing_intake(js, 5.0, connected_after_s=0.3).publish(one_sample())
+    assert [a["seq"] for a in acked] == [1]
+    js = ScriptedJetStream([])
+    t0 = WallClock().monotonic()
+    with pytest.raises(APIError) as err:
+        await publishing_intake(js, 0.4, connected_after_s=60).publish(one_sample())
+    assert err.value.status == 503 and "NATS is unreachable" in err.value.message
+    assert 0.3 < WallClock().monotonic() - t0 < 1.0 and js.attempts == 0
