@@ -21,6 +21,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -129,30 +130,48 @@ def rank_replicas(
     draw: float,
     cfg: RoutingConfig,
     adapter_version: int | None = None,
+    limit: int | None = None,
 ) -> RoutingDecision:
-    """Rank the replicas to try for one request (see the module docstring for the rules)."""
+    """Rank the replicas to try for one request (see the module docstring for the rules). `limit`: rank
+    only the first `limit` (what the caller will try at most; the ranking's head is the same)."""
     draw = _clamp_draw(draw)
-    stale = tuple(sorted(r.replica_id for r in replicas if is_stale(r, cfg)))
-    eligible = sorted((r for r in replicas if not is_stale(r, cfg)), key=lambda r: r.replica_id)
-    if not eligible:
+    stale_ids: list[str] = []
+    fresh: list[ReplicaSnapshot] = []
+    for r in replicas:
+        if is_stale(r, cfg):
+            stale_ids.append(r.replica_id)
+        else:
+            fresh.append(r)
+    stale = tuple(sorted(stale_ids))
+    if not fresh:
         return RoutingDecision((), 0.0, stale)
+    eligible = sorted(fresh, key=lambda r: r.replica_id)
     scores = {r.replica_id: load_score(r, adapter, adapter_version, cfg) for r in eligible}
-    by_load = sorted(eligible, key=lambda r: (scores[r.replica_id], r.replica_id))
+    n = len(eligible) if limit is None else max(1, min(limit, len(eligible)))
+    # Least-loaded order (score, then id); only its head when the caller tries no more than `n`.
+    keyed = [(scores[r.replica_id], r.replica_id, r) for r in eligible]
+    head = keyed if n >= len(keyed) else heapq.nsmallest(n, keyed)
+    if head is keyed:
+        keyed.sort()
+    by_load = [r for _, _, r in head]
 
     factor = weights_factor(weights, cfg)
     probs = _blend(eligible, weights, adapter, factor) if factor > 0 else None
     if probs is None:
-        factor = 0.0
         # Least loaded first; the draw picks among the replicas tied for the lowest score.
-        best = scores[by_load[0].replica_id]
-        tied = [r for r in by_load if math.isclose(scores[r.replica_id], best, rel_tol=1e-9, abs_tol=1e-12)]
+        best = by_load[0]
+        best_score = scores[best.replica_id]
+        tied = [
+            r for r in eligible if math.isclose(scores[r.replica_id], best_score, rel_tol=1e-9, abs_tol=1e-12)
+        ]
+        tied.sort(key=lambda r: (scores[r.replica_id], r.replica_id))
         first = tied[int(draw * len(tied))]
-        order = [first] + [r for r in by_load if r is not first]
+        order = [first] + [r for r in by_load if r is not first][: n - 1]
         ranked = tuple(Choice(r.replica_id, "least_loaded", scores[r.replica_id]) for r in order)
         return RoutingDecision(ranked, 0.0, stale)
 
     first = _weighted_pick(eligible, probs, draw)
-    rest = [r for r in by_load if r is not first]
+    rest = [r for r in by_load if r is not first][: n - 1]
     ranked = (
         Choice(first.replica_id, "weights", scores[first.replica_id], probs[first.replica_id]),
         *(Choice(r.replica_id, "least_loaded", scores[r.replica_id], probs[r.replica_id]) for r in rest),

@@ -163,6 +163,7 @@ def plan_iteration(
     free = free_blocks
     alive = list(running)
     scheduled: set[str] = set()
+    gone: set[str] = set()  # preempted this iteration (no longer in `alive`)
     stalled = False
 
     def take(s: SeqView, n: int) -> bool:
@@ -176,6 +177,7 @@ def plan_iteration(
                 return False
             out = victim(others)
             alive.remove(out)
+            gone.add(out.seq_id)
             plan.preempted.append(out.seq_id)
             free += out.blocks_held
         free -= need
@@ -184,12 +186,12 @@ def plan_iteration(
         return True
 
     # 1. Decodes first, oldest first: one token per decoding sequence.
-    for s in list(alive):
-        if budget > 0 and s in alive and not s.prefilling and take(s, 1):
+    for s in running:
+        if budget > 0 and s.seq_id not in gone and not s.prefilling and take(s, 1):
             budget -= 1
     # 2. Prefill (or recompute) chunks of sequences already running, oldest first.
-    for s in list(alive):
-        if budget > 0 and s in alive and s.prefilling:
+    for s in running:
+        if budget > 0 and s.seq_id not in gone and s.prefilling:
             n = min(s.pending, cfg.prefill_chunk_tokens, budget)
             if take(s, n):
                 budget -= n
