@@ -216,6 +216,32 @@ def plan_iteration(
     return plan
 
 
+def repeated_decodes(
+    cfg: BatchConfig, running: Sequence[SeqView], waiting: Sequence[SeqView], free_blocks: int, most: int
+) -> int:
+    """How many iterations in a row, this one first, `plan_iteration` gives every running sequence one
+    decode token and admits and preempts nothing, when nothing arrives and nothing finishes in between
+    (each iteration adds one token to every sequence): at most `most`; 0 when this iteration's plan is
+    not that. Lets a caller that knows no request arrives (a simulation) take those iterations at once."""
+    if waiting or not running or most < 1 or len(running) > cfg.max_batch_tokens:
+        return 0
+    if any(s.prefilling for s in running):
+        return 0
+    if cfg.kv_admission == "reserve":
+        return most
+
+    def need(k: int) -> int:  # blocks the sequences take over k iterations
+        return sum(blocks_for(s.computed + k, cfg.block_size) - s.blocks_held for s in running)
+
+    if need(most) <= free_blocks:
+        return most
+    lo, hi = 0, most  # need(lo) fits, need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= free_blocks else (lo, mid)
+    return lo
+
+
 def _plan_reserved(
     cfg: BatchConfig, running: list[SeqView], waiting: list[SeqView], kv_reserved: int
 ) -> Plan:
