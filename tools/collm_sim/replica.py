@@ -226,6 +226,7 @@ class SimReplica:
         # tokens) of the iterations before `pending`, not yet applied from index `_run_i` on.
         self._run: list[tuple[float, float, int]] = []
         self._run_i = 0
+        self._resident: dict[tuple[str, int, int], ResidentAdapter] = {}
         micro_ms = self.train_cost.ms(engine.train_micro_tokens)
         self.piece_ms = micro_ms / max(1, engine.train_pieces_per_micro_step)
         # One evaluation's cost (None: not modelled), and its pieces.
@@ -804,6 +805,16 @@ class SimReplica:
                 self._finish_job(t_end)
 
     # --- telemetry ------------------------------------------------------------------------------------
+    def _resident_adapter(self, name: str, version: int, in_flight: int) -> ResidentAdapter:
+        """The telemetry's entry of one resident adapter (built once per value: entries are immutable)."""
+        key = (name, version, in_flight)
+        entry = self._resident.get(key)
+        if entry is None:
+            entry = self._resident[key] = ResidentAdapter(
+                name=name, version_id=f"{name}@v{version}", version=version, in_flight=in_flight
+            )
+        return entry
+
     def telemetry(self, now: float, interval_s: float) -> ReplicaTelemetry:
         self.sync(now)
         dt = max(1e-9, now - self._last_telemetry_s) if self._last_telemetry_s else interval_s
@@ -859,8 +870,7 @@ class SimReplica:
             ft_tokens_per_s=self._ft_tokens / dt,
             training_jobs=jobs,
             adapters=[
-                ResidentAdapter(name=d, version_id=f"{d}@v{v}", version=v, in_flight=in_flight.get(d, 0))
-                for d, v in sorted(self.versions.items())
+                self._resident_adapter(d, v, in_flight.get(d, 0)) for d, v in sorted(self.versions.items())
             ],
             round_role="participant"
             if job is not None and job.active

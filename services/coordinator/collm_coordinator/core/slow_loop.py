@@ -57,9 +57,19 @@ class _Candidate:
     rate_per_s: float
     data_tokens: float
     share: float = 0.0
+    # (share, effective tokens one more share step adds at that share): kept while the share holds.
+    _step: tuple[float, float] | None = None
 
     def tokens(self, t_s: float, share: float | None = None) -> float:
         return (self.share if share is None else share) * t_s * self.rate_per_s
+
+    def step_tokens(self, t_s: float, share_step: float) -> float:
+        """Effective tokens that one more `share_step` of share adds to this candidate."""
+        if self._step is None or self._step[0] != self.share:
+            before = effective_tokens(self.tokens(t_s), self.data_tokens)
+            after = effective_tokens(self.tokens(t_s, self.share + share_step), self.data_tokens)
+            self._step = (self.share, after - before)
+        return self._step[1]
 
 
 def adapters_to_plan(view: ClusterView) -> tuple[list[tuple[str, int, list[str]]], list[SkippedAdapter]]:
@@ -145,14 +155,19 @@ def collm_slow(view: ClusterView) -> SlowDecision:
             cands[(adapter, rid)] = _Candidate(adapter, rid, rate, view.data_tokens.get((rid, adapter), 0.0))
 
     x = {a: 0.0 for a, _, _ in ready}
+    # Per adapter: (gain coefficient weighted by its demand, tokens it has trained).
+    coef = {
+        a: (
+            view.quality[a].gain_coefficient * view.adapter_demand.get(a, 1.0),
+            view.quality[a].trained_tokens,
+        )
+        for a, _, _ in ready
+    }
 
     def marginal(c: _Candidate) -> float:
-        q = view.quality[c.adapter]
-        before = effective_tokens(c.tokens(t_s), c.data_tokens)
-        after = effective_tokens(c.tokens(t_s, c.share + cfg.share_step), c.data_tokens)
-        dx = after - before
-        k = q.gain_coefficient * view.adapter_demand.get(c.adapter, 1.0)
-        return log_gain(k, cfg.quality_token_scale, q.trained_tokens + x[c.adapter], dx)
+        k, trained = coef[c.adapter]
+        dx = c.step_tokens(t_s, cfg.share_step)
+        return log_gain(k, cfg.quality_token_scale, trained + x[c.adapter], dx)
 
     heap: list[tuple[float, int, str, str]] = []
     seq = 0
@@ -181,9 +196,7 @@ def collm_slow(view: ClusterView) -> SlowDecision:
         if V * g <= penalty:
             stop = f"gain {V * g:.4g} <= risk penalty {penalty:.4g}"
             break
-        x[adapter] += effective_tokens(
-            c.tokens(t_s, c.share + cfg.share_step), c.data_tokens
-        ) - effective_tokens(c.tokens(t_s), c.data_tokens)
+        x[adapter] += c.step_tokens(t_s, cfg.share_step)
         c.share += cfg.share_step
         share[rid] += cfg.share_step
         heapq.heappush(heap, (-marginal(c), seq, adapter, rid))
