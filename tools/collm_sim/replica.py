@@ -164,6 +164,10 @@ class EvalTask:
         self.on_done = on_done
 
 
+# The most decode iterations one run takes at once (anything reaching the replica cuts a run, and the
+# step costs of the iterations after the cut are wasted work).
+RUN_MAX = 64
+
 FinishFn = Callable[["Req"], None]
 JobDoneFn = Callable[["SimReplica", Job, float], None]
 
@@ -430,7 +434,7 @@ class SimReplica:
         if most < 2:
             return None
         free_blocks = self.batch_cfg.num_blocks - self.blocks_used
-        k = repeated_decodes(self.batch_cfg, [r.view for r in running], (), free_blocks, min(most, 512))
+        k = repeated_decodes(self.batch_cfg, [r.view for r in running], (), free_blocks, min(most, RUN_MAX))
         if k < 2:
             return None
         n_dec, dec_context, _, n_adapters, _ = self._step_shape
@@ -488,7 +492,10 @@ class SimReplica:
         self._apply_run(i)
 
     def _cut_run(self, now: float) -> float | None:
-        """End the run with its iteration in progress at `now` (`interrupt`)."""
+        """End the run with its iteration in progress at `now` (`interrupt`), unless the run still holds:
+        nothing waits and there is no job or evaluation (a share alone changes nothing without a job)."""
+        if not (self.waiting or self.evals or self.has_job):
+            return None
         run, i = self._run, self._run_i
         while i < len(run) and run[i][0] <= now:
             i += 1

@@ -129,8 +129,13 @@ def collm_slow(view: ClusterView) -> SlowDecision:
     # Shares already committed to rounds in flight stay committed.
     share = {r: view.plan_shares.get(r, 0.0) for r in view.live}
 
+    free_sum: float | None = None  # the sum of 1 - share over the replicas, kept while `share` holds
+
     def util(extra: float = 0.0) -> float:
-        cap = sum(1.0 - share[r] for r in share) - extra
+        nonlocal free_sum
+        if free_sum is None:
+            free_sum = sum(1.0 - share[r] for r in share)
+        cap = free_sum - extra
         return math.inf if cap <= 0 else demand / cap
 
     head = (
@@ -199,6 +204,7 @@ def collm_slow(view: ClusterView) -> SlowDecision:
         x[adapter] += c.step_tokens(t_s, cfg.share_step)
         c.share += cfg.share_step
         share[rid] += cfg.share_step
+        free_sum = None
         heapq.heappush(heap, (-marginal(c), seq, adapter, rid))
         seq += 1
 
@@ -227,6 +233,7 @@ def collm_slow(view: ClusterView) -> SlowDecision:
             ps = min(cfg.probe_share, cfg.max_share - share.get(rid, 0.0))
             if a == adapter and ps > 0 and util(ps) <= cfg.util_cap:
                 share[rid] += ps
+                free_sum = None
                 rows.append((rid, cfg.probe_budget_tokens, ps, 0.0, "probe: training speed unknown"))
         if not rows:
             skipped.append(
