@@ -11,7 +11,8 @@ Events and what they do:
   request joins the first ranked replica's queue, or the next one's when that queue is full (at most
   `max_retries` more), or is rejected;
 * replica iteration end: the replica emits tokens, then starts its next iteration (or goes idle until a
-  request, a job or a share wakes it);
+  request, a job or a share wakes it); a run of identical decode iterations is one event (see
+  `collm_sim.replica`), with the same results as one event per iteration;
 * telemetry (every `telemetry_interval_s`): every replica's snapshot reaches the gateway and the
   coordinator;
 * coordinator tick (when the core asks): `CoordinatorCore.on_tick`; weights go to the gateway, shares

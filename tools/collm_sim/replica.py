@@ -32,6 +32,13 @@ before training after the inference step, as the engine's pending evaluations do
 while the task is behind the even pace to its deadline (`behind_schedule`), up to the guard; training
 gets what is left of its window.
 
+A run of decode iterations is taken at once when nothing can change its plan: every running request
+decodes, nothing waits, no job or evaluation is pending, and `scheduler.repeated_decodes` says the plan
+stays one token per request for that many iterations (up to the first request to finish). Each of them
+keeps its own step cost, end time and step-log record; a request, a job or an evaluation reaching the
+replica cuts the run at the iteration in progress, and telemetry applies the iterations done before
+it reads the replica, so the results are those of one iteration at a time.
+
 The co-scheduler is given the calibration's costs as its predictions (the live engine learns the same
 costs online). Telemetry is built like the live replica's (a window of `slo_window_s` for latency
 percentiles and attainment, rates over the interval).
