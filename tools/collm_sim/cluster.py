@@ -11,7 +11,8 @@ Events and what they do:
   request joins the first ranked replica's queue, or the next one's when that queue is full (at most
   `max_retries` more), or is rejected;
 * replica iteration end: the replica emits tokens, then starts its next iteration (or goes idle until a
-  request, a job or a share wakes it);
+  request, a job or a share wakes it); a run of identical decode iterations is one event (see
+  `collm_sim.replica`), with the same results as one event per iteration;
 * telemetry (every `telemetry_interval_s`): every replica's snapshot reaches the gateway and the
   coordinator;
 * coordinator tick (when the core asks): `CoordinatorCore.on_tick`; weights go to the gateway, shares
@@ -301,17 +302,15 @@ class Simulation:
             table = weights.adapter_weights.get(domain) or weights.weights
             serving = {r for r, x in table.items() if x > 0} or None
             weights = None
-        snaps = []
-        for rid, (ts, queue, running, max_batch, interval_s, adapters) in self._gw_view.items():
-            if serving is not None and rid not in serving:
-                continue
-            snaps.append(
-                ReplicaSnapshot(
-                    rid, t - ts, interval_s, queue, running, max_batch, self._in_flight[rid], adapters
-                )
-            )
-        ranked = rank_replicas(snaps, weights, domain, draw, self.routing_cfg).replica_ids
-        for rid in ranked[: 1 + self.cfg.gateway.max_retries]:
+        in_flight = self._in_flight
+        snaps = [
+            ReplicaSnapshot(rid, t - ts, interval_s, queue, running, max_batch, in_flight[rid], adapters)
+            for rid, (ts, queue, running, max_batch, interval_s, adapters) in self._gw_view.items()
+            if serving is None or rid in serving
+        ]
+        tries = 1 + self.cfg.gateway.max_retries  # the gateway tries no more replicas than this
+        ranked = rank_replicas(snaps, weights, domain, draw, self.routing_cfg, limit=tries).replica_ids
+        for rid in ranked:
             req.attempts += 1
             rep = self.replicas[rid]
             if rep.enqueue(req, t):

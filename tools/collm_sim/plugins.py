@@ -10,7 +10,8 @@ The simulator does not model these decisions: it calls the very code the service
   paged KV admission and preemption: `engine.kv.blocks_for`) and the
   co-schedulers of `collm_replica.cosched` (`slo`, `fixed`, `leftover`), with `effective_share` for the
   coordinator's share and its TTL, and the engine's inputs to them: each request's deadline
-  (`request_deadlines`) and the guard for the next arrival (`arrival_guard_s`).
+  (`request_deadlines`) and the guard for the next arrival (`arrival_guard_s`); `repeated_decodes` says
+  how many iterations in a row its plan stays one decode token per running request.
 
 Which co-scheduler a replica runs follows the policy under test, as the live benchmark configures the
 replicas (`COLLM_COSCHEDULER`): the two-timescale policy and the static split use the SLO-aware one,
@@ -40,7 +41,7 @@ from collm_replica.cosched import (
 )
 from collm_replica.costs import FinishedSample, LatencyWindow
 from collm_replica.engine.kv import blocks_for
-from collm_replica.engine.scheduler import BatchConfig, SeqView, plan_iteration
+from collm_replica.engine.scheduler import BatchConfig, SeqView, plan_iteration, repeated_decodes
 
 # Reference series run beside the policies (not a policy): name -> (the coordinator's policy, the replicas'
 # co-scheduler). `serving_only` is collm's coordinator and routing with fine-tuning off on every replica:
@@ -80,6 +81,7 @@ __all__ = [
     "likely_arrivals",
     "make_coscheduler",
     "plan_iteration",
+    "repeated_decodes",
     "blocks_for",
     "rank_replicas",
     "request_deadlines",

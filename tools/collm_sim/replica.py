@@ -32,6 +32,13 @@ before training after the inference step, as the engine's pending evaluations do
 while the task is behind the even pace to its deadline (`behind_schedule`), up to the guard; training
 gets what is left of its window.
 
+A run of decode iterations is taken at once when nothing can change its plan: every running request
+decodes, nothing waits, no job or evaluation is pending, and `scheduler.repeated_decodes` says the plan
+stays one token per request for that many iterations (up to the first request to finish). Each of them
+keeps its own step cost, end time and step-log record; a request, a job or an evaluation reaching the
+replica cuts the run at the iteration in progress, and telemetry applies the iterations done before
+it reads the replica, so the results are those of one iteration at a time.
+
 The co-scheduler is given the calibration's costs as its predictions (the live engine learns the same
 costs online). Telemetry is built like the live replica's (a window of `slo_window_s` for latency
 percentiles and attainment, rates over the interval).
@@ -65,6 +72,7 @@ from collm_sim.plugins import (
     effective_share,
     likely_arrivals,
     plan_iteration,
+    repeated_decodes,
     request_deadlines,
     running_timing,
 )
@@ -163,6 +171,10 @@ class EvalTask:
         self.on_done = on_done
 
 
+# The most decode iterations one run takes at once (anything reaching the replica cuts a run, and the
+# step costs of the iterations after the cut are wasted work).
+RUN_MAX = 64
+
 FinishFn = Callable[["Req"], None]
 JobDoneFn = Callable[["SimReplica", Job, float], None]
 
@@ -221,6 +233,11 @@ class SimReplica:
         # of its training stretch, whether its evaluation catches up on its pace).
         self.pending: tuple[list[tuple[Req, int]], float, float, float, bool] | None = None
         self.gen = 0  # bumped when an arrival cuts the iteration short (its old end event is stale)
+        # A run of decode-only iterations taken at once (`_decode_run`): (end s, inference ms, decode context
+        # tokens) of the iterations before `pending`, not yet applied from index `_run_i` on.
+        self._run: list[tuple[float, float, int]] = []
+        self._run_i = 0
+        self._resident: dict[tuple[str, int, int], ResidentAdapter] = {}
         micro_ms = self.train_cost.ms(engine.train_micro_tokens)
         self.piece_ms = micro_ms / max(1, engine.train_pieces_per_micro_step)
         # One evaluation's cost (None: not modelled), and its pieces.
@@ -292,10 +309,14 @@ class SimReplica:
     def interrupt(self, now: float) -> float | None:
         """A request arrived: a training stretch in progress stops after its piece in progress (none
         starts once the inference step is over), as the engine's training yields to news. Returns the
-        iteration's new end (the cluster reschedules it; `gen` marks the old end stale), or None."""
+        iteration's new end (the cluster reschedules it; `gen` marks the old end stale), or None. A run of
+        decode iterations taken at once ends with the iteration in progress (one ending at `now` is over, as
+        the event queue takes an iteration's end before an arrival at the same time)."""
         p = self.pending
         if p is None:
             return None
+        if self._run_i < len(self._run):
+            return self._cut_run(now)
         items, t_inf, t_ev, t_end, catch_up = p
         if now >= t_end or t_end <= t_inf:
             return None
@@ -403,8 +424,103 @@ class SimReplica:
     def step(self, now: float) -> float | None:
         """Finish the iteration in progress (if any) and start the next; its end time, or None: idle."""
         if self.pending is not None:
+            if self._run_i < len(self._run):
+                self._apply_run(len(self._run))
             self._complete()
         return self._start(now)
+
+    # --- runs of decode iterations ------------------------------------------------------------------
+    def _decode_run(self, now: float, items: list[tuple[Req, int]], inf_ms: float) -> float | None:
+        """When this iteration only decodes, nothing waits and no background work is due, the iterations
+        that follow are the same plan (`scheduler.repeated_decodes`) until a request finishes or something
+        reaches the replica (which cuts the run: `interrupt`): they are taken at once, each with its own
+        step cost (the context grows by a token per sequence), and applied when the run ends or the
+        replica is read (`sync`). Returns the run's end, or None when there is no run."""
+        running = self.running
+        most = min(r.out_len - r.generated for r in running)
+        if most < 2:
+            return None
+        free_blocks = self.batch_cfg.num_blocks - self.blocks_used
+        k = repeated_decodes(self.batch_cfg, [r.view for r in running], (), free_blocks, min(most, RUN_MAX))
+        if k < 2:
+            return None
+        n_dec, dec_context, _, n_adapters, _ = self._step_shape
+        run: list[tuple[float, float, int]] = []
+        t = now + inf_ms / 1e3
+        run.append((t, inf_ms, dec_context))
+        cost = self.cost
+        for j in range(1, k):
+            ctx = dec_context + j * n_dec
+            ms = cost.step_ms(n_dec, ctx, (), n_adapters)
+            t = t + ms / 1e3
+            run.append((t, ms, ctx))
+        last_t, last_ms, last_ctx = run.pop()
+        self._run, self._run_i = run, 0
+        self.pending = (items, last_t, last_t, last_t, False)
+        self._pending_ms = (last_ms, 0.0)
+        self._step_shape = (n_dec, last_ctx, [], n_adapters, (0.0, None))
+        self.iteration += k - 1
+        self.iterations_total += k - 1
+        return last_t
+
+    def _apply_run(self, upto: int) -> None:
+        """Apply the run's iterations before index `upto` (each gives every running request one token)."""
+        start = self._run_i
+        if upto <= start:
+            return
+        assert self.pending is not None
+        items = self.pending[0]
+        n = len(items)
+        log = self.step_log
+        n_dec, _, _, n_adapters, _ = self._step_shape
+        for t_inf, ms, ctx in self._run[start:upto]:
+            self._infer_ms += ms
+            self.busy_ms["inference"] += ms
+            self.inference_steps.append((t_inf, ms, n))
+            if log is not None:
+                log(
+                    InferenceStep(
+                        t_s=t_inf - ms / 1e3, decodes=n_dec, decode_context_tokens=ctx, prefill=[],
+                        adapters=n_adapters, forward_ms=ms, step_ms=ms, train_budget_ms=0.0, train_limit=None,
+                    )
+                )  # fmt: skip
+        m = upto - start
+        self._gen_tokens += m * n
+        for req, _ in items:
+            req.generated += m
+            self._set_view(req)
+        self._run_i = upto
+
+    def sync(self, now: float) -> None:
+        """Apply the iterations of a run that ended before `now` (before reading the replica)."""
+        run, i = self._run, self._run_i
+        while i < len(run) and run[i][0] < now:
+            i += 1
+        self._apply_run(i)
+
+    def _cut_run(self, now: float) -> float | None:
+        """End the run with its iteration in progress at `now` (`interrupt`), unless the run still holds:
+        nothing waits and there is no job or evaluation (a share alone changes nothing without a job)."""
+        if not (self.waiting or self.evals or self.has_job):
+            return None
+        run, i = self._run, self._run_i
+        while i < len(run) and run[i][0] <= now:
+            i += 1
+        self._apply_run(i)
+        if i >= len(run):
+            return None  # the run's last iteration is in progress: it ends as planned
+        assert self.pending is not None
+        t_inf, ms, ctx = run[i]
+        dropped = len(run) - i  # iterations after the one in progress (the pending one among them)
+        n_dec, _, _, n_adapters, _ = self._step_shape
+        self.pending = (self.pending[0], t_inf, t_inf, t_inf, False)
+        self._pending_ms = (ms, 0.0)
+        self._step_shape = (n_dec, ctx, [], n_adapters, (0.0, None))
+        self._run, self._run_i = [], 0
+        self.iteration -= dropped
+        self.iterations_total -= dropped
+        self.gen += 1
+        return t_inf
 
     def _timings(
         self, now: float, items: list[tuple[Req, int]]
@@ -557,6 +673,12 @@ class SimReplica:
         self._pending_ms = (inf_ms, train_ms)
         self._step_shape = (n_dec, dec_context, chunks, len(adapters), decision)
         self.idle = False
+        if n_dec == len(items) == len(running) and not (
+            has_job or self.evals or self.waiting or plan.admitted or plan.preempted
+        ):
+            end = self._decode_run(now, items, inf_ms)
+            if end is not None:
+                return end
         return t_ev + train_ms / 1e3
 
     def _eval_stretch(self, inp: CoSchedInput, guard_ms: float, t_inf: float) -> tuple[float, bool]:
@@ -697,7 +819,18 @@ class SimReplica:
                 self._finish_job(t_end)
 
     # --- telemetry ------------------------------------------------------------------------------------
+    def _resident_adapter(self, name: str, version: int, in_flight: int) -> ResidentAdapter:
+        """The telemetry's entry of one resident adapter (built once per value: entries are immutable)."""
+        key = (name, version, in_flight)
+        entry = self._resident.get(key)
+        if entry is None:
+            entry = self._resident[key] = ResidentAdapter(
+                name=name, version_id=f"{name}@v{version}", version=version, in_flight=in_flight
+            )
+        return entry
+
     def telemetry(self, now: float, interval_s: float) -> ReplicaTelemetry:
+        self.sync(now)
         dt = max(1e-9, now - self._last_telemetry_s) if self._last_telemetry_s else interval_s
         lat = self.window.summary(now)
         share, source = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
@@ -751,8 +884,7 @@ class SimReplica:
             ft_tokens_per_s=self._ft_tokens / dt,
             training_jobs=jobs,
             adapters=[
-                ResidentAdapter(name=d, version_id=f"{d}@v{v}", version=v, in_flight=in_flight.get(d, 0))
-                for d, v in sorted(self.versions.items())
+                self._resident_adapter(d, v, in_flight.get(d, 0)) for d, v in sorted(self.versions.items())
             ],
             round_role="participant"
             if job is not None and job.active

@@ -406,9 +406,10 @@ class Dispatcher:
         s = self.settings
         if not self.bus.connected:
             raise errors.no_replica(s.retry_after_s, "NATS is unreachable")
+        # Only the head of the ranking is tried: `max_retries + 1` replicas that are not excluded.
         decision = rank_replicas(
             self.cluster.snapshots(), self.cluster.weights(), req.adapter, self.rng.random(), self.routing,
-            req.adapter_version,
+            req.adapter_version, limit=s.max_retries + 1 + len(exclude),
         )  # fmt: skip
         metrics.WEIGHTS_FACTOR.set(decision.weights_factor)
         ranked = [c for c in decision.ranked if c.replica_id not in exclude]

@@ -21,6 +21,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,9 +83,13 @@ class RoutingDecision:
         return [c.replica_id for c in self.ranked]
 
 
+def stale_after_s(interval_s: float, cfg: RoutingConfig) -> float:
+    """The age past which telemetry sent every `interval_s` is stale."""
+    return max(cfg.telemetry_stale_s, cfg.telemetry_stale_intervals * max(interval_s, 0.0))
+
+
 def is_stale(r: ReplicaSnapshot, cfg: RoutingConfig) -> bool:
-    limit_s = max(cfg.telemetry_stale_s, cfg.telemetry_stale_intervals * max(r.interval_s, 0.0))
-    return not (r.age_s <= limit_s) or math.isnan(r.age_s)
+    return not (r.age_s <= stale_after_s(r.interval_s, cfg))  # NaN ages are stale too
 
 
 def weights_factor(w: WeightsSnapshot | None, cfg: RoutingConfig) -> float:
@@ -129,33 +134,49 @@ def rank_replicas(
     draw: float,
     cfg: RoutingConfig,
     adapter_version: int | None = None,
+    limit: int | None = None,
 ) -> RoutingDecision:
-    """Rank the replicas to try for one request (see the module docstring for the rules)."""
+    """Rank the replicas to try for one request (see the module docstring for the rules). `limit`: rank
+    only the first `limit` (what the caller will try at most; the ranking's head is the same)."""
     draw = _clamp_draw(draw)
-    stale = tuple(sorted(r.replica_id for r in replicas if is_stale(r, cfg)))
-    eligible = sorted((r for r in replicas if not is_stale(r, cfg)), key=lambda r: r.replica_id)
-    if not eligible:
+    stale_ids: list[str] = []
+    # (least-loaded score, id, snapshot) of every eligible replica: sorted, the least-loaded order.
+    keyed: list[tuple[float, str, ReplicaSnapshot]] = []
+    limits: dict[float, float] = {}  # stale_after_s by interval (replicas mostly share one)
+    for r in replicas:
+        limit_s = limits.get(r.interval_s)
+        if limit_s is None:
+            limit_s = limits[r.interval_s] = stale_after_s(r.interval_s, cfg)
+        if not (r.age_s <= limit_s):  # stale (`is_stale`)
+            stale_ids.append(r.replica_id)
+        else:
+            keyed.append((load_score(r, adapter, adapter_version, cfg), r.replica_id, r))
+    stale = tuple(sorted(stale_ids))
+    if not keyed:
         return RoutingDecision((), 0.0, stale)
-    scores = {r.replica_id: load_score(r, adapter, adapter_version, cfg) for r in eligible}
-    by_load = sorted(eligible, key=lambda r: (scores[r.replica_id], r.replica_id))
+    n = len(keyed) if limit is None else max(1, min(limit, len(keyed)))
+    # Only the head of the least-loaded order when the caller tries no more than `n`.
+    head = sorted(keyed) if n >= len(keyed) else heapq.nsmallest(n, keyed)
 
     factor = weights_factor(weights, cfg)
+    eligible = [r for _, _, r in sorted(keyed, key=lambda k: k[1])] if factor > 0 else []
     probs = _blend(eligible, weights, adapter, factor) if factor > 0 else None
     if probs is None:
-        factor = 0.0
         # Least loaded first; the draw picks among the replicas tied for the lowest score.
-        best = scores[by_load[0].replica_id]
-        tied = [r for r in by_load if math.isclose(scores[r.replica_id], best, rel_tol=1e-9, abs_tol=1e-12)]
-        first = tied[int(draw * len(tied))]
-        order = [first] + [r for r in by_load if r is not first]
-        ranked = tuple(Choice(r.replica_id, "least_loaded", scores[r.replica_id]) for r in order)
+        best = head[0][0]
+        tied = sorted(k for k in keyed if math.isclose(k[0], best, rel_tol=1e-9, abs_tol=1e-12))
+        score, rid, _ = tied[int(draw * len(tied))]
+        order = [(score, rid)] + [(sc, i) for sc, i, _ in head if i != rid][: n - 1]
+        ranked = tuple(Choice(i, "least_loaded", sc) for sc, i in order)
         return RoutingDecision(ranked, 0.0, stale)
 
     first = _weighted_pick(eligible, probs, draw)
-    rest = [r for r in by_load if r is not first]
+    fid = first.replica_id
+    rest = [(sc, i) for sc, i, _ in head if i != fid][: n - 1]
+    first_score = next(sc for sc, i, _ in keyed if i == fid)
     ranked = (
-        Choice(first.replica_id, "weights", scores[first.replica_id], probs[first.replica_id]),
-        *(Choice(r.replica_id, "least_loaded", scores[r.replica_id], probs[r.replica_id]) for r in rest),
+        Choice(fid, "weights", first_score, probs[fid]),
+        *(Choice(i, "least_loaded", sc, probs[i]) for sc, i in rest),
     )
     return RoutingDecision(ranked, factor, stale)
 

@@ -1,6 +1,7 @@
 """The routing policy: staleness, coordinator weights (fresh, decaying, expired), least-loaded fallback."""
 
 import math
+import random
 
 import pytest
 
@@ -165,3 +166,27 @@ def test_weights_factor_edges() -> None:
     hold_all = RoutingConfig(weights_hold_frac=1.0)
     assert weights_factor(WeightsSnapshot(3.99, 4.0, {}), hold_all) == 1.0
     assert weights_factor(WeightsSnapshot(4.0, 4.0, {}), hold_all) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_limited_ranking_is_the_head_of_the_full_one(seed: int) -> None:
+    # Many replicas with tied and untied loads, some stale, with and without weights: ranking only the
+    # first `limit` gives exactly the first `limit` choices of the full ranking.
+    rng = random.Random(seed)
+    rs = [
+        rep(f"r{i:02d}", age_s=rng.choice([0.1, 0.1, 0.1, 50.0]), running=rng.randint(0, 3),
+            queue_len=rng.choice([0, 0, 2]), local_in_flight=rng.randint(0, 4),
+            adapters=rng.choice([{}, {"x": 1}]))
+        for i in range(40)
+    ]  # fmt: skip
+    w = WeightsSnapshot(
+        age_s=rng.uniform(0, 12), ttl_s=10.0, weights={f"r{i:02d}": rng.random() for i in range(10)}
+    )
+    for weights in (w, None):
+        for k in range(40):
+            draw = rng.random()
+            full = rank_replicas(rs, weights, "x", draw, CFG)
+            for limit in (1, 2, 3, 7, 100):
+                head = rank_replicas(rs, weights, "x", draw, CFG, limit=limit)
+                assert head.ranked == full.ranked[:limit], (k, limit)
+                assert (head.weights_factor, head.stale) == (full.weights_factor, full.stale)

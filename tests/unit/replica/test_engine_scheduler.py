@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,10 @@ from collm_replica.engine.scheduler import (
     BatchConfig,
     JobView,
     RequestView,
+    SeqView,
     decide_background,
+    plan_iteration,
+    repeated_decodes,
     timings,
 )
 
@@ -209,3 +213,40 @@ def test_arrival_history_keeps_the_window() -> None:
     assert len(h.entries) == 2  # the old arrival is pruned
     assert h.min_ttft_slo_ms(NOW, [300.0], 2000.0) == 300.0  # a present request's SLO counts too
     assert 1 <= h.likely_arrivals(2.0) <= 4
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_repeated_decodes_counts_the_iterations_whose_plan_stays_one_decode_each(seed: int) -> None:
+    # Decoding sequences in a pool of varying room: stepping plan_iteration (each sequence one token
+    # longer per iteration) gives every sequence one decode token, admitting and preempting nothing,
+    # for exactly the iterations repeated_decodes counts (up to `most`).
+    rng = random.Random(seed)
+    block = 16
+    for admission in ("paged", "reserve"):
+        cfg = BatchConfig(max_batch=8, max_batch_tokens=64, kv_budget_tokens=4096, block_size=block,
+                          kv_admission=admission)  # fmt: skip
+        seqs = []
+        for i in range(rng.randint(1, 8)):
+            prompt, out = rng.randint(1, 60), rng.randint(1, 40)
+            kv = prompt + out - 1
+            seqs.append(SeqView(f"s{i}", prompt, kv, output_len=out, blocks_held=-(-kv // block)))
+        free = rng.randint(0, 12)  # the pool's free blocks: often fewer than the run would take
+        most = rng.randint(1, 80)
+        k = repeated_decodes(cfg, seqs, [], free, most)
+        same = 0
+        views = list(seqs)
+        while same < most:
+            plan = plan_iteration(cfg, views, [], 0, free)
+            if plan.admitted or plan.preempted or plan.items != [(s.seq_id, 1) for s in views]:
+                break
+            same += 1
+            grown = [replace(s, computed=s.computed + 1, output_len=s.output_len + 1,
+                             blocks_held=-(-(s.computed + 1) // block)) for s in views]  # fmt: skip
+            free -= sum(g.blocks_held - s.blocks_held for g, s in zip(grown, views, strict=True))
+            views = grown
+        assert k == same, (admission, k, same)
+    assert repeated_decodes(BatchConfig(), [SeqView("p", 100, 10)], [], 100, 5) == 0  # still prefilling
+    assert (
+        repeated_decodes(BatchConfig(), [SeqView("d", 10, 10, output_len=1)], [SeqView("w", 5, 0)], 100, 5)
+        == 0
+    )

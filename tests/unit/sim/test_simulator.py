@@ -388,8 +388,12 @@ def test_a_gate_evaluation_takes_the_idle_time_and_one_piece_per_iteration_under
     busy.enqueue(Req(0, 0.0, 100, 5, "med"), 0.0)  # type: ignore[attr-defined]
     assert busy.step(0.0) == pytest.approx(0.110 + 0.030)  # type: ignore[attr-defined]
     assert busy.step(0.140) == pytest.approx(0.140 + 0.020 + 0.030)  # type: ignore[attr-defined]
-    assert busy.step(0.190) == pytest.approx(0.210)  # type: ignore[attr-defined]  # decode only
+    # Decode only from here: the last three decodes (20 ms each) are one run, ending with the request.
+    assert busy.step(0.190) == pytest.approx(0.250)  # type: ignore[attr-defined]
     assert reported[-1] == (8, pytest.approx(0.190))  # reported when its last piece ended
+    assert busy.step(0.250) is None  # type: ignore[attr-defined]
+    ends = [t for t, _, _ in busy.inference_steps]  # type: ignore[attr-defined]
+    assert ends == pytest.approx([0.110, 0.160, 0.210, 0.230, 0.250])
 
 
 def test_rounds_wait_for_their_evaluators_and_evaluations_cost_replica_time() -> None:

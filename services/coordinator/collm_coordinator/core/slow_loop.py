@@ -57,9 +57,19 @@ class _Candidate:
     rate_per_s: float
     data_tokens: float
     share: float = 0.0
+    # (share, effective tokens one more share step adds at that share): kept while the share holds.
+    _step: tuple[float, float] | None = None
 
     def tokens(self, t_s: float, share: float | None = None) -> float:
         return (self.share if share is None else share) * t_s * self.rate_per_s
+
+    def step_tokens(self, t_s: float, share_step: float) -> float:
+        """Effective tokens that one more `share_step` of share adds to this candidate."""
+        if self._step is None or self._step[0] != self.share:
+            before = effective_tokens(self.tokens(t_s), self.data_tokens)
+            after = effective_tokens(self.tokens(t_s, self.share + share_step), self.data_tokens)
+            self._step = (self.share, after - before)
+        return self._step[1]
 
 
 def adapters_to_plan(view: ClusterView) -> tuple[list[tuple[str, int, list[str]]], list[SkippedAdapter]]:
@@ -119,8 +129,13 @@ def collm_slow(view: ClusterView) -> SlowDecision:
     # Shares already committed to rounds in flight stay committed.
     share = {r: view.plan_shares.get(r, 0.0) for r in view.live}
 
+    free_sum: float | None = None  # the sum of 1 - share over the replicas, kept while `share` holds
+
     def util(extra: float = 0.0) -> float:
-        cap = sum(1.0 - share[r] for r in share) - extra
+        nonlocal free_sum
+        if free_sum is None:
+            free_sum = sum(1.0 - share[r] for r in share)
+        cap = free_sum - extra
         return math.inf if cap <= 0 else demand / cap
 
     head = (
@@ -145,14 +160,19 @@ def collm_slow(view: ClusterView) -> SlowDecision:
             cands[(adapter, rid)] = _Candidate(adapter, rid, rate, view.data_tokens.get((rid, adapter), 0.0))
 
     x = {a: 0.0 for a, _, _ in ready}
+    # Per adapter: (gain coefficient weighted by its demand, tokens it has trained).
+    coef = {
+        a: (
+            view.quality[a].gain_coefficient * view.adapter_demand.get(a, 1.0),
+            view.quality[a].trained_tokens,
+        )
+        for a, _, _ in ready
+    }
 
     def marginal(c: _Candidate) -> float:
-        q = view.quality[c.adapter]
-        before = effective_tokens(c.tokens(t_s), c.data_tokens)
-        after = effective_tokens(c.tokens(t_s, c.share + cfg.share_step), c.data_tokens)
-        dx = after - before
-        k = q.gain_coefficient * view.adapter_demand.get(c.adapter, 1.0)
-        return log_gain(k, cfg.quality_token_scale, q.trained_tokens + x[c.adapter], dx)
+        k, trained = coef[c.adapter]
+        dx = c.step_tokens(t_s, cfg.share_step)
+        return log_gain(k, cfg.quality_token_scale, trained + x[c.adapter], dx)
 
     heap: list[tuple[float, int, str, str]] = []
     seq = 0
@@ -181,11 +201,10 @@ def collm_slow(view: ClusterView) -> SlowDecision:
         if V * g <= penalty:
             stop = f"gain {V * g:.4g} <= risk penalty {penalty:.4g}"
             break
-        x[adapter] += effective_tokens(
-            c.tokens(t_s, c.share + cfg.share_step), c.data_tokens
-        ) - effective_tokens(c.tokens(t_s), c.data_tokens)
+        x[adapter] += c.step_tokens(t_s, cfg.share_step)
         c.share += cfg.share_step
         share[rid] += cfg.share_step
+        free_sum = None
         heapq.heappush(heap, (-marginal(c), seq, adapter, rid))
         seq += 1
 
@@ -214,6 +233,7 @@ def collm_slow(view: ClusterView) -> SlowDecision:
             ps = min(cfg.probe_share, cfg.max_share - share.get(rid, 0.0))
             if a == adapter and ps > 0 and util(ps) <= cfg.util_cap:
                 share[rid] += ps
+                free_sum = None
                 rows.append((rid, cfg.probe_budget_tokens, ps, 0.0, "probe: training speed unknown"))
         if not rows:
             skipped.append(

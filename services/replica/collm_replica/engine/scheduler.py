@@ -163,6 +163,7 @@ def plan_iteration(
     free = free_blocks
     alive = list(running)
     scheduled: set[str] = set()
+    gone: set[str] = set()  # preempted this iteration (no longer in `alive`)
     stalled = False
 
     def take(s: SeqView, n: int) -> bool:
@@ -176,6 +177,7 @@ def plan_iteration(
                 return False
             out = victim(others)
             alive.remove(out)
+            gone.add(out.seq_id)
             plan.preempted.append(out.seq_id)
             free += out.blocks_held
         free -= need
@@ -184,12 +186,12 @@ def plan_iteration(
         return True
 
     # 1. Decodes first, oldest first: one token per decoding sequence.
-    for s in list(alive):
-        if budget > 0 and s in alive and not s.prefilling and take(s, 1):
+    for s in running:
+        if budget > 0 and s.seq_id not in gone and not s.prefilling and take(s, 1):
             budget -= 1
     # 2. Prefill (or recompute) chunks of sequences already running, oldest first.
-    for s in list(alive):
-        if budget > 0 and s in alive and s.prefilling:
+    for s in running:
+        if budget > 0 and s.seq_id not in gone and s.prefilling:
             n = min(s.pending, cfg.prefill_chunk_tokens, budget)
             if take(s, n):
                 budget -= n
@@ -212,6 +214,32 @@ def plan_iteration(
         free -= need
         n_running += 1
     return plan
+
+
+def repeated_decodes(
+    cfg: BatchConfig, running: Sequence[SeqView], waiting: Sequence[SeqView], free_blocks: int, most: int
+) -> int:
+    """How many iterations in a row, this one first, `plan_iteration` gives every running sequence one
+    decode token and admits and preempts nothing, when nothing arrives and nothing finishes in between
+    (each iteration adds one token to every sequence): at most `most`; 0 when this iteration's plan is
+    not that. Lets a caller that knows no request arrives (a simulation) take those iterations at once."""
+    if waiting or not running or most < 1 or len(running) > cfg.max_batch_tokens:
+        return 0
+    if any(s.prefilling for s in running):
+        return 0
+    if cfg.kv_admission == "reserve":
+        return most
+
+    def need(k: int) -> int:  # blocks the sequences take over k iterations
+        return sum(blocks_for(s.computed + k, cfg.block_size) - s.blocks_held for s in running)
+
+    if need(most) <= free_blocks:
+        return most
+    lo, hi = 0, most  # need(lo) fits, need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= free_blocks else (lo, mid)
+    return lo
 
 
 def _plan_reserved(
