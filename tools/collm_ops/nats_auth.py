@@ -141,6 +141,7 @@ def gateway() -> User:
             any_replica("generate"),
             any_replica("cancel"),
             any_replica("tokenize"),  # POST /tokenize, /detokenize
+            any_replica("status"),  # the liveness probe of a replica whose telemetry went stale
             subjects.subject("samples", "*"),  # POST /v1/samples (JetStream; acknowledged to its inbox)
             subjects.aggregator("import"),  # the adapter admin API (load)
             subjects.aggregator("rollback"),

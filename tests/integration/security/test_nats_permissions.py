@@ -281,6 +281,8 @@ async def test_every_service_can_do_its_job(secure_nats: SecureNats) -> None:
         await eventually(lambda: len(tokens) == 40, what="40 streamed replies")
         assert (await gw.request(subjects.replica("r1", "cancel"), b"", timeout=2)).data == b"r1:0"
         assert (await gw.request(subjects.replica("r1", "tokenize"), b"", timeout=2)).data == b"r1:0"
+        # ... and probes the status of a replica whose telemetry went stale.
+        assert (await gw.request(subjects.replica("r1", "status"), b"", timeout=2)).data.startswith(b"r1:")
         assert (await gw.request(subjects.aggregator("import"), b"", timeout=2)).data == b"import:0"
         assert (await gw.request(subjects.aggregator("rollback"), b"", timeout=2)).data == b"rollback:0"
         # ... and, for its dashboard, reads round records and the coordinator's status.
