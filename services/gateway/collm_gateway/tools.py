@@ -14,10 +14,11 @@ with `length` and its partial text, as OpenAI does. `response_format` together w
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from collm_common.structured import (
     ANY_JSON_OBJECT,
@@ -77,6 +78,15 @@ ToolChoiceIn = Literal["none", "auto", "required"] | NamedToolChoiceIn
 class FunctionCallIn(_Strict):
     name: str
     arguments: str = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v: str) -> str:
+        try:
+            json.loads(v)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"arguments must be JSON text: {exc}") from None
+        return v
 
 
 class ToolCallIn(_Strict):

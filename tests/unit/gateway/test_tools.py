@@ -7,6 +7,7 @@ import json
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from pydantic import ValidationError
 
 from collm_common.structured import (
     TOOL_CALL_CLOSE,
@@ -15,7 +16,7 @@ from collm_common.structured import (
     parse_tool_calls,
     render_tool_calls,
 )
-from collm_gateway.errors import APIError
+from collm_gateway.errors import APIError, from_validation
 from collm_gateway.protocol import ChatCompletionRequest
 from collm_gateway.shapes import ChatShape, Choice, StreamIdentity
 from collm_gateway.tools import openai_tool_calls
@@ -145,3 +146,20 @@ def test_tool_calls_in_openai_shapes() -> None:
     assert json.loads(msg.tool_calls[0].function.arguments) == {"a": 1}  # type: ignore[union-attr]
     delta = ChatCompletionChunk.model_validate(ChatShape().tool_calls_delta(ident, calls, 0))
     assert delta.choices[0].delta.tool_calls is not None and delta.choices[0].delta.tool_calls[0].index == 0
+
+
+def test_an_earlier_call_with_arguments_that_are_not_json_is_400() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+            },
+        ],
+    }
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate(body)
+    api = from_validation(err.value.errors())
+    assert api.status == 400 and api.param is not None and api.param.startswith("messages.1.tool_calls.0")
