@@ -154,16 +154,6 @@ class Sampler:
             self._seen[token_id] = True
 
 
-def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> int:
-    """One token id from last-position logits [V] with temperature and top-p only."""
-    if temperature <= GREEDY_EPS:
-        return int(torch.argmax(logits))
-    probs = filter_probs(torch.softmax(logits.float() / temperature, dim=-1), 0, top_p, 0.0)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-
-
 @dataclass(frozen=True)
 class TokenLogprobs:
     """The chosen token's log-probability and the `top` most likely (id, logprob) pairs, best first."""
