@@ -74,15 +74,24 @@ async def upload_samples(
             await asyncio.sleep(every_s)
 
 
-async def connections_by_node(fs: FaultStack) -> list[list[str]]:
-    """The client connection names on each node (its /connz)."""
+async def connections_by_node(fs: FaultStack, skip: int | None = None) -> list[list[str]]:
+    """The client connection names on each node (its /connz); none for node `skip`."""
     assert fs.nats_cluster is not None
     out = []
     async with httpx.AsyncClient(timeout=2.0) as http:
-        for port in fs.nats_cluster.http_ports:
+        for i, port in enumerate(fs.nats_cluster.http_ports):
+            if i == skip:
+                out.append([])
+                continue
             r = await http.get(f"http://127.0.0.1:{port}/connz", params={"limit": 1024})
             out.append(sorted(c.get("name", "") for c in r.json().get("connections", [])))
     return out
+
+
+async def moved_off(fs: FaultStack, names: list[str], victim: int) -> bool:
+    """Every connection in `names` (those the victim node held) is on another node again."""
+    elsewhere = {n for conns in await connections_by_node(fs, skip=victim) for n in conns}
+    return set(names) <= elsewhere
 
 
 async def cluster_current(bus: Bus, size: int) -> dict[str, Any] | None:
@@ -149,9 +158,16 @@ async def nats_node_loss(
             try:
                 async with background_load(fs, concurrency=2, max_tokens=16) as outcomes:
                     await asyncio.sleep(before_s)
+                    on_victim = (await connections_by_node(fs))[victim]
                     t_down = time.monotonic()
                     await asyncio.to_thread(cluster.nodes[victim].kill)
-                    # A federated round, opened and finished while the node is down.
+                    # A federated round, opened once the victim's clients (the stack's services and this
+                    # test's own connection) have reconnected elsewhere, and finished while it is down:
+                    # a request sent while its sender reconnects can lose its reply, as on any NATS.
+                    await wait_for(
+                        lambda: moved_off(fs, on_victim, victim), 30, "clients reconnected elsewhere", 0.2
+                    )
+                    report.details["reconnected_s"] = round(time.monotonic() - t_down, 2)
                     opened = await open_round(
                         bus, adapter, base, dict.fromkeys(fs.replicas, 64), len(fs.replicas), 60
                     )
