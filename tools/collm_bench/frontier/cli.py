@@ -4,6 +4,7 @@
     python -m collm_bench frontier                     # live, the default stack (make bench-frontier)
     python -m collm_bench frontier --tiny              # live, the quick check of the pipeline
     python -m collm_bench frontier --render bench/results/frontier/sim-conv-64r.json   # table and figure
+    python -m collm_bench frontier --agree bench/results/frontier/live-conv-2r.json    # sim vs live
 
 Writes `OUT/<sim|live>-<trace>-<N>r.json` (points, frontiers, goals, config, trace label) and the figure
 beside it (`.png`), and prints the table. Exit status: 0 done (goals met or not: the table says), 2
@@ -26,6 +27,7 @@ from collm_bench.headline.setup import SetupError
 from collm_bench.headline.signals import interrupt_on_sigterm
 
 from . import points as pts
+from .agree import agreement
 from .live import LiveFrontierConfig, live_frontier
 from .render import markdown, plot
 from .sim import sim_frontier, usable_jobs
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sim", action="store_true", help="the simulator (default: the live stack)")
     p.add_argument("--render", type=Path, default=None, help="table and figure of a result file")
+    p.add_argument(
+        "--agree", type=Path, default=None, help="simulate a live result file's points: goodput errors"
+    )
     p.add_argument("--replicas", type=int, default=None, help="default: 8 simulated, 2 live")
     p.add_argument(
         "--window-s", type=float, default=None, help="arrivals per point (default 3600 sim, 60 live)"
@@ -147,6 +152,16 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
     if args.render is not None:
         results = json.loads(args.render.read_text(encoding="utf-8"))
         finish(results, args.render, out)
+        return 0
+    if args.agree is not None:
+        results = json.loads(args.agree.read_text(encoding="utf-8"))
+        if results.get("mode") != "live":
+            raise ValueError(f"--agree: {args.agree} is not a live frontier")
+        out.write(f"[frontier] the simulator on the {len(results['points'])} points of {args.agree}\n")
+        results["agreement"] = agreement(
+            results, lambda line: out.write(f"[frontier] {line}\n"), args.calibration
+        )
+        finish(results, args.agree, out)
         return 0
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if bad := [p for p in policies if p not in SERIES]:

@@ -75,7 +75,20 @@ def markdown(results: Mapping[str, Any]) -> str:
             f"| {GOAL_TEXT.get(name, name)} | {GOALS.get(name, g['goal']):g}x | {reached} "
             f"| {_n(g['ratio'], '.2f')} | {against} | {g['reason'] or ''} |"
         )
+    if agree := results.get("agreement"):
+        lines += ["", agreement_line(agree)]
     return "\n".join(lines)
+
+
+def agreement_line(agree: Mapping[str, Any]) -> str:
+    """The simulator-vs-live check of a live file in one line."""
+    median = agree["median_error"]
+    n = sum(1 for r in agree["points"] if r["error"] is not None)
+    verdict = {True: "within", False: "outside", None: "no verdict:"}[agree["within_bound"]]
+    return (
+        f"Simulator vs live: median goodput error {_n(None if median is None else 100 * median, '.0f')}% "
+        f"over {n} points, {verdict} the {agree['bound']:.0%} bound."
+    )
 
 
 def _cell(goal: Mapping[str, Any]) -> str:
@@ -95,6 +108,9 @@ def goals_table(docs: Sequence[Mapping[str, Any]]) -> str:
         cfg = doc["config"]
         trace = f"{doc['mode']} {doc['trace']['label']}"
         run = f"{trace}, {cfg['replicas']} replicas, {cfg['rate_rps']:.2f} req/s"
+        if agree := doc.get("agreement"):
+            median = agree["median_error"]
+            run += f"; sim error {_n(None if median is None else 100 * median, '.0f')}%"
         lines.append(f"| {run} | " + " | ".join(_cell(doc["goals"][n]) for n in names) + " |")
     return "\n".join(lines)
 
