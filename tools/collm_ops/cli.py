@@ -204,7 +204,10 @@ async def _adapters_async(args: argparse.Namespace) -> int:
         else:
             print(ad.render_version_info(info))
         return 0
-    store = AdapterStore.from_url(args.redis_url, args.redis_prefix)
+    settings = _settings(args)
+    # The services' own client: COLLM_REDIS_URL, or the primary the Sentinels name (COLLM_REDIS_SENTINELS).
+    store = AdapterStore.connect(settings)
+    where = f"Sentinels {settings.redis_sentinels}" if settings.redis_sentinels else args.redis_url
     try:
         if args.verb == "list":
             items = await ad.list_adapters(store)
@@ -224,7 +227,7 @@ async def _adapters_async(args: argparse.Namespace) -> int:
     except StoreError as exc:
         return _fail(str(exc))
     except (OSError, ValueError) as exc:
-        return _fail(f"adapter store at {args.redis_url}: {type(exc).__name__}: {exc}")
+        return _fail(f"adapter store at {where}: {type(exc).__name__}: {exc}")
     finally:
         with contextlib.suppress(Exception):
             await store.close()

@@ -16,13 +16,15 @@ old primary, started again, is turned into a replica of the new one.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio as aioredis
@@ -227,6 +229,9 @@ async def test_the_store_follows_a_sentinel_failover(sentinel_set: SentinelSet, 
         await wait_until(
             lambda: _current_is(on_old_primary, v3.version), CATCH_UP_S, "the old primary to catch up"
         )
+        # The operator's `collm adapters` finds the primary through the same Sentinels.
+        versions = await asyncio.to_thread(collm_versions, s, redis_prefix)
+        assert [v["version"] for v in versions] == [v1.version, v2.version, v3.version], versions
         print(  # noqa: T201
             f"sentinel failover: promoted {t_promoted - t_kill:.2f} s after the kill, "
             f"first write on the new primary {t_written - t_kill:.2f} s after it, "
@@ -235,6 +240,22 @@ async def test_the_store_follows_a_sentinel_failover(sentinel_set: SentinelSet, 
     finally:
         for st in (store, on_replica, on_old_primary):
             await st.close()
+
+
+def collm_versions(s: SentinelSet, prefix: str) -> list[dict[str, Any]]:
+    """`collm adapters versions ADAPTER --json` with the Sentinels in its environment, as the reader."""
+    env = {
+        **os.environ,
+        "COLLM_REDIS_URL": f"redis://collm-reader:{PASSWORDS['REDIS_PASSWORD_READER']}@127.0.0.1:1/0",
+        "COLLM_REDIS_SENTINELS": s.addresses,
+        "COLLM_REDIS_SENTINEL_MASTER": MASTER,
+        "COLLM_REDIS_SENTINEL_PASSWORD": PASSWORDS["REDIS_SENTINEL_PASSWORD"],
+        "COLLM_REDIS_PREFIX": prefix,
+    }
+    cmd = [sys.executable, "-m", "collm_ops", "adapters", "versions", ADAPTER, "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 async def _has(s: SentinelSet, port: int) -> bool:
