@@ -31,7 +31,8 @@ Routing. The gateway's own rule without weights is least-loaded (join the shorte
 for a non-resident adapter), and its rule with weights is a weighted random draw. Every replica runs the
 SLO-aware co-scheduler under collm, so training yields to whatever load arrives and the instantaneous
 balance of least-loaded matters more than steering load off training replicas: in simulation, published
-weights cost goodput against the gateway's least-loaded rule (bench/README.md, Simulator). So the collm
+weights cost 16-18% of goodput against the gateway's least-loaded rule at 60-75% of the estimated capacity
+(bench/README.md, Simulator). So the collm
 fast loop computes its weights every tick (decisions, `status`) but publishes them to the gateway only
 with `publish_weights` (COLLM_COORDINATOR_PUBLISH_WEIGHTS=true). A replica's weight is h_i * (0.5 * c_i +
 free_i), where c_i = 1 - share_i is the capacity it keeps for serving, free_i = max(0, util_cap * c_i -
