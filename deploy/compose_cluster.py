@@ -191,11 +191,14 @@ def jsz_all(run: cc.Run, nodes: list[str], streams: bool = False) -> dict[str, d
     return {NATS_NODES[n]: node_get(run, n, path) for n in nodes}
 
 
+def service_connections(connz: dict[str, Any]) -> list[str]:
+    """The CoLLM services' connections on a node (by name; a health probe's has none and lasts a moment)."""
+    names = (c.get("name") or "" for c in connz.get("connections") or [])
+    return sorted(n for n in names if n.startswith("collm-"))
+
+
 def connections(run: cc.Run, nodes: list[str]) -> dict[str, list[str]]:
-    return {
-        n: sorted(c.get("name", "") for c in node_get(run, n, "/connz?limit=1024").get("connections") or [])
-        for n in nodes
-    }
+    return {n: service_connections(node_get(run, n, "/connz?limit=1024")) for n in nodes}
 
 
 def wait_until(probe: Callable[[], Any], timeout: float, what: str, every: float = 1.0) -> Any:

@@ -87,6 +87,13 @@ def test_the_node_stopped_holds_the_gateway_else_the_most_connections() -> None:
     assert cl.pick_victim(conns, cl.VICTIMS) == "nats-3"
 
 
+def test_service_connections_leave_out_the_health_probes() -> None:
+    connz = {
+        "connections": [{"name": "collm-replica-r0"}, {"cid": 9}, {"name": ""}, {"name": "collm-gateway-gw0"}]
+    }
+    assert cl.service_connections(connz) == ["collm-gateway-gw0", "collm-replica-r0"]
+
+
 def test_sentinel_master_fields() -> None:
     text = "name\ncollm\nip\nredis\nport\n6379\nnum-slaves\n1\nnum-other-sentinels\n2\nquorum\n2\n"
     got = cl.sentinel_fields(text)
