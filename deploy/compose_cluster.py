@@ -20,6 +20,7 @@ with an OpenAI error envelope, or an error event in the stream) or lost (none al
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -103,6 +104,37 @@ def sentinel_fields(text: str) -> dict[str, str]:
     return dict(zip(lines[::2], lines[1::2], strict=False))
 
 
+# Refusals that docs/operations.md documents as expected: a replica that creates an adapter's v1 may not
+# announce it, and a replica started before the aggregator may not create the streams (it waits).
+KNOWN_REFUSALS = (
+    re.compile(r"collm\.v1\.adapters\.[^.\s\"]+\.published"),
+    re.compile(r"\$JS\.API\.STREAM\.CREATE\."),
+)
+
+
+def log_problems(text: str) -> dict[str, list[str]]:
+    """`docker compose logs` lines by what they show: a refused login, Redis command or NATS
+    publish/subscribe (a wiring bug: a user, password or permission that does not match), one of the
+    documented refusals, a NATS server error ([ERR]), a service's ERROR (the trace exporter's, with no
+    Jaeger started, left out)."""
+    out: dict[str, list[str]] = {
+        "refused": [],
+        "documented refusal": [],
+        "nats [ERR]": [],
+        "service ERROR": [],
+    }
+    for line in text.splitlines():
+        low = line.lower()
+        if "authorization violation" in low or "permissions violation" in low or "noperm" in low:
+            known = "authorization" not in low and any(p.search(line) for p in KNOWN_REFUSALS)
+            out["documented refusal" if known else "refused"].append(line)
+        elif "[ERR]" in line:
+            out["nats [ERR]"].append(line)
+        elif '"level": "ERROR"' in line and "opentelemetry" not in line:
+            out["service ERROR"].append(line)
+    return out
+
+
 def sse_data(raw: str) -> list[str]:
     return [ln[5:].strip() for ln in raw.splitlines() if ln.startswith("data:")]
 
@@ -177,7 +209,13 @@ def setup(run: cc.Run) -> list[tuple[str, Callable[[cc.Run, list[str]], None]]]:
     steps = [s for s in cc.STEPS if s[1] not in (cc.kill_replica, cc.load_adapter)]
     up = next(i for i, s in enumerate(steps) if s[1] is cc.stack_up) + 1
     formed = ("cluster formed: NATS routes, meta group, R3 streams; Sentinels", cluster_formed)
-    return [*steps[:up], formed, *steps[up:], ("NATS node stopped under load, restarted", node_loss)]
+    return [
+        *steps[:up],
+        formed,
+        *steps[up:],
+        ("NATS node stopped under load, restarted", node_loss),
+        ("logs: no refused login, publish or subscription", logs_clean),
+    ]
 
 
 def node_get(run: cc.Run, service: str, path: str) -> dict[str, Any]:
@@ -368,6 +406,23 @@ def node_loss(run: cc.Run, detail: list[str]) -> None:
         raise cc.CheckFailed(f"requests lost or refused: {[(o.kind, o.code) for o in bad][:10]}")
     if not down["ok"]:
         raise cc.CheckFailed("no request answered while the node was down")
+
+
+def logs_clean(run: cc.Run, detail: list[str]) -> None:
+    """Every container's log, kept in the cache directory; a refused login or permission fails the check,
+    NATS [ERR] lines and service errors are reported (a stopped node's peers log its routes' errors)."""
+    text = run.compose("logs", "--no-color", "--timestamps", capture=True).stdout
+    kept = cc.CACHE / f"{PROJECT}.log"
+    kept.write_text(text)
+    found = log_problems(text)
+    detail.append(
+        f"{len(text.splitlines())} lines in {kept}: " + ", ".join(f"{len(v)} {k}" for k, v in found.items())
+    )
+    for kind, lines in found.items():
+        for line in lines[:5]:
+            say(f"{kind}: {line[:300]}")
+    if found["refused"]:
+        raise cc.CheckFailed(f"refused by NATS or Redis: {found['refused'][:3]}")
 
 
 def say(msg: str) -> None:

@@ -94,6 +94,32 @@ def test_service_connections_leave_out_the_health_probes() -> None:
     assert cl.service_connections(connz) == ["collm-gateway-gw0", "collm-replica-r0"]
 
 
+LOG = [
+    "nats-2-1  | [1] [ERR] Error trying to connect to route (attempt 1): lookup nats-3",
+    'gateway-1  | {"level": "WARNING", "msg": "nats: Permissions Violation for Publish to x.y"}',
+    "nats-1  | [1] [ERR] 172.18.0.9:4222 - cid:7 - authorization violation",
+    'coordinator-1  | {"level": "ERROR", "logger": "opentelemetry.exporter", "msg": "Failed"}',
+    'aggregator-1  | {"level": "ERROR", "logger": "collm_aggregator", "msg": "round 3 failed"}',
+    "redis-1  | -NOPERM this user has no permissions to run the 'role' command",
+    'replica-0-1  | {"level": "WARNING", "msg": "nats: Permissions Violation for Publish to '
+    '\\"collm.v1.adapters.customer_support.published\\""}',
+    'replica-2-1  | {"msg": "nats: Permissions Violation for Publish to '
+    '\\"$JS.API.STREAM.CREATE.COLLM_SAMPLES\\""}',
+    'replica-0-1  | {"level": "INFO", "msg": "nats reconnected"}',
+]
+
+
+def test_log_problems_sorts_refusals_from_errors() -> None:
+    got = cl.log_problems("\n".join(LOG))
+    assert {k: len(v) for k, v in got.items()} == {
+        "refused": 3,
+        "documented refusal": 2,
+        "nats [ERR]": 1,
+        "service ERROR": 1,
+    }
+    assert "round 3 failed" in got["service ERROR"][0]
+
+
 def test_sentinel_master_fields() -> None:
     text = "name\ncollm\nip\nredis\nport\n6379\nnum-slaves\n1\nnum-other-sentinels\n2\nquorum\n2\n"
     got = cl.sentinel_fields(text)
@@ -153,10 +179,10 @@ def test_setup_points_the_run_at_the_overlay() -> None:
     assert {"nats-2", "nats-3", "redis-replica", "redis-sentinel-3", "replica-2"} <= set(run.services)
     assert (
         steps.index("docker compose up -d, health checks")
-        < steps.index(steps[-4])
+        < steps.index(steps[-5])
         < steps.index("federated round")
     )
-    assert steps[-1].startswith("NATS node stopped")
+    assert steps[-2].startswith("NATS node stopped") and steps[-1].startswith("logs:")
     assert "replica killed, restarted by the policy" not in steps
     # Every service the overlay defines (the GPU replicas aside) is started and waited for.
     text = cl.OVERLAY.read_text()
