@@ -37,9 +37,8 @@ REDIS = ("redis", "redis-replica", "redis-sentinel-1", "redis-sentinel-2", "redi
 STARTED = (*NATS_NODES, *REDIS, "aggregator", "coordinator", "replica-0", "replica-1", "replica-2", "gateway")
 STREAMS = ("COLLM_SAMPLES", "COLLM_UPDATES")
 GATEWAY_CONNECTION = "collm-gateway"  # the gateway's NATS connection name starts with it
-SENTINEL_MASTER = (
-    'REDISCLI_AUTH="$(cat /run/secrets/redis_sentinel_password)" redis-cli -p 26379 SENTINEL MASTER collm'
-)
+SENTINEL_CLI = 'REDISCLI_AUTH="$(cat /run/secrets/redis_sentinel_password)" redis-cli -p 26379'
+MASTER = "collm"  # the name the Sentinels monitor the primary under (redis-sentinel.sh)
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
 
 
@@ -98,10 +97,16 @@ def pick_victim(connections: dict[str, list[str]], candidates: tuple[str, ...]) 
     return max(candidates, key=rank)
 
 
-def sentinel_fields(text: str) -> dict[str, str]:
-    """`redis-cli SENTINEL MASTER <name>`'s reply (one field name, then its value, a line each)."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return dict(zip(lines[::2], lines[1::2], strict=False))
+def sentinel_blocks(text: str) -> list[dict[str, str]]:
+    """`redis-cli SENTINEL MASTER|REPLICAS <name>`'s reply, not on a terminal: a field name, then its
+    value, a line each (an empty value an empty line); each instance's fields start with `name`."""
+    lines = text.rstrip("\n").split("\n")
+    blocks: list[dict[str, str]] = []
+    for key, value in zip(lines[::2], lines[1::2], strict=False):
+        if key == "name" or not blocks:
+            blocks.append({})
+        blocks[-1][key] = value
+    return blocks
 
 
 # Refusals that docs/operations.md documents as expected: a replica that creates an adapter's v1 may not
@@ -109,6 +114,16 @@ def sentinel_fields(text: str) -> dict[str, str]:
 KNOWN_REFUSALS = (
     re.compile(r"collm\.v1\.adapters\.[^.\s\"]+\.published"),
     re.compile(r"\$JS\.API\.STREAM\.CREATE\."),
+)
+
+
+# How NATS (server and client) and Redis log a refused login, publish, subscription or command.
+REFUSED = (
+    "authorization violation",
+    "permissions violation",
+    "publish violation",
+    "subscription violation",
+    "noperm",
 )
 
 
@@ -125,7 +140,7 @@ def log_problems(text: str) -> dict[str, list[str]]:
     }
     for line in text.splitlines():
         low = line.lower()
-        if "authorization violation" in low or "permissions violation" in low or "noperm" in low:
+        if any(w in low for w in REFUSED):
             known = "authorization" not in low and any(p.search(line) for p in KNOWN_REFUSALS)
             out["documented refusal" if known else "refused"].append(line)
         elif "[ERR]" in line:
@@ -214,6 +229,7 @@ def setup(run: cc.Run) -> list[tuple[str, Callable[[cc.Run, list[str]], None]]]:
         formed,
         *steps[up:],
         ("NATS node stopped under load, restarted", node_loss),
+        ("Redis primary stopped: Sentinel failover, restarted", redis_failover),
         ("logs: no refused login, publish or subscription", logs_clean),
     ]
 
@@ -278,8 +294,7 @@ def cluster_formed(run: cc.Run, detail: list[str]) -> None:
     )
     fields: dict[str, str] = {}
     for n in (1, 2, 3):
-        res = run.compose("exec", "-T", f"redis-sentinel-{n}", "sh", "-c", SENTINEL_MASTER, capture=True)
-        fields = sentinel_fields(res.stdout)
+        fields = sentinel(run, n, "MASTER")[0]
         if (
             fields.get("ip") != "redis"
             or fields.get("num-other-sentinels") != "2"
@@ -289,6 +304,54 @@ def cluster_formed(run: cc.Run, detail: list[str]) -> None:
     detail.append(
         f"Redis: 3 Sentinels name the primary {fields['ip']}:{fields['port']}, 1 replica, "
         f"quorum {fields['quorum']}"
+    )
+
+
+def sentinel(run: cc.Run, n: int, what: str) -> list[dict[str, str]]:
+    """`SENTINEL <what> collm` asked of redis-sentinel-<n>."""
+    cmd = f"{SENTINEL_CLI} SENTINEL {what} {MASTER}"
+    return sentinel_blocks(
+        run.compose("exec", "-T", f"redis-sentinel-{n}", "sh", "-c", cmd, capture=True).stdout
+    )
+
+
+def primary_everywhere(run: cc.Run, host: str) -> bool:
+    return all(sentinel(run, n, "MASTER")[0].get("ip") == host for n in (1, 2, 3))
+
+
+def replica_synced(run: cc.Run, host: str) -> bool:
+    """Sentinel 1 sees `host` as a replica of the primary, its link up."""
+    return any(
+        r.get("ip") == host and r.get("flags") == "slave" and r.get("master-link-status") == "ok"
+        for r in sentinel(run, 1, "REPLICAS")
+    )
+
+
+def redis_failover(run: cc.Run, detail: list[str]) -> None:
+    """`docker stop` of the Redis primary: the Sentinels promote redis-replica, the services read and
+    write through it (the versions list, a round publishing), and the old primary, started again,
+    becomes its replica."""
+    cid = cc.container_of(run, "redis")
+    before = cc.latest_version(run, cc.ROUND_DOMAIN)
+    t0 = time.monotonic()
+    run.sh("docker", "stop", "-t", "10", cid, capture=True)
+    wait_until(lambda: primary_everywhere(run, "redis-replica"), 90, "redis-replica promoted", 0.5)
+    promoted_s = time.monotonic() - t0
+    say(f"redis stopped; the 3 Sentinels name redis-replica the primary after {promoted_s:.1f} s")
+    published = cc.wait_published(run, before, t0)
+    pub_s = time.monotonic() - t0
+    listed = len(cc.versions(run, cc.ROUND_DOMAIN))
+    detail.append(
+        f"`docker stop redis`: the 3 Sentinels name redis-replica after {promoted_s:.1f} s; "
+        f"{cc.ROUND_DOMAIN}@v{published['version']} published {pub_s:.0f} s after the stop, "
+        f"{listed} versions listed by the gateway"
+    )
+    t_up = time.monotonic()
+    run.sh("docker", "start", cid, capture=True)
+    cc.wait_healthy(run, ("redis",), run.args.health_timeout)
+    wait_until(lambda: replica_synced(run, "redis"), 90, "redis a replica of redis-replica", 0.5)
+    detail.append(
+        f"`docker start redis`: a replica of redis-replica, link up, after {time.monotonic() - t_up:.1f} s"
     )
 
 

@@ -106,24 +106,35 @@ LOG = [
     'replica-2-1  | {"msg": "nats: Permissions Violation for Publish to '
     '\\"$JS.API.STREAM.CREATE.COLLM_SAMPLES\\""}',
     'replica-0-1  | {"level": "INFO", "msg": "nats reconnected"}',
+    'nats-2-1  | [ERR] 172.18.0.14:40712 - cid:35 - "collm-replica-r0" - "$G/user:replica-r0" - Publish '
+    'Violation - Subject "collm.v1.adapters.customer_support.published"',
+    'nats-3-1  | [ERR] 172.18.0.2:4711 - cid:9 - "collm-gateway" - Subscription Violation - Subject "x.>"',
 ]
 
 
 def test_log_problems_sorts_refusals_from_errors() -> None:
     got = cl.log_problems("\n".join(LOG))
     assert {k: len(v) for k, v in got.items()} == {
-        "refused": 3,
-        "documented refusal": 2,
+        "refused": 4,
+        "documented refusal": 3,
         "nats [ERR]": 1,
         "service ERROR": 1,
     }
     assert "round 3 failed" in got["service ERROR"][0]
 
 
-def test_sentinel_master_fields() -> None:
-    text = "name\ncollm\nip\nredis\nport\n6379\nnum-slaves\n1\nnum-other-sentinels\n2\nquorum\n2\n"
-    got = cl.sentinel_fields(text)
-    assert got["ip"] == "redis" and got["num-slaves"] == "1" and got["num-other-sentinels"] == "2"
+def test_sentinel_replies_in_blocks() -> None:
+    master = "name\ncollm\nip\nredis\nport\n6379\nnum-slaves\n1\nnum-other-sentinels\n2\nquorum\n2\n"
+    got = cl.sentinel_blocks(master)
+    assert len(got) == 1 and got[0]["ip"] == "redis" and got[0]["num-other-sentinels"] == "2"
+    replicas = (
+        "name\nredis:6379\nip\nredis\nflags\nslave\nmaster-link-status\nok\n"
+        "name\nredis-replica:6379\nip\nredis-replica\nrunid\n\nflags\ns_down,slave,disconnected\n"
+    )
+    got = cl.sentinel_blocks(replicas)
+    assert [b["ip"] for b in got] == ["redis", "redis-replica"]
+    assert got[1]["runid"] == "" and got[1]["flags"] == "s_down,slave,disconnected"  # an empty value
+    assert cl.sentinel_blocks("") == []
 
 
 def sse(*events: dict[str, Any] | str) -> str:
@@ -179,10 +190,11 @@ def test_setup_points_the_run_at_the_overlay() -> None:
     assert {"nats-2", "nats-3", "redis-replica", "redis-sentinel-3", "replica-2"} <= set(run.services)
     assert (
         steps.index("docker compose up -d, health checks")
-        < steps.index(steps[-5])
+        < steps.index(steps[-6])
         < steps.index("federated round")
     )
-    assert steps[-2].startswith("NATS node stopped") and steps[-1].startswith("logs:")
+    assert steps[-3].startswith("NATS node stopped") and steps[-2].startswith("Redis primary stopped")
+    assert steps[-1].startswith("logs:")
     assert "replica killed, restarted by the policy" not in steps
     # Every service the overlay defines (the GPU replicas aside) is started and waited for.
     text = cl.OVERLAY.read_text()
