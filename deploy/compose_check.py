@@ -14,6 +14,9 @@ and removes everything it started: containers, networks, volumes, the wheelhouse
 files and the daemon when it started one. The images stay (tag `compose-check`, and collm-local/*) so
 that a second run builds from cache; `--remove-images` removes them too.
 
+`--cluster` (`make compose-check-cluster`) adds the cluster overlay and its fault checks instead of the
+adapter and the replica kill: deploy/compose_cluster.py.
+
 Jaeger and nats-box are not started: no image of either can be pulled or built here (no registry, and
 no installable package carries Jaeger or the NATS CLI); the CoLLM services do not wait for Jaeger.
 """

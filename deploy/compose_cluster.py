@@ -1,6 +1,6 @@
 """The compose check's cluster mode (`make compose-check-cluster`, `deploy/compose_check.py --cluster`):
 docker-compose.yml with the cluster overlay (deploy/cluster/docker-compose.cluster.yml) started on this
-machine and a NATS node lost under load.
+machine, a NATS node and the Redis primary lost under load.
 
 The same images as the single-host check (compose_check.py builds them, or finds them cached), then
 `docker compose -f docker-compose.yml -f deploy/cluster/docker-compose.cluster.yml up -d` as project
@@ -13,8 +13,11 @@ that holds the most CoLLM connections among nats-2 and nats-3 (`nats` is the nod
 services and its published ports name); fresh samples go in and a round must publish while the node is
 down; `docker start` brings it back and it must rejoin (its routes, the meta group, every stream current
 on three peers). Every request is counted: answered, a clear error the client may retry (5xx or 429
-with an OpenAI error envelope, or an error event in the stream) or lost (none allowed). Then
-`docker compose down -v` and the single-host check's cleanup.
+with an OpenAI error envelope, or an error event in the stream), a refusal or lost (neither allowed).
+Then `docker stop` of the Redis primary: the Sentinels promote redis-replica, a round publishes through
+it, and the old primary, started again, becomes its replica. Last every container's log is kept and
+scanned for refused logins and permissions, then `docker compose down -v` and the single-host check's
+cleanup.
 """
 
 from __future__ import annotations
