@@ -296,16 +296,17 @@ def cluster_formed(run: cc.Run, detail: list[str]) -> None:
         f"NATS: 3 nodes routed, meta leader {meta}, streams' leaders {leaders}, 3 current peers each"
     )
     fields: dict[str, str] = {}
+    primary = ip_of(run, "redis")
     for n in (1, 2, 3):
         fields = sentinel(run, n, "MASTER")[0]
         if (
-            fields.get("ip") != "redis"
+            fields.get("ip") != primary
             or fields.get("num-other-sentinels") != "2"
             or fields.get("num-slaves") != "1"
         ):
             raise cc.CheckFailed(f"redis-sentinel-{n} sees {fields}")
     detail.append(
-        f"Redis: 3 Sentinels name the primary {fields['ip']}:{fields['port']}, 1 replica, "
+        f"Redis: 3 Sentinels name the primary redis ({fields['ip']}:{fields['port']}), 1 replica, "
         f"quorum {fields['quorum']}"
     )
 
@@ -315,6 +316,13 @@ def sentinel(run: cc.Run, n: int, what: str) -> list[dict[str, str]]:
     cmd = f"{SENTINEL_CLI} SENTINEL {what} {MASTER}"
     return sentinel_blocks(
         run.compose("exec", "-T", f"redis-sentinel-{n}", "sh", "-c", cmd, capture=True).stdout
+    )
+
+
+def ip_of(run: cc.Run, service: str) -> str:
+    """A service's address on the stack's network (the Sentinels know the Redis nodes by address)."""
+    return cc.inspect(
+        run, cc.container_of(run, service), "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}"
     )
 
 
@@ -335,10 +343,11 @@ def redis_failover(run: cc.Run, detail: list[str]) -> None:
     write through it (the versions list, a round publishing), and the old primary, started again,
     becomes its replica."""
     cid = cc.container_of(run, "redis")
+    old, new = ip_of(run, "redis"), ip_of(run, "redis-replica")
     before = cc.latest_version(run, cc.ROUND_DOMAIN)
     t0 = time.monotonic()
     run.sh("docker", "stop", "-t", "10", cid, capture=True)
-    wait_until(lambda: primary_everywhere(run, "redis-replica"), 90, "redis-replica promoted", 0.5)
+    wait_until(lambda: primary_everywhere(run, new), 90, "redis-replica promoted", 0.5)
     promoted_s = time.monotonic() - t0
     say(f"redis stopped; the 3 Sentinels name redis-replica the primary after {promoted_s:.1f} s")
     published = cc.wait_published(run, before, t0)
@@ -352,7 +361,7 @@ def redis_failover(run: cc.Run, detail: list[str]) -> None:
     t_up = time.monotonic()
     run.sh("docker", "start", cid, capture=True)
     cc.wait_healthy(run, ("redis",), run.args.health_timeout)
-    wait_until(lambda: replica_synced(run, "redis"), 90, "redis a replica of redis-replica", 0.5)
+    wait_until(lambda: replica_synced(run, old), 90, "redis a replica of redis-replica", 0.5)
     detail.append(
         f"`docker start redis`: a replica of redis-replica, link up, after {time.monotonic() - t_up:.1f} s"
     )
