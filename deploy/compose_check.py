@@ -105,6 +105,7 @@ class Run:
     ports: dict[str, int] = field(default_factory=dict)
     admin_key: str = ""
     findings: list[str] = field(default_factory=list)
+    before_down: list[Callable[[Run], object]] = field(default_factory=list)  # run by cleanup, pass or fail
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[list[str]]:
@@ -637,6 +638,9 @@ def cleanup(run: Run) -> None:
     with run.step("cleanup") as detail:
         unlink_wheels(run)
         if run.stack_up:
+            for hook in run.before_down:
+                with contextlib.suppress(CheckFailed, OSError, subprocess.SubprocessError):
+                    hook(run)
             run.compose("down", "-v", "--remove-orphans", "--timeout", "20", check=False, capture=True)
             left = run.sh(
                 "docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={run.project}",

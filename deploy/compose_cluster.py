@@ -224,6 +224,7 @@ def setup(run: cc.Run) -> list[tuple[str, Callable[[cc.Run, list[str]], None]]]:
     run.project = PROJECT
     run.files = (cc.ROOT / "docker-compose.yml", OVERLAY)
     run.services = STARTED
+    run.before_down.append(keep_logs)
     steps = [s for s in cc.STEPS if s[1] not in (cc.kill_replica, cc.load_adapter)]
     up = next(i for i, s in enumerate(steps) if s[1] is cc.stack_up) + 1
     formed = ("cluster formed: NATS routes, meta group, R3 streams; Sentinels", cluster_formed)
@@ -483,12 +484,18 @@ def node_loss(run: cc.Run, detail: list[str]) -> None:
         raise cc.CheckFailed("no request answered while the node was down")
 
 
-def logs_clean(run: cc.Run, detail: list[str]) -> None:
-    """Every container's log, kept in the cache directory; a refused login or permission fails the check,
-    NATS [ERR] lines and service errors are reported (a stopped node's peers log its routes' errors)."""
+def keep_logs(run: cc.Run) -> str:
+    """Every container's log, kept in the cache directory (also when a step failed: cleanup runs it)."""
     text = run.compose("logs", "--no-color", "--timestamps", capture=True).stdout
+    (cc.CACHE / f"{PROJECT}.log").write_text(text)
+    return text
+
+
+def logs_clean(run: cc.Run, detail: list[str]) -> None:
+    """Every container's log, kept; a refused login or permission fails the check, NATS [ERR] lines and
+    service errors are reported (a stopped node's peers log its routes' errors)."""
+    text = keep_logs(run)
     kept = cc.CACHE / f"{PROJECT}.log"
-    kept.write_text(text)
     found = log_problems(text)
     detail.append(
         f"{len(text.splitlines())} lines in {kept}: " + ", ".join(f"{len(v)} {k}" for k, v in found.items())
