@@ -182,8 +182,8 @@ def test_tally_counts_the_requests_sent_in_a_window() -> None:
     assert cl.tally(outs, 5.0, 9.0) == {"sent": 2, "ok": 1, "retryable": 1, "error": 0, "lost": 0}
 
 
-def test_setup_points_the_run_at_the_overlay() -> None:
-    run = cc.Run(argparse.Namespace())
+def test_setup_points_the_run_at_the_overlay(tmp_path: Path) -> None:
+    run = cc.Run(argparse.Namespace(), tmp=tmp_path)  # (its default is a fresh temporary directory)
     steps = [name for name, _ in cl.setup(run)]
     assert run.project == "collm-check-cluster"
     assert [f.name for f in run.files] == ["docker-compose.yml", "docker-compose.cluster.yml"]
@@ -193,6 +193,7 @@ def test_setup_points_the_run_at_the_overlay() -> None:
         < steps.index(steps[-6])
         < steps.index("federated round")
     )
+    assert run.before_down == [cl.keep_logs]
     assert steps[-3].startswith("NATS node stopped") and steps[-2].startswith("Redis primary stopped")
     assert steps[-1].startswith("logs:")
     assert "replica killed, restarted by the policy" not in steps
