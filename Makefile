@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_LOCK ?= flock /tmp/collm-heavy.lock
 
-.PHONY: install up test lint bench bench-frontier compose-check clean
+.PHONY: install up test lint bench bench-frontier compose-check compose-check-cluster clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,11 @@ bench-frontier: install
 COMPOSE_CHECK_ARGS ?=
 compose-check: install
 	$(BIN)/python deploy/compose_check.py $(COMPOSE_CHECK_ARGS)
+
+# `make compose-check-cluster`: the same with the cluster overlay (deploy/cluster/docker-compose.cluster.yml)
+# and a NATS node stopped under load (deploy/compose_cluster.py). Not part of `make test`.
+compose-check-cluster: install
+	$(BIN)/python deploy/compose_check.py --cluster $(COMPOSE_CHECK_ARGS)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -14,6 +14,9 @@ and removes everything it started: containers, networks, volumes, the wheelhouse
 files and the daemon when it started one. The images stay (tag `compose-check`, and collm-local/*) so
 that a second run builds from cache; `--remove-images` removes them too.
 
+`--cluster` (`make compose-check-cluster`) adds the cluster overlay and its fault checks instead of the
+adapter and the replica kill: deploy/compose_cluster.py.
+
 Jaeger and nats-box are not started: no image of either can be pulled or built here (no registry, and
 no installable package carries Jaeger or the NATS CLI); the CoLLM services do not wait for Jaeger.
 """
@@ -60,6 +63,7 @@ PORT_VARS = (
     "AGGREGATOR_METRICS_PORT",
     "REPLICA_0_METRICS_PORT",
     "REPLICA_1_METRICS_PORT",
+    "REPLICA_2_METRICS_PORT",  # replica-2 of the cluster overlay (compose_cluster.py)
     "REPLICA_GPU_0_METRICS_PORT",
     "REPLICA_GPU_1_METRICS_PORT",
 )
@@ -87,6 +91,10 @@ class Step:
 @dataclass
 class Run:
     args: argparse.Namespace
+    # The compose project, its files and the services it starts (the cluster mode changes all three).
+    project: str = PROJECT
+    files: tuple[Path, ...] = (ROOT / "docker-compose.yml",)
+    services: tuple[str, ...] = STARTED
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     steps: list[Step] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
@@ -97,6 +105,7 @@ class Run:
     ports: dict[str, int] = field(default_factory=dict)
     admin_key: str = ""
     findings: list[str] = field(default_factory=list)
+    before_down: list[Callable[[Run], object]] = field(default_factory=list)  # run by cleanup, pass or fail
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[list[str]]:
@@ -129,9 +138,8 @@ class Run:
         return res
 
     def compose(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
-        return self.sh(
-            "docker", "compose", "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml"), *args, **kw
-        )
+        files = [a for f in self.files for a in ("-f", str(f))]
+        return self.sh("docker", "compose", "-p", self.project, *files, *args, **kw)
 
 
 # --- install -------------------------------------------------------------------------------------------
@@ -347,9 +355,11 @@ def configure_stack(run: Run) -> str:
     secrets_dir = run.tmp / "secrets"
     secrets_dir.mkdir()
     secrets_dir.chmod(0o755)
-    names = re.findall(
-        r"^  ([a-z0-9_]+):\n    file: ", (ROOT / "docker-compose.yml").read_text(), re.MULTILINE
-    )
+    names = [
+        name
+        for f in run.files
+        for name in re.findall(r"^  ([a-z0-9_]+):\n    file: ", f.read_text(), re.MULTILINE)
+    ]
     for name in names:
         value = "p" + secrets.token_hex(16)
         if name == "collm_admin_key":
@@ -408,7 +418,7 @@ def stack_up(run: Run, detail: list[str]) -> None:
     t0 = time.monotonic()
     # `up -d` itself waits for nats and redis (the services' `service_healthy` dependencies).
     run.compose("up", "-d", "--no-build", "--pull", "never", *scale, capture=not run.args.verbose)
-    wait_healthy(run, STARTED, run.args.health_timeout, detail, t0)
+    wait_healthy(run, run.services, run.args.health_timeout, detail, t0)
 
 
 def gateway_url(run: Run) -> str:
@@ -497,13 +507,14 @@ def versions(run: Run, name: str) -> list[dict[str, Any]]:
     return list(r.json().get("data") or [])
 
 
-def federated_round(run: Run, detail: list[str]) -> None:
-    """Demo samples of one domain in through the admin API; the coordinator has the adapter created and
-    runs rounds; wait for a version published by a round, then for it to serve."""
+def store_samples(run: Run, first: int, count: int) -> str:
+    """Demo samples of one domain in through the admin API: train[first:first+count] and a quarter as
+    many held-out ones, each replica half (a stack with no local data yet: the samples name their
+    replica). Returns what was stored."""
     from collm_common.data import load_dataset
 
     ds = load_dataset(ROOT / "data" / "demo" / ROUND_DOMAIN, domain=ROUND_DOMAIN)
-    # Each replica gets half (a stack with no local data yet: the samples name their replica).
+    held_out = ds.eval[first // 4 : (first + count) // 4]
     samples = [
         {
             "domain": ROUND_DOMAIN,
@@ -512,27 +523,39 @@ def federated_round(run: Run, detail: list[str]) -> None:
             "sample_id": e.id,
             "replica_id": rid,
         }
-        for i, e in enumerate([*ds.train[: run.args.samples], *ds.eval[: run.args.samples // 4]])
+        for i, e in enumerate([*ds.train[first : first + count], *held_out])
         for rid in (("r0", "r1")[i % 2],)
     ]
     got = admin(run, "/v1/samples", {"samples": samples})
     per_replica: dict[str, int] = {}
     for s in got.get("data") or []:
         per_replica[s["replica_id"]] = per_replica.get(s["replica_id"], 0) + 1
-    detail.append(f"{len(samples)} {ROUND_DOMAIN} samples stored ({per_replica})")
-    t0 = time.monotonic()
-    published: dict[str, Any] | None = None
-    while published is None:
+    return f"{len(samples)} {ROUND_DOMAIN} samples stored ({per_replica})"
+
+
+def latest_version(run: Run, name: str) -> int:
+    return max((int(v.get("version", 0)) for v in versions(run, name)), default=0)
+
+
+def wait_published(run: Run, newer_than: int, t0: float) -> dict[str, Any]:
+    """The first version of the round's adapter above `newer_than` (polled every 5 s from `t0`)."""
+    while True:
+        for v in versions(run, ROUND_DOMAIN):
+            if int(v.get("version", 0)) > newer_than:
+                return v
         if time.monotonic() - t0 > run.args.round_timeout:
             raise CheckFailed(
                 f"no round published a version of {ROUND_DOMAIN} in {run.args.round_timeout:.0f} s"
             )
-        for v in versions(run, ROUND_DOMAIN):
-            if int(v.get("version", 0)) >= 2:
-                published = v
-                break
-        else:
-            time.sleep(5)
+        time.sleep(5)
+
+
+def federated_round(run: Run, detail: list[str]) -> None:
+    """Demo samples of one domain in through the admin API; the coordinator has the adapter created and
+    runs rounds; wait for a version published by a round, then for it to serve."""
+    detail.append(store_samples(run, 0, run.args.samples))
+    t0 = time.monotonic()
+    published = wait_published(run, 1, t0)
     vid = f"{ROUND_DOMAIN}@v{published['version']}"
     say(f"    {vid} published after {time.monotonic() - t0:.0f} s (source {published.get('source')})")
     detail.append(
@@ -615,13 +638,16 @@ def cleanup(run: Run) -> None:
     with run.step("cleanup") as detail:
         unlink_wheels(run)
         if run.stack_up:
+            for hook in run.before_down:
+                with contextlib.suppress(CheckFailed, OSError, subprocess.SubprocessError):
+                    hook(run)
             run.compose("down", "-v", "--remove-orphans", "--timeout", "20", check=False, capture=True)
             left = run.sh(
-                "docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                "docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={run.project}",
                 check=False, capture=True,
             ).stdout.split()  # fmt: skip
             vols = run.sh(
-                "docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                "docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={run.project}",
                 check=False, capture=True,
             ).stdout.split()  # fmt: skip
             detail.append(f"docker compose down -v: {len(left)} containers, {len(vols)} volumes left")
@@ -648,12 +674,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--health-timeout", type=float, default=600, help="seconds to wait for health checks")
     p.add_argument("--round-timeout", type=float, default=480, help="seconds to wait for a published round")
     p.add_argument("--samples", type=int, default=160, help="training samples sent for the round")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the cluster overlay (deploy/cluster/docker-compose.cluster.yml) and a NATS node stopped "
+        "under load instead of the replica kill (deploy/compose_cluster.py)",
+    )
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         say("needs root (apt-get, dockerd, the Docker socket)")
         return 2
     CACHE.mkdir(parents=True, exist_ok=True)
     run = Run(args)
+    steps = STEPS
+    if args.cluster:
+        import compose_cluster
+
+        steps = compose_cluster.setup(run)
 
     def _stop(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -661,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     ok = False
     try:
-        for name, action in STEPS:
+        for name, action in steps:
             with run.step(name) as detail:
                 action(run, detail)
         ok = True
@@ -681,4 +718,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("compose_check", sys.modules[__name__])  # one module for compose_cluster too
     sys.exit(main())

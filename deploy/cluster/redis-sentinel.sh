@@ -9,16 +9,22 @@ set -eu
 : "${REDIS_PASSWORD_SENTINEL:?}" "${REDIS_SENTINEL_PASSWORD:?}"
 conf=/data/sentinel.conf
 if [ ! -s "$conf" ]; then
+  # The primary by address, not by name: Redis 6.2's Sentinel resolves an instance's host name again
+  # whenever it looks it up (another Sentinel asking whether it is down, the replicas kept after a
+  # failover), and Docker removes a stopped container's name. Monitored as `redis`, a stopped primary
+  # was never agreed down (+sdown, no +odown) and was never failed over (compose check, cluster mode).
+  primary=$(getent hosts redis | awk '{ print $1; exit }')
+  : "${primary:?cannot resolve redis}"
   umask 077
   cat > "$conf" <<CONF
 port 26379
 dir /data
 sentinel resolve-hostnames yes
-sentinel announce-hostnames yes
+sentinel announce-hostnames no
 sentinel announce-ip $1
 requirepass $REDIS_SENTINEL_PASSWORD
 sentinel sentinel-pass $REDIS_SENTINEL_PASSWORD
-sentinel monitor collm redis 6379 2
+sentinel monitor collm $primary 6379 2
 sentinel auth-user collm collm-sentinel
 sentinel auth-pass collm $REDIS_PASSWORD_SENTINEL
 sentinel down-after-milliseconds collm 5000

@@ -81,7 +81,7 @@ def sentinel_config(d: Path, port: int, primary_port: int) -> Path:
         .replace("$1", "127.0.0.1")
         .replace("$REDIS_SENTINEL_PASSWORD", PASSWORDS["REDIS_SENTINEL_PASSWORD"])
         .replace("$REDIS_PASSWORD_SENTINEL", PASSWORDS["REDIS_PASSWORD_SENTINEL"])
-        .replace(f"{MASTER} redis 6379", f"{MASTER} 127.0.0.1 {primary_port}")
+        .replace(f"{MASTER} $primary 6379", f"{MASTER} 127.0.0.1 {primary_port}")
     )
     assert f"127.0.0.1 {primary_port} 2" in text and "$" not in text, text
     d.mkdir(parents=True, exist_ok=True)

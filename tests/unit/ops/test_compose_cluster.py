@@ -121,10 +121,11 @@ def test_redis_primary_replica_and_three_sentinels(cluster: dict[str, Any]) -> N
     for node in ("redis", "redis-replica"):
         command = " ".join(svcs[node]["command"])
         assert "users-cluster.acl" in command and "--masteruser collm-replication" in command, node
-        assert f"--replica-announce-ip {node}" in command, node
+        assert "--replica-announce-ip" not in command, node  # known by address (redis-sentinel.sh)
         assert {"redis_password_replication", "redis_password_sentinel"} <= set(secrets_of(svcs[node])), node
     script = (ROOT / "deploy/cluster/redis-sentinel.sh").read_text()
-    assert "sentinel monitor collm redis 6379 2" in script  # quorum 2 of 3
+    assert "sentinel monitor collm $primary 6379 2" in script  # quorum 2 of 3
+    assert "primary=$(getent hosts redis " in script and "sentinel announce-hostnames no" in script
     assert "sentinel auth-user collm collm-sentinel" in script
     acl = (ROOT / "deploy/cluster/users-cluster.acl").read_text()
     assert "user collm-replication" in acl and "user collm-sentinel" in acl
