@@ -80,14 +80,18 @@ def markdown(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _median_error(agree: Mapping[str, Any]) -> str:
+    median = agree["median_error"]
+    return _n(None if median is None else 100 * median, ".0f") + "%"
+
+
 def agreement_line(agree: Mapping[str, Any]) -> str:
     """The simulator-vs-live check of a live file in one line."""
-    median = agree["median_error"]
     n = sum(1 for r in agree["points"] if r["error"] is not None)
     verdict = {True: "within", False: "outside", None: "no verdict:"}[agree["within_bound"]]
     return (
-        f"Simulator vs live: median goodput error {_n(None if median is None else 100 * median, '.0f')}% "
-        f"over {n} points, {verdict} the {agree['bound']:.0%} bound."
+        f"Simulator vs live: median goodput error {_median_error(agree)} over {n} points, {verdict} "
+        f"the {agree['bound']:.0%} bound."
     )
 
 
@@ -109,8 +113,7 @@ def goals_table(docs: Sequence[Mapping[str, Any]]) -> str:
         trace = f"{doc['mode']} {doc['trace']['label']}"
         run = f"{trace}, {cfg['replicas']} replicas, {cfg['rate_rps']:.2f} req/s"
         if agree := doc.get("agreement"):
-            median = agree["median_error"]
-            run += f"; sim error {_n(None if median is None else 100 * median, '.0f')}%"
+            run += f"; sim error {_median_error(agree)}"
         lines.append(f"| {run} | " + " | ".join(_cell(doc["goals"][n]) for n in names) + " |")
     return "\n".join(lines)
 
