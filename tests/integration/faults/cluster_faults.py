@@ -26,7 +26,7 @@ from collm_common import subjects
 from collm_common.bus import Bus
 from collm_common.streams import STREAMS
 
-from .harness import FaultStack, background_load, replica_status, wait_for
+from .harness import CLIENT_TIMEOUT_S, FaultStack, background_load, replica_status, wait_for
 from .report import FaultReport
 from .rounds import RoundWatch, coordinator_stopped, ensure_adapter, open_round, verify_versions
 
@@ -175,6 +175,16 @@ async def nats_node_loss(
                         lambda: watch.final(opened.round_id), 90, f"round {opened.round_id} to end"
                     )
                     await asyncio.sleep(after_s)
+                    # The node stays down until a request sent after the kill is answered: a client whose
+                    # request was in flight through the killed node waits out its timeout first (20 s),
+                    # longer than a quick round.
+                    with contextlib.suppress(AssertionError):
+                        await wait_for(
+                            lambda: any(o.kind == "ok" and o.sent_s >= t_down for o in outcomes),
+                            2 * CLIENT_TIMEOUT_S,
+                            "a request sent after the kill answered",
+                            0.2,
+                        )
                     t_up0 = time.monotonic()
                     await asyncio.to_thread(cluster.nodes[victim].restart)
                     current = None
