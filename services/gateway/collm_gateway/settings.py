@@ -119,7 +119,12 @@ class GatewaySettings(CommonSettings):
         60.0, gt=0, description="Wait for the aggregator's answer to an adapter load or rollback (s)."
     )
     samples_ack_timeout_s: float = Field(
-        5.0, gt=0, description="Wait for JetStream to acknowledge one uploaded training sample (s)."
+        20.0,
+        gt=0,
+        description=(
+            "Wait for JetStream to acknowledge one uploaded training sample (s); covers a stream leader "
+            "election after a lost NATS node (followers wait 4-9 s before they campaign)."
+        ),
     )
     max_samples_per_request: int = Field(
         1000, ge=1, description="Most training samples one `POST /v1/samples` may carry."

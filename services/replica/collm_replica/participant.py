@@ -5,10 +5,11 @@
   With a `round_id` the replica is that round's participant until its update is sent.
 * Job events from the engine: a local refresh is counted; a round job's end (`round_update`) becomes
   `store.put_update` plus a `LocalUpdate` on JetStream (`subjects.update`, `Nats-Msg-Id`
-  `update-<round>-<replica>` for dedupe). While Redis is unreachable (a restart) the upload is retried
-  with backoff until `UPDATE_SEND_MARGIN_S` before the round's deadline (`UPDATE_RETRY_BOUND_S` for a
-  round without one); an update that could not be stored or announced by then is logged and counted as
-  not sent (`collm_replica_round_updates_total{outcome}`).
+  `update-<round>-<replica>` for dedupe). While Redis is unreachable (a restart) the upload, and while
+  JetStream does not acknowledge (a stream electing a leader after a lost NATS node) the announcement,
+  is retried with backoff (0.1 s doubling to 1 s) until `UPDATE_SEND_MARGIN_S` before the round's
+  deadline (`UPDATE_RETRY_BOUND_S` for a round without one); an update that could not be stored or
+  announced by then is logged and counted as not sent (`collm_replica_round_updates_total{outcome}`).
 * `evaluate(EvaluateCandidate)`: held-out losses of a candidate (a blob under `candidate_key`, or a stored
   version) and of the current version on the local eval split, per domain (`EvalReport`).
 
@@ -60,6 +61,14 @@ UPDATE_SEND_MARGIN_S = 0.5
 # Retrying the upload of a round without a deadline (an operator's StartTraining) stops after this long.
 UPDATE_RETRY_BOUND_S = 120.0
 ROUND_DEADLINES_KEPT = 64
+
+
+def _give_up_unix_s(deadline_unix_s: float | None) -> float:
+    """When retrying an update's upload or announcement stops: `UPDATE_SEND_MARGIN_S` before the
+    round's deadline, or `UPDATE_RETRY_BOUND_S` from now for a round without one."""
+    if deadline_unix_s is not None:
+        return deadline_unix_s - UPDATE_SEND_MARGIN_S
+    return time.time() + UPDATE_RETRY_BOUND_S
 
 
 class Participant:
@@ -183,23 +192,28 @@ class Participant:
             created_unix_s=time.time(),
         )
         headers = tracing.inject({"Nats-Msg-Id": f"update-{ev.round_id}-{self.rid}"})
+        give_up_s = _give_up_unix_s(deadline)
+        delay_s = 0.1
         sent = False
-        for attempt in range(5):
+        while not sent:
             try:
                 await self.bus.js.publish(
                     subjects.update(ev.round_id, self.rid), encode(upd), headers=headers
                 )
                 sent = True
-                break
             except Exception as exc:  # noqa: BLE001 - JetStream not ready: retry, dedupe makes it safe
+                if time.time() + delay_s > give_up_s:
+                    break
                 log.warning("publishing the update of round %d failed (%s); retrying", ev.round_id, exc)
-                await asyncio.sleep(0.5 * (attempt + 1))
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, 1.0)
         self.round_role = "done"
         if not sent:
             metrics.ROUND_UPDATES.labels(self.rid, "not_sent_bus").inc()
             log.error(
-                "round %d: update %s stored but not sent: JetStream refused it 5 times", ev.round_id, key
-            )
+                "round %d: update %s stored but not sent: JetStream did not acknowledge it in time",
+                ev.round_id, key,
+            )  # fmt: skip
             return
         metrics.ROUND_UPDATES.labels(self.rid, "sent").inc()
         log.info("round %d: update %s sent (%d tokens)", ev.round_id, key, ev.num_tokens)
@@ -214,11 +228,7 @@ class Participant:
         take the update anyway, or for `UPDATE_RETRY_BOUND_S` when the round has no deadline. The blob is
         written once (SET NX): an attempt whose reply was lost leaves it stored, and the retry then finds
         it and announces it."""
-        give_up_s = (
-            deadline_unix_s - UPDATE_SEND_MARGIN_S
-            if deadline_unix_s is not None
-            else time.time() + UPDATE_RETRY_BOUND_S
-        )
+        give_up_s = _give_up_unix_s(deadline_unix_s)
         delay_s = 0.1
         while True:
             try:

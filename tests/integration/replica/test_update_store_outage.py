@@ -1,6 +1,7 @@
 """A participant's update survives a Redis outage at the moment it finishes training (participant.py,
 `_store_update`): the upload is retried until Redis is back, then the update goes out on JetStream; past
-the round's deadline it is logged and counted as not sent. Real replica (tiny model), real nats-server
+the round's deadline it is logged and counted as not sent. Its announcement on JetStream is retried the
+same way while no stream takes it. Real replica (tiny model), real nats-server
 and redis-server; Redis is stopped and restarted on the same port and data directory."""
 
 from __future__ import annotations
@@ -113,3 +114,32 @@ async def test_an_update_is_counted_as_not_sent_when_redis_stays_down_past_the_d
     await asyncio.sleep(1.0)
     assert not updates
     assert await replica.store.r.exists(replica.store.update_key(22, REPLICA_ID)) == 0
+
+
+async def test_an_update_is_announced_once_jetstream_takes_it_again(replica: Running) -> None:
+    """The updates stream gone for 12 s when the update is stored (as while an R3 stream elects a
+    leader after losing its NATS node, no responder answers): the announcement is retried until the
+    stream is back, within the round's deadline."""
+    sent0 = sample(UPDATES, outcome="sent")
+    await ensure_streams(replica.bus.js, replicas=1)
+    await replica.bus.js.delete_stream(subjects.STREAM_UPDATES)
+    await control(
+        replica,
+        StartTraining(
+            adapter="legal",
+            token_budget=128,
+            round_id=23,
+            learning_rate=1e-3,
+            deadline_unix_s=time.time() + 60.0,
+        ),
+    )
+    stored_by_s = time.monotonic() + 30.0
+    while not await replica.store.r.exists(replica.store.update_key(23, REPLICA_ID)):
+        assert time.monotonic() < stored_by_s, "timed out waiting for the stored update"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(12.0)
+    assert sample(UPDATES, outcome="sent") == sent0
+    updates = await updates_of(replica)  # re-creates the stream
+    await eventually(lambda: updates, 10, "the update after the stream is back")
+    assert updates[0].round_id == 23 and updates[0].replica_id == REPLICA_ID
+    assert sample(UPDATES, outcome="sent") == sent0 + 1
