@@ -176,6 +176,20 @@ def test_queue_full_refusal(tiny: LoadedModel) -> None:
     assert exc.value.code == 429
 
 
+def test_a_request_dropped_at_its_deadline_counts_as_a_miss(tiny: LoadedModel) -> None:
+    """The replica's SLO window (telemetry's attainment, the coordinator's virtual queue) counts a request
+    dropped from the queue at its deadline as finished and not good, without latencies."""
+    with Engine(tiny, EngineConfig(), NoTraining()) as eng:
+        res = submit_all(
+            eng, [greedy("late", P1, 4, deadline_unix_s=time.time() - 1.0), greedy("served", P2, 4)]
+        )
+        window = eng.snapshot().latency
+    assert res["late"].finished.finish_reason == "deadline"
+    assert res["served"].finished.finish_reason == "length"
+    assert window["finished"] == 2 and window["slo_attainment"] == pytest.approx(window["good"] / 2)
+    assert window["good"] <= 1
+
+
 def test_stop_string_across_token_boundaries(tiny: LoadedModel) -> None:
     with Engine(tiny, EngineConfig(), NoTraining()) as eng:
         free = submit_all(eng, [greedy("free", P1, 24)])["free"]

@@ -593,6 +593,9 @@ class _Serving:
             good = ttft_ms <= seq.ttft_slo * 1e3 and (len(seq.output) <= 1 or tpot_ms <= seq.tpot_slo * 1e3)
             with self._lock:
                 self.window.add(FinishedSample(now, ttft_ms, tpot_ms if len(seq.output) > 1 else None, good))
+        elif reason == "deadline":  # dropped from the queue at its deadline: a miss, without latencies
+            with self._lock:
+                self.window.add(FinishedSample(now, None, None, False))
         span = seq.req.span
         if span is not None:
             span.add_event("finished", {"finish_reason": reason, "completion_tokens": completion})
