@@ -1,8 +1,8 @@
 """One record per request: latencies, SLO verdict, replica and exact adapter version, written once.
 
 `latencies` and `is_good` are pure (definitions: docs/architecture.md, Goodput and SLO attainment; TPOT =
-(e2e - TTFT) / (output tokens - 1); a request is good when it completed without error and met both
-targets). `record` writes the outcome to
+(e2e - TTFT) / (output tokens - 1); TTFT = e2e for a request that completed without a token; a
+request is good when it completed without error and met both targets). `record` writes the outcome to
 the metrics, one structured log line and the request's HTTP span.
 
 Span attributes follow OpenTelemetry's GenAI semantic conventions where they fit (`gen_ai.request.model`,
@@ -123,8 +123,16 @@ def response_attributes(
     return attrs
 
 
+def first_token_s(rec: RequestRecord) -> float | None:
+    """When the request's first token counts as out: its first token chunk's instant; for a request that
+    completed (200) without any token, its end (TTFT = e2e, as the benchmark client measures it)."""
+    if rec.first_token_s is None and rec.status == 200:
+        return rec.end_s
+    return rec.first_token_s
+
+
 def outcome_fields(rec: RequestRecord) -> dict[str, object]:
-    ttft_ms, tpot_ms, e2e_ms = latencies(rec.arrival_s, rec.first_token_s, rec.end_s, rec.completion_tokens)
+    ttft_ms, tpot_ms, e2e_ms = latencies(rec.arrival_s, first_token_s(rec), rec.end_s, rec.completion_tokens)
     good = is_good(rec.status, ttft_ms, tpot_ms, rec.slo_ttft_ms, rec.slo_tpot_ms)
     return {
         "request_id": rec.request_id,
@@ -177,7 +185,7 @@ def record(rec: RequestRecord, span: trace.Span | None = None, base_model: str =
         return
     rec.recorded = True
     fields = outcome_fields(rec)
-    ttft_ms, tpot_ms, e2e_ms = latencies(rec.arrival_s, rec.first_token_s, rec.end_s, rec.completion_tokens)
+    ttft_ms, tpot_ms, e2e_ms = latencies(rec.arrival_s, first_token_s(rec), rec.end_s, rec.completion_tokens)
     good = bool(fields["good"])
     version = rec.adapter_version_id or "none"
     metrics.VERSIONS.touch(rec.model, version, str(rec.status))

@@ -38,3 +38,23 @@ def test_good_requests(status: int, ttft, tpot, good: bool) -> None:
 
 def test_no_targets_means_any_completed_request_is_good() -> None:
     assert is_good(200, 9999.0, 9999.0, None, None)
+
+
+def test_a_completion_without_tokens_counts_its_end_as_its_first_token() -> None:
+    """TTFT = e2e for a request that completed without a token (the benchmark client's rule), so its
+    verdict is the TTFT target against its whole latency; a failed one has no TTFT."""
+    from collm_gateway.observe import RequestRecord, outcome_fields
+
+    def rec(status: int, end_s: float) -> RequestRecord:
+        return RequestRecord(
+            "r", "chat", "m", "m", False, arrival_s=0.0, slo_ttft_ms=500.0, end_s=end_s, status=status
+        )
+
+    quick, slow, failed = (
+        outcome_fields(rec(200, 0.2)),
+        outcome_fields(rec(200, 0.9)),
+        outcome_fields(rec(503, 0.2)),
+    )
+    assert quick["ttft_ms"] == pytest.approx(200.0) and quick["good"] is True
+    assert slow["ttft_ms"] == pytest.approx(900.0) and slow["good"] is False
+    assert failed["ttft_ms"] is None and failed["good"] is False

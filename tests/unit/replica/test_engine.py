@@ -215,6 +215,17 @@ def test_eos_ends_generation(tiny: LoadedModel) -> None:
     assert res.finished.completion_tokens == 4
 
 
+def test_an_answer_without_tokens_has_ttft_equal_to_e2e(tiny: LoadedModel) -> None:
+    """A request whose first token is EOS completes with no token: its TTFT is its whole latency."""
+    with Engine(tiny, EngineConfig(), NoTraining()) as eng:
+        first = submit_all(eng, [greedy("free", P1, 4)])["free"].token_ids[0]
+        eng.eos_ids = {first}
+        res = submit_all(eng, [EngineRequest("e", P1, max_tokens=4, temperature=0.0)])["e"]
+    fin = res.finished
+    assert fin.finish_reason == "stop" and fin.completion_tokens == 0
+    assert fin.ttft_ms == pytest.approx(fin.e2e_ms) and fin.ttft_ms > 0
+
+
 def test_seeded_sampling_is_reproducible(tiny: LoadedModel) -> None:
     with Engine(tiny, EngineConfig(), NoTraining()) as eng:
 

@@ -569,8 +569,9 @@ class _Serving:
         ends = [g.ends[i] for i in range(g.n)]
         reason = ends[0].finish_reason
         completion = sum(e.completion_tokens for e in ends)
-        ttft_ms = (seq.t_first - seq.t_arrival) * 1e3 if seq.t_first is not None else 0.0
         e2e_ms = ((seq.t_last or now) - seq.t_arrival) * 1e3
+        # No token at all: the answer's first token counts as out at its end (TTFT = e2e).
+        ttft_ms = (seq.t_first - seq.t_arrival) * 1e3 if seq.t_first is not None else e2e_ms
         tpot_ms = (e2e_ms - ttft_ms) / (len(seq.output) - 1) if len(seq.output) > 1 else 0.0
         queue_ms = ((seq.t_admit or now) - seq.t_arrival) * 1e3
         seq.sink(
