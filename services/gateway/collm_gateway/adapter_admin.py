@@ -13,8 +13,9 @@ adapter metadata (the owner tenant) and the listing:
   import may still land, and must land owned).
 * **unload** (`POST /v1/unload_lora_adapter`): the adapter leaves `GET /v1/models` and becomes
   unroutable at once on this gateway (the listing is re-read) and within `models_cache_ttl_s` on the
-  others; its current pointer is removed, so a replica that does not hold it answers 404 (one that
-  does keeps serving its resident version to a request that still reaches it, until evicted). Every immutable
+  others; its current pointer is removed, so a replica answers a request that names no version of it
+  with 404 once it re-reads the pointers (at once when it does not hold it; within
+  `COLLM_ADAPTER_SYNC_INTERVAL_S`, 15 s, when it does). Every immutable
   version, its digest and quality record stay in the store (requests already served stay traceable);
   `GET /v1/adapters/{name}/versions` still shows them to an admin, and a later load or a rollback
   brings the name back.

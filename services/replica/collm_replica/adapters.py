@@ -9,7 +9,8 @@ Verbs (all async, on the service's event loop; the engine's slot table stays ins
 * `ensure(name, version=None)`: `name@vN` resident (None: the store's current version, made current);
 * `prefetch(name, version, make_current)`: `load` in the background, a failure only logged;
 * `on_published(event)`: a newer current version of an adapter this replica serves or trains is loaded;
-* `sync()` / `run_sync(interval_s)`: the store's current pointers re-read (lost events, reconnects);
+* `sync()` / `run_sync(interval_s)`: the store's current pointers re-read (lost events, reconnects; an
+  adapter whose pointer is gone, unloaded, has no current version here any more);
 * `create_initial(name)`: `name@v1` (a zero-B LoRA: the base model's behaviour) in the store, announced;
 * `offload(version_id)`: the version's slot freed (`Engine.offload_version`).
 
@@ -156,13 +157,20 @@ class AdapterManager:
             log.warning("could not swap in %s: %s", ev.version_id, exc.message)
 
     async def sync(self) -> None:
-        """Re-read the store's current pointer of every known adapter; load any newer version."""
+        """Re-read the store's current pointer of every known adapter; load any newer version. An adapter
+        whose pointer is gone (unloaded through the gateway) has no current version here any more, so a
+        request that still reaches this replica for it, naming no version, is refused with 404."""
         for name in sorted(self.known):
             try:
                 cur = await self.store.current(name)
             except Exception as exc:  # noqa: BLE001
                 log.warning("adapter sync: store unavailable: %s", exc)
                 return
+            if cur is None:
+                if self.engine.current_version(name) is not None:
+                    self.engine.forget_current(name)
+                    log.info("adapter %s has no current version in the store (unloaded): forgotten", name)
+                continue
             newest = self.engine.global_version(name)
             if cur is not None and (newest is None or cur > newest):
                 with contextlib.suppress(ReplicaError):

@@ -81,6 +81,12 @@ class VersionLru:
     def current_of(self, name: str) -> str | None:
         return next((r.version_id for r in self.by_id.values() if r.name == name and r.current), None)
 
+    def clear_current(self, name: str) -> None:
+        """No version of `name` is current any more (requests pinned to one still find it resident)."""
+        for r in self.by_id.values():
+            if r.name == name:
+                r.current = False
+
     def evict(self, version_id: str) -> Resident:
         res = self.by_id[version_id]
         if res.refs:

@@ -259,6 +259,29 @@ async def test_published_version_is_swapped_in(replica: Running) -> None:
     await eventually(lambda: replica.replica.engine.current_version("bank") == "bank@v3", 10, "sync to v3")
 
 
+async def test_an_unloaded_adapter_is_forgotten_at_the_next_sync(replica: Running) -> None:
+    """The gateway's unload removes the adapter's current pointer: at its next pointer re-read the
+    replica has no current version of it, so a request naming no version is refused with 404 while one
+    pinned to a resident version is still served; a later load makes it current again."""
+    store, engine = replica.store, replica.replica.engine
+    await store.publish(
+        "gone", adapter_blob(replica, 4), expected_current=None, base_model="tiny", source="import"
+    )
+    served = await collect(replica, gen(adapter="gone"))
+    assert served[-1].adapter_version_id == "gone@v1"
+    await store.delete_adapter_name("gone")
+    await eventually(lambda: engine.current_version("gone") is None, 10, "the unloaded adapter forgotten")
+    with pytest.raises(BusError) as err:
+        await collect(replica, gen(adapter="gone"))
+    assert err.value.code == 404
+    pinned = await collect(replica, gen(adapter="gone", adapter_version=1))
+    assert pinned[-1].adapter_version_id == "gone@v1"
+    await store.publish(
+        "gone", adapter_blob(replica, 5), expected_current=None, base_model="tiny", source="import"
+    )
+    await eventually(lambda: engine.current_version("gone") == "gone@v2", 10, "the adapter loaded again")
+
+
 async def test_round_participation_sends_a_local_update(replica: Running) -> None:
     updates: list[LocalUpdate] = []
     js = replica.bus.js

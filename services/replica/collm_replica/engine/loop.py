@@ -834,6 +834,10 @@ class Engine(_Serving):
         """The newest store version of `name` installed here (local refreshes not counted)."""
         return self.slots.global_version(name)
 
+    def forget_current(self, name: str) -> None:
+        """`name` has no current version any more (`Slots.forget_current`)."""
+        self.slots.forget_current(name)
+
     def install_version(
         self, version_id: str, weights: AdapterWeights, make_current: bool = True, timeout_s: float = 30.0
     ) -> Future[str]:

@@ -63,6 +63,13 @@ class Slots:
         with self._lock:
             return self._global_current.get(name)
 
+    def forget_current(self, name: str) -> None:
+        """`name` has no current version any more (unloaded): a request that names no version finds none
+        resident; versions stay resident for requests pinned to them until evicted."""
+        with self._lock:
+            self._lru.clear_current(name)
+            self._global_current.pop(name, None)
+
     def resident(self, training: Callable[[str], bool]) -> list[ResidentAdapter]:
         """The resident versions, by version id (caller holds the lock); `training(name)`: a job trains it."""
         return [
