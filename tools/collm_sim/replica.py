@@ -371,14 +371,18 @@ class SimReplica:
             self.kv_reserved -= req.reserve
             self.blocks_used -= req.blocks
             req.blocks = 0
-            ttft_ms = (req.t_first - req.arrival_s) * 1e3 if req.t_first is not None else None
+            # As the engine: an answer without tokens has its first token at its end (TTFT = e2e).
+            first_s = req.t_first if req.t_first is not None else t
+            ttft_ms = (first_s - req.arrival_s) * 1e3
             tpot_ms = None
             if req.generated > 1 and req.t_first is not None:
                 tpot_ms = (t - req.t_first) * 1e3 / (req.generated - 1)
-            good = (self.ttft_slo_ms is None or (ttft_ms is not None and ttft_ms <= self.ttft_slo_ms)) and (
+            good = (self.ttft_slo_ms is None or ttft_ms <= self.ttft_slo_ms) and (
                 self.tpot_slo_ms is None or tpot_ms is None or tpot_ms <= self.tpot_slo_ms
             )
             self.window.add(FinishedSample(t, ttft_ms, tpot_ms, good))
+        elif status == "timeout":  # as the engine: dropped from the queue at its deadline, a miss
+            self.window.add(FinishedSample(t, None, None, False))
         self.on_finish(req)
 
     def _expire(self, now: float) -> None:
