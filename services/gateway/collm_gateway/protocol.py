@@ -384,11 +384,18 @@ class ChatCompletionRequest(SamplingIn):
 
     def wire_messages(self) -> list[ChatMessage]:
         """The conversation as the replica templates it, active tools as a first system message."""
-        choice = self.tool_choice_name
-        if choice == "none" or not self.tools:
-            return wire_messages(self.messages)
-        prompt = tool_system_prompt(wire_tools(self.tools), choice)
-        return [ChatMessage(role="system", content=prompt), *wire_messages(self.messages)]
+        return prompt_messages(self.messages, self.tools, self.tool_choice_name)
+
+
+def prompt_messages(
+    messages: list[ChatMessageIn], tools: list[ToolIn] | None, choice: str
+) -> list[ChatMessage]:
+    """Chat messages as the replica templates them (`wire_messages`), with the tools a `choice` other than
+    "none" makes active as a first system message (`tool_system_prompt`)."""
+    if choice == "none" or not tools:
+        return wire_messages(messages)
+    prompt = tool_system_prompt(wire_tools(tools), choice)
+    return [ChatMessage(role="system", content=prompt), *wire_messages(messages)]
 
 
 def wire_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:

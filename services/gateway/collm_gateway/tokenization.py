@@ -12,9 +12,10 @@ so its ids are the prompt the model would be fed for the same messages.
 
 Bodies follow vLLM's `TokenizeCompletionRequest` / `TokenizeChatRequest` (one body with exactly one of
 `prompt` and `messages`) and `DetokenizeRequest`. Unknown fields are ignored as on the completion
-routes; the chat fields that would change the ids and that CoLLM does not implement (`tools`,
-`chat_template`, `chat_template_kwargs`, `documents`) are refused with a 400 naming them unless sent at
-a neutral value.
+routes; `tools` are rendered as a chat completion with `tool_choice: auto` renders them (a first system
+message, `collm_common.structured.tool_system_prompt`); the chat fields that would change the ids and
+that CoLLM does not implement (`chat_template`, `chat_template_kwargs`, `documents`) are refused with a
+400 naming them unless sent at a neutral value.
 """
 
 from __future__ import annotations
@@ -45,14 +46,15 @@ from collm_gateway.protocol import (
     ChatMessageIn,
     Int,
     OpenAIModel,
+    prompt_messages,
     refuse_unsupported,
-    wire_messages,
 )
 from collm_gateway.routing import rank_replicas
 from collm_gateway.settings import GatewaySettings
+from collm_gateway.tools import MAX_TOOLS, ToolIn, tool_choice_of
 
 # Chat fields that change the rendered prompt and that CoLLM does not implement.
-UNSUPPORTED_CHAT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents")
+UNSUPPORTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "documents")
 
 ModelField = Field(
     None, min_length=1, max_length=256, description="A model id as in /v1/models; absent: the base model."
@@ -74,6 +76,11 @@ class TokenizeRequest(OpenAIModel):
         None, description="Chat: open an assistant turn; default true unless continue_final_message."
     )
     continue_final_message: Bool = Field(False, description="Chat: leave the last message open.")
+    tools: list[ToolIn] | None = Field(
+        None,
+        max_length=MAX_TOOLS,
+        description="Chat: tools as a chat completion with `tool_choice: auto` presents them to the model.",
+    )
     return_token_strs: Bool | None = Field(False, description="Also return each id's token string.")
 
     @model_validator(mode="after")
@@ -101,7 +108,7 @@ class TokenizeRequest(OpenAIModel):
             else self.add_generation_prompt
         )
         return TokenizeChat(
-            messages=wire_messages(self.messages),
+            messages=prompt_messages(self.messages, self.tools, tool_choice_of(self.tools, None)),
             add_generation_prompt=gen,
             continue_final_message=self.continue_final_message,
             add_special_tokens=bool(self.add_special_tokens),

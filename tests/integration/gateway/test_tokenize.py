@@ -103,6 +103,15 @@ async def test_tokenize_round_trip_and_chat_ids_through_a_real_replica(
         assert chat.json()["tokens"] == fed and chat.json()["count"] == len(fed)
         done = await gw.openai.chat.completions.create(model=BASE_MODEL, messages=MESSAGES, max_tokens=2)
         assert done.usage is not None and done.usage.prompt_tokens == len(fed)
+        # tools: the prompt a chat completion with them (tool_choice auto) is fed, tool description included
+        tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+        with_tools = await gw.http.post("/tokenize", json={"messages": MESSAGES, "tools": tools})
+        assert with_tools.status_code == 200, with_tools.text
+        assert "get_time" in tok.decode(with_tools.json()["tokens"])
+        called = await gw.openai.chat.completions.create(
+            model=BASE_MODEL, messages=MESSAGES, tools=tools, max_tokens=2
+        )
+        assert called.usage is not None and called.usage.prompt_tokens == with_tools.json()["count"]
         # the chat options reach the template; content parts are text as on /v1/chat/completions
         parts = [
             {
@@ -161,7 +170,7 @@ async def test_refusals(make_gateway, real_replica: Replica, store: AdapterStore
                 {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
                 "continue_final_message",
             ),
-            ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+            ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.0.function"),
             ({"messages": MESSAGES, "chat_template": "{{ 1 }}"}, "chat_template"),
             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content.0"),
             ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
