@@ -45,10 +45,6 @@ from collm_aggregator import metrics
 from collm_aggregator.evaluation import (
     EvalSummary,
     GateRule,
-    LossEntry,
-    ScoredDomain,
-    pair_with_current,
-    summarize,
 )
 from collm_aggregator.machine import (
     Abort,
@@ -60,6 +56,7 @@ from collm_aggregator.machine import (
     RoundMachine,
     RoundRules,
 )
+from collm_aggregator.scoring import CandidateScoring
 from collm_aggregator.settings import AggregatorSettings
 from collm_aggregator.strategies import Strategy, WeightedUpdate, product_error
 from collm_aggregator.validation import (
@@ -80,8 +77,6 @@ from collm_common.wire.adapters import AdapterPublished
 from collm_common.wire.admin import UpdateRecord
 from collm_common.wire.control import ControlReply, StartTraining
 from collm_common.wire.rounds import (
-    EvalReport,
-    EvaluateCandidate,
     RejectedUpdate,
     RoundOutcome,
     RoundPlan,
@@ -154,7 +149,7 @@ class RoundRunner:
     _summary: EvalSummary | None = None
     _product_error: float | None = None
     _product_error_task: asyncio.Task[None] | None = None
-    _current: dict[str, EvalReport] = field(default_factory=dict)  # pre-scored current version, by replica
+    _scoring: CandidateScoring = field(init=False)
     _prescore: asyncio.Task[None] | None = None
     _root: trace.Span | None = None
     _link: Link | None = None
@@ -180,6 +175,7 @@ class RoundRunner:
             rules,
             self.plan.opened_unix_s,
         )
+        self._scoring = CandidateScoring(self.deps, self.plan, self.machine, self._through_outage)
         span_ctx = trace.get_current_span().get_span_context()
         self._link = Link(span_ctx) if span_ctx.is_valid else None
 
@@ -319,7 +315,7 @@ class RoundRunner:
                 # New, or recorded but stopped before anyone was told: (re)start the participants.
                 await self._start_participants()
             if not closed_before and self.deps.settings.eval_prescore_current:
-                self._prescore = asyncio.create_task(self._score_current())
+                self._prescore = asyncio.create_task(self._scoring.score_current())
             await self._take_carried()
             decision = (
                 Close("resumed after the collection had closed") if closed_before else await self._collect()
@@ -342,7 +338,7 @@ class RoundRunner:
             key, sha = await self._through_outage(
                 "storing the candidate", lambda: self._store_candidate(blob)
             )
-            await self._evaluate(key, sha)
+            self._summary = await self._scoring.evaluate(key, sha, self._prescore)
         assert self._summary is not None
         gate = m.decide(self._summary)
         if not gate.publish:
@@ -654,130 +650,6 @@ class RoundRunner:
                     await store.get_update(key, sha)
         await records.save_candidate(self.round_id, key, sha)
         return key, sha
-
-    async def _evaluators(self) -> list[str]:
-        # A replica whose update this round refused does not judge the candidate either.
-        refused = {e.replica_id for e in self.machine.all_rejections}
-        return await self.deps.eval_replicas(self.plan.adapter, self.machine.participants, refused)
-
-    async def _ask(self, rid: str, req: EvaluateCandidate) -> EvalReport | None:
-        s = self.deps.settings
-        # The replica paces its scoring to answer before this request times out.
-        req = req.model_copy(update={"deadline_unix_s": self.deps.clock.now() + s.eval_timeout_s})
-        try:
-            return await self.deps.bus.request(
-                subjects.replica(rid, "evaluate"), req, EvalReport, timeout_s=s.eval_timeout_s
-            )
-        except BusError as exc:
-            log.warning("round %s: %s could not evaluate: %s", self.round_id, rid, exc.message)
-            return None
-
-    async def _score_current(self) -> None:
-        """Score the current (base) version on every evaluator while participants train: it does not
-        depend on the round's outcome, so it need not wait for the close (kept for this round)."""
-        s = self.deps.settings
-        req = EvaluateCandidate(
-            adapter=self.plan.adapter,
-            candidate_key="",
-            candidate_sha256="",
-            candidate_version=self.plan.base_version,
-            score_current=False,
-            round_id=self.round_id,
-            max_examples=s.eval_max_examples,
-            max_tokens=s.eval_max_tokens,
-        )
-
-        async def one(rid: str) -> None:
-            rep = await self._ask(rid, req)
-            if rep is not None:
-                self._current[rid] = rep
-
-        try:
-            await asyncio.gather(*(one(r) for r in await self._evaluators()))
-        except Exception as exc:  # noqa: BLE001 - only an optimisation: the close scores both instead
-            log.warning("round %s: pre-scoring the current version failed: %s", self.round_id, exc)
-
-    def _with_current(self, rid: str, cand: EvalReport) -> EvalReport | None:
-        """`cand` (candidate only) completed with the pre-scored current losses of the same eval sets."""
-        pre = self._current.get(rid)
-        if pre is None:
-            return None
-        current = pair_with_current(
-            [ScoredDomain(d.domain, d.eval_set, d.candidate_loss) for d in pre.losses],
-            [ScoredDomain(d.domain, d.eval_set, d.candidate_loss) for d in cand.losses],
-        )
-        if current is None:
-            return None
-        # Same eval set (equal digests): the per-example losses are in the same order.
-        pre_examples = {d.domain: d.candidate_example_loss for d in pre.losses}
-        losses = [
-            d.model_copy(
-                update={"current_loss": current[d.domain], "current_example_loss": pre_examples[d.domain]}
-            )
-            for d in cand.losses
-        ]
-        return cand.model_copy(update={"losses": losses})
-
-    async def _evaluate(self, key: str, sha: str) -> None:
-        s = self.deps.settings
-        if self._prescore is not None:
-            await self._prescore  # normally long done: it ran while participants trained
-        who = await self._evaluators()
-        both = EvaluateCandidate(
-            adapter=self.plan.adapter,
-            candidate_key=key,
-            candidate_sha256=sha,
-            current_version=self.plan.base_version,
-            round_id=self.round_id,
-            max_examples=s.eval_max_examples,
-            max_tokens=s.eval_max_tokens,
-        )
-        only_candidate = both.model_copy(update={"score_current": False})
-
-        t0 = time.perf_counter()
-        took: dict[str, float] = {}
-
-        async def ask(rid: str) -> EvalReport | None:
-            try:
-                if rid in self._current:
-                    rep = await self._ask(rid, only_candidate)
-                    if rep is None:
-                        return None
-                    paired = self._with_current(rid, rep)
-                    if paired is not None:
-                        return paired
-                    log.info("round %s: %s's held-out set changed; scoring both versions", self.round_id, rid)
-                return await self._ask(rid, both)
-            finally:
-                took[rid] = time.perf_counter() - t0
-
-        reports = [r for r in await asyncio.gather(*(ask(r) for r in who)) if r is not None]
-        log.info(
-            "round %s: candidate scored in %.2f s (%s)", self.round_id, time.perf_counter() - t0,
-            ", ".join(f"{r} {t:.2f} s" for r, t in sorted(took.items())),
-        )  # fmt: skip
-        await self._through_outage(
-            "saving the evaluations", lambda: self.deps.records.save_evals(self.round_id, reports)
-        )
-        entries = [
-            LossEntry(
-                r.replica_id,
-                d.domain,
-                d.num_examples,
-                d.current_loss,
-                d.candidate_loss,
-                tuple(d.example_tokens),
-                tuple(d.candidate_example_loss),
-                tuple(d.current_example_loss),
-            )  # fmt: skip
-            for r in reports
-            for d in r.losses
-        ]
-        self._summary = summarize(entries)
-        summary = self._summary
-        for which, v in (("before", summary.before), ("after", summary.after)):
-            if v is not None and math.isfinite(v):
-                metrics.EVAL_LOSS.labels(self.plan.adapter, which).set(v)
 
     async def _publish(self, blob: bytes) -> None:
         m, store = self.machine, self.deps.store
