@@ -90,6 +90,21 @@ from collm_sim.workload import Workload, build_workload
 
 _ITER, _TELEMETRY, _TICK, _DEADLINE, _PUBLISH, _EVAL_TIMEOUT = range(6)
 
+# `snapshot_at` copies a snapshot's instance dictionary: the snapshot must keep its fields there.
+assert not hasattr(ReplicaSnapshot, "__slots__") and not hasattr(ReplicaSnapshot, "__post_init__")
+
+
+def snapshot_at(base: ReplicaSnapshot, age_s: float, local_in_flight: int) -> ReplicaSnapshot:
+    """`dataclasses.replace(base, age_s=age_s, local_in_flight=local_in_flight)`: a new snapshot with
+    `base`'s fields but these two, built by copying its fields at once (the frozen dataclass's
+    `__init__` sets them one by one; this runs for every replica on every request)."""
+    snap = object.__new__(ReplicaSnapshot)
+    fields = snap.__dict__
+    fields.update(base.__dict__)
+    fields["age_s"] = age_s
+    fields["local_in_flight"] = local_in_flight
+    return snap
+
 
 @dataclass
 class SimRound:
@@ -170,7 +185,9 @@ class Simulation:
         self.weights: WeightsSnapshot | None = None
         self._weights_at = 0.0
         self._shares_sent: dict[str, tuple[float, float]] = {}  # replica -> (share, when) last sent
-        self._gw_view: dict[str, tuple[float, int, int, int, float, dict[str, int]]] = {}
+        # The gateway's view of each replica: when its telemetry arrived, and the snapshot it gives (age
+        # and this gateway's in-flight count are set per request: `snapshot_at`).
+        self._gw_view: dict[str, tuple[float, ReplicaSnapshot]] = {}
         self._in_flight: dict[str, int] = dict.fromkeys(self.ids, 0)
         self._pending_obs: list[ReplicaObservation] = []
         self._pending_events: list[RoundEvent] = []
@@ -304,8 +321,8 @@ class Simulation:
             weights = None
         in_flight = self._in_flight
         snaps = [
-            ReplicaSnapshot(rid, t - ts, interval_s, queue, running, max_batch, in_flight[rid], adapters)
-            for rid, (ts, queue, running, max_batch, interval_s, adapters) in self._gw_view.items()
+            snapshot_at(base, t - ts, in_flight[rid])
+            for rid, (ts, base) in self._gw_view.items()
             if serving is None or rid in serving
         ]
         tries = 1 + self.cfg.gateway.max_retries  # the gateway tries no more replicas than this
@@ -327,12 +344,11 @@ class Simulation:
             msg = rep.telemetry(t, interval)
             self._gw_view[rid] = (
                 t,
-                msg.queue_len,
-                msg.running,
-                msg.max_batch,
-                msg.interval_s,
-                {a.name: a.version for a in msg.adapters},
-            )
+                ReplicaSnapshot(
+                    rid, 0.0, msg.interval_s, msg.queue_len, msg.running, msg.max_batch, 0,
+                    {a.name: a.version for a in msg.adapters},
+                ),
+            )  # fmt: skip
             self._pending_obs.append(convert.observation(msg, t))
 
     def _tick(self, t: float) -> float:

@@ -117,12 +117,24 @@ class Req:
         self.replica: str | None = None
         self.version: str | None = None
         self.reserve = prompt_len + out_len
-        self.view = SeqView(self.sid, prompt_len, 0, self.reserve)
+        # The scheduler's view (None: to be built from the request's state, `seq_view`).
+        self.view: SeqView | None = SeqView(self.sid, prompt_len, 0, self.reserve)
         self.attempts = 0
         self.target = (
             prompt_len  # tokens to compute before the next token: the prompt (+ output to recompute)
         )
         self.blocks = 0  # KV blocks held (paged admission)
+
+    def seq_view(self) -> SeqView:
+        """The scheduler's view of the request: the one set last, or, after `SimReplica._set_view`, its
+        state now (built when a plan first needs it: iterations that reuse a plan never do)."""
+        view = self.view
+        if view is None:
+            view = self.view = SeqView(
+                self.sid, self.prompt_len, self.kv_tokens(), self.reserve, output_len=self.generated,
+                blocks_held=self.blocks,
+            )  # fmt: skip
+        return view
 
     def kv_tokens(self) -> int:
         """Tokens in the KV cache: the prefill done so far, or the prompt and all but the last output."""
@@ -169,6 +181,23 @@ class EvalTask:
         self.asked_s = asked_s
         self.deadline_s = deadline_s
         self.on_done = on_done
+
+
+class SamePlan:
+    """The plan of the iterations after one that `scheduler.repeated_decodes` says plan the same (every
+    running request decodes one token, nothing admitted or preempted) while nothing arrives: `left` of
+    them, and the last one's items, decodes, tokens of context and distinct adapters."""
+
+    __slots__ = ("items", "n_dec", "dec_context", "n_adapters", "left")
+
+    def __init__(
+        self, items: list[tuple[Req, int]], n_dec: int, dec_context: int, n_adapters: int, left: int
+    ) -> None:
+        self.items = items
+        self.n_dec = n_dec
+        self.dec_context = dec_context
+        self.n_adapters = n_adapters
+        self.left = left
 
 
 # The most decode iterations one run takes at once (anything reaching the replica cuts a run, and the
@@ -238,6 +267,9 @@ class SimReplica:
         self._run: list[tuple[float, float, int]] = []
         self._run_i = 0
         self._resident: dict[tuple[str, int, int], ResidentAdapter] = {}
+        # The iterations ahead that plan as the last one did (`_plan_repeats`), or None.
+        self._same_plan: SamePlan | None = None
+        self.block_size = engine.kv_block_tokens
         micro_ms = self.train_cost.ms(engine.train_micro_tokens)
         self.piece_ms = micro_ms / max(1, engine.train_pieces_per_micro_step)
         # One evaluation's cost (None: not modelled), and its pieces.
@@ -338,14 +370,12 @@ class SimReplica:
         return new_end
 
     def _set_view(self, req: Req) -> None:
-        """The request's view for the planner after its step, and the KV blocks it now holds."""
-        kv = req.kv_tokens()
-        blocks = blocks_for(kv, self.batch_cfg.block_size)
+        """After the request's step: the KV blocks it now holds, and its view for the planner to be
+        built from its state (`Req.seq_view`)."""
+        blocks = blocks_for(req.kv_tokens(), self.block_size)
         self.blocks_used += blocks - req.blocks
         req.blocks = blocks
-        req.view = SeqView(
-            req.sid, req.prompt_len, kv, req.reserve, output_len=req.generated, blocks_held=blocks
-        )
+        req.view = None
 
     def _preempt(self, sids: list[str]) -> None:
         """Preempted requests give back their blocks and return to the front of the queue, in arrival
@@ -445,7 +475,9 @@ class SimReplica:
         if most < 2:
             return None
         free_blocks = self.batch_cfg.num_blocks - self.blocks_used
-        k = repeated_decodes(self.batch_cfg, [r.view for r in running], (), free_blocks, min(most, RUN_MAX))
+        k = repeated_decodes(
+            self.batch_cfg, [r.seq_view() for r in running], (), free_blocks, min(most, RUN_MAX)
+        )
         if k < 2:
             return None
         n_dec, dec_context, _, n_adapters, _ = self._step_shape
@@ -572,38 +604,18 @@ class SimReplica:
         if job is not None and job.active and now >= job.stop_s:
             self._finish_job(now)
         running = self.running
-        free = self.engine.max_batch - len(running)
-        wviews = [r.view for r in islice(self.waiting, free)] if free > 0 and self.waiting else []
-        free_blocks = self.batch_cfg.num_blocks - self.blocks_used
-        plan = plan_iteration(
-            self.batch_cfg, [r.view for r in running], wviews, self.kv_reserved, free_blocks
-        )
-        if plan.preempted:
-            self._preempt(plan.preempted)
-        for sid in plan.admitted:
-            req = self.waiting.popleft()
-            assert req.sid == sid, "admission is FCFS"
-            running.append(req)
-            self.by_sid[sid] = req
-            self.kv_reserved += req.reserve
-            v = self.versions.get(req.domain)
-            req.version = f"{req.domain}@v{v}" if v else "base"
-        items: list[tuple[Req, int]] = []
-        n_dec = 0
-        dec_context = 0  # tokens of context of the decoding sequences
-        chunks: list[tuple[int, int]] = []  # (tokens, earlier tokens) of each prefill chunk
-        adapters: set[str] = set()
-        by_sid = self.by_sid
-        for sid, n in plan.items:
-            req = by_sid[sid]
-            items.append((req, n))
-            adapters.add(req.domain)
-            if req.computed >= req.target:
-                n_dec += 1
-                dec_context += req.prompt_len + req.generated - 1  # the tokens before this one
-            else:
-                chunks.append((n, req.computed))
-        inf_ms = self.cost.step_ms(n_dec, dec_context, chunks, len(adapters)) if items else 0.0
+        memo = self._same_plan
+        if memo is not None and memo.left > 0 and not self.waiting and len(running) == memo.n_dec:
+            # The plan `repeated_decodes` vouched for: one more decode token for every running request.
+            memo.left -= 1
+            memo.dec_context += memo.n_dec  # every sequence's context grew by the token it decoded
+            items, n_dec, dec_context, n_adapters = memo.items, memo.n_dec, memo.dec_context, memo.n_adapters
+            chunks: list[tuple[int, int]] = []
+            tokens, changed = n_dec, False
+        else:
+            items, n_dec, dec_context, chunks, n_adapters, tokens, changed = self._plan(running)
+            memo = self._same_plan = None
+        inf_ms = self.cost.step_ms(n_dec, dec_context, chunks, n_adapters) if items else 0.0
         train_ms = eval_ms = 0.0
         catch_up = False
         job = self.job
@@ -640,7 +652,7 @@ class SimReplica:
                 has_job=has_job,
                 running=len(running),
                 waiting=len(self.waiting),
-                inference_tokens=plan.tokens,
+                inference_tokens=tokens,
                 token_budget=self.batch_cfg.max_batch_tokens,
                 step_ms=inf_ms,
                 deadlines_s=deadlines,
@@ -675,15 +687,76 @@ class SimReplica:
         t_ev = t_inf + eval_ms / 1e3
         self.pending = (items, t_inf, t_ev, t_ev + train_ms / 1e3, catch_up)
         self._pending_ms = (inf_ms, train_ms)
-        self._step_shape = (n_dec, dec_context, chunks, len(adapters), decision)
+        self._step_shape = (n_dec, dec_context, chunks, n_adapters, decision)
         self.idle = False
-        if n_dec == len(items) == len(running) and not (
-            has_job or self.evals or self.waiting or plan.admitted or plan.preempted
-        ):
-            end = self._decode_run(now, items, inf_ms)
-            if end is not None:
-                return end
+        if n_dec == len(items) == len(running) and not (self.waiting or changed):
+            if not (has_job or self.evals):
+                end = self._decode_run(now, items, inf_ms)
+                if end is not None:
+                    self._same_plan = None
+                    return end
+            elif memo is None and items:
+                self._same_plan = self._plan_repeats(items, n_dec, dec_context, n_adapters)
         return t_ev + train_ms / 1e3
+
+    def _plan(
+        self, running: list[Req]
+    ) -> tuple[list[tuple[Req, int]], int, int, list[tuple[int, int]], int, int, bool]:
+        """This iteration's inference step by the replica's `plan_iteration`, with its admissions and
+        preemptions applied: (items, decodes, their tokens of context, prefill chunks as (tokens, earlier
+        tokens), distinct adapters, tokens, whether it admitted or preempted)."""
+        free = self.engine.max_batch - len(running)
+        wviews = [r.seq_view() for r in islice(self.waiting, free)] if free > 0 and self.waiting else []
+        free_blocks = self.batch_cfg.num_blocks - self.blocks_used
+        plan = plan_iteration(
+            self.batch_cfg, [r.seq_view() for r in running], wviews, self.kv_reserved, free_blocks
+        )
+        if plan.preempted:
+            self._preempt(plan.preempted)
+        for sid in plan.admitted:
+            req = self.waiting.popleft()
+            assert req.sid == sid, "admission is FCFS"
+            running.append(req)
+            self.by_sid[sid] = req
+            self.kv_reserved += req.reserve
+            v = self.versions.get(req.domain)
+            req.version = f"{req.domain}@v{v}" if v else "base"
+        items: list[tuple[Req, int]] = []
+        n_dec = 0
+        dec_context = 0  # tokens of context of the decoding sequences
+        chunks: list[tuple[int, int]] = []  # (tokens, earlier tokens) of each prefill chunk
+        adapters: set[str] = set()
+        by_sid = self.by_sid
+        tokens = 0
+        for sid, n in plan.items:
+            req = by_sid[sid]
+            items.append((req, n))
+            adapters.add(req.domain)
+            tokens += n
+            if req.computed >= req.target:
+                n_dec += 1
+                dec_context += req.prompt_len + req.generated - 1  # the tokens before this one
+            else:
+                chunks.append((n, req.computed))
+        changed = bool(plan.admitted or plan.preempted)
+        return items, n_dec, dec_context, chunks, len(adapters), tokens, changed
+
+    def _plan_repeats(
+        self, items: list[tuple[Req, int]], n_dec: int, dec_context: int, n_adapters: int
+    ) -> SamePlan | None:
+        """After a plan that gives every running request one decode token with nothing waiting: the
+        iterations after it that `repeated_decodes` says plan the same while nothing arrives (none
+        finishes before the first request to finish does, at the last of them), or None."""
+        running = self.running
+        most = min(r.out_len - r.generated for r in running)
+        if most < 2:
+            return None
+        # Blocks before this iteration's step: those its plan takes are counted by `repeated_decodes`.
+        free_blocks = self.batch_cfg.num_blocks - self.blocks_used
+        k = repeated_decodes(self.batch_cfg, [r.seq_view() for r in running], (), free_blocks, most)
+        if k < 2:
+            return None
+        return SamePlan(items, n_dec, dec_context, n_adapters, k - 1)
 
     def _eval_stretch(self, inp: CoSchedInput, guard_ms: float, t_inf: float) -> tuple[float, bool]:
         """Evaluation time after this step (ms), and whether it is catching up on its pace: the engine's

@@ -25,6 +25,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Literal
 
 
@@ -143,14 +144,27 @@ def rank_replicas(
     # (least-loaded score, id, snapshot) of every eligible replica: sorted, the least-loaded order.
     keyed: list[tuple[float, str, ReplicaSnapshot]] = []
     limits: dict[float, float] = {}  # stale_after_s by interval (replicas mostly share one)
+    penalty = cfg.adapter_miss_penalty
     for r in replicas:
         limit_s = limits.get(r.interval_s)
         if limit_s is None:
             limit_s = limits[r.interval_s] = stale_after_s(r.interval_s, cfg)
         if not (r.age_s <= limit_s):  # stale (`is_stale`)
             stale_ids.append(r.replica_id)
-        else:
-            keyed.append((load_score(r, adapter, adapter_version, cfg), r.replica_id, r))
+            continue
+        # `load_score`, written out: this loop runs for every replica on every request.
+        busy = r.queue_len + r.running
+        if r.local_in_flight > busy:
+            busy = r.local_in_flight
+        if busy < 0:
+            busy = 0
+        capacity = r.max_batch
+        score = busy / (capacity if capacity >= 1 else 1)
+        if adapter is not None:  # `is_resident`
+            have = r.adapters.get(adapter)
+            if have is None or (adapter_version is not None and have != adapter_version):
+                score += penalty
+        keyed.append((score, r.replica_id, r))
     stale = tuple(sorted(stale_ids))
     if not keyed:
         return RoutingDecision((), 0.0, stale)
@@ -159,21 +173,20 @@ def rank_replicas(
     head = sorted(keyed) if n >= len(keyed) else heapq.nsmallest(n, keyed)
 
     factor = weights_factor(weights, cfg)
-    eligible = [r for _, _, r in sorted(keyed, key=lambda k: k[1])] if factor > 0 else []
-    probs = _blend(eligible, weights, adapter, factor) if factor > 0 else None
+    by_id = sorted(keyed, key=itemgetter(1)) if factor > 0 else []
+    probs = _blend([r for _, _, r in by_id], weights, adapter, factor) if factor > 0 else None
     if probs is None:
         # Least loaded first; the draw picks among the replicas tied for the lowest score.
         best = head[0][0]
-        tied = sorted(k for k in keyed if math.isclose(k[0], best, rel_tol=1e-9, abs_tol=1e-12))
+        isclose = math.isclose
+        tied = sorted([k for k in keyed if isclose(k[0], best, rel_tol=1e-9, abs_tol=1e-12)])
         score, rid, _ = tied[int(draw * len(tied))]
         order = [(score, rid)] + [(sc, i) for sc, i, _ in head if i != rid][: n - 1]
         ranked = tuple(Choice(i, "least_loaded", sc) for sc, i in order)
         return RoutingDecision(ranked, 0.0, stale)
 
-    first = _weighted_pick(eligible, probs, draw)
-    fid = first.replica_id
+    first_score, fid, _ = by_id[_weighted_pick([rid for _, rid, _ in by_id], probs, draw)]
     rest = [(sc, i) for sc, i, _ in head if i != fid][: n - 1]
-    first_score = next(sc for sc, i, _ in keyed if i == fid)
     ranked = (
         Choice(fid, "weights", first_score, probs[fid]),
         *(Choice(i, "least_loaded", sc, probs[i]) for sc, i in rest),
@@ -193,33 +206,34 @@ def _blend(
     table = w.adapter_weights.get(adapter) if adapter is not None else None
     if table is None:
         table = w.weights
-    raw = {r.replica_id: _finite_positive(table.get(r.replica_id, 0.0)) for r in eligible}
+    raw: dict[str, float] = {}
+    inf = math.inf
+    for r in eligible:
+        x = table.get(r.replica_id, 0.0)
+        # `_finite_positive`, with the common case (a float) first.
+        raw[r.replica_id] = (x if 0.0 < x < inf else 0.0) if type(x) is float else _finite_positive(x)
     total = sum(raw.values())
     if total <= 0.0:
         return None
-    even = 1.0 / len(eligible)
-    return {rid: factor * (v / total) + (1.0 - factor) * even for rid, v in raw.items()}
+    even_part = (1.0 - factor) * (1.0 / len(eligible))
+    return {rid: factor * (v / total) + even_part for rid, v in raw.items()}
 
 
 def _finite_positive(x: float) -> float:
     return x if isinstance(x, int | float) and math.isfinite(x) and x > 0 else 0.0
 
 
-def _weighted_pick(
-    eligible: Sequence[ReplicaSnapshot], probs: Mapping[str, float], draw: float
-) -> ReplicaSnapshot:
+def _weighted_pick(ids: Sequence[str], probs: Mapping[str, float], draw: float) -> int:
+    """The index in `ids` of the replica the draw picks by `probs` (replicas with no share never)."""
     total = sum(probs.values())
     target = draw * total
     acc = 0.0
-    chosen = eligible[-1]
-    for r in eligible:
-        p = probs[r.replica_id]
+    for k, rid in enumerate(ids):
+        p = probs[rid]
         if p <= 0.0:
             continue
         acc += p
         if target < acc:
-            chosen = r
-            break
-    else:  # rounding at the top end: the last replica with a positive share
-        chosen = next(r for r in reversed(eligible) if probs[r.replica_id] > 0.0)
-    return chosen
+            return k
+    # rounding at the top end: the last replica with a positive share
+    return next(k for k in range(len(ids) - 1, -1, -1) if probs[ids[k]] > 0.0)

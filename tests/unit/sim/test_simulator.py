@@ -514,3 +514,16 @@ def test_a_small_kv_pool_preempts_and_every_request_still_completes() -> None:
         assert rep.blocks_used == 0 and not rep.running
         done[admission] = rep.preemptions
     assert done["paged"] > 0 and done["reserve"] == 0
+
+
+def test_a_snapshot_per_request_is_the_telemetry_snapshot_with_its_age_and_in_flight_count() -> None:
+    from collm_gateway.routing import ReplicaSnapshot
+    from collm_sim.cluster import snapshot_at
+
+    base = ReplicaSnapshot("r3", 0.0, 1.0, queue_len=2, running=5, max_batch=16, adapters={"a": 2})
+    snap = snapshot_at(base, 0.75, 4)
+    assert type(snap) is ReplicaSnapshot
+    assert snap == replace(base, age_s=0.75, local_in_flight=4)
+    assert base.age_s == 0.0 and base.local_in_flight == 0
+    with pytest.raises(AttributeError):
+        snap.age_s = 1.0  # type: ignore[misc]
