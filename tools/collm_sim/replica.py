@@ -270,6 +270,7 @@ class SimReplica:
         # The iterations ahead that plan as the last one did (`_plan_repeats`), or None.
         self._same_plan: SamePlan | None = None
         self.block_size = engine.kv_block_tokens
+        self._step_models: dict[int, StepModel] = {}  # `_timings`' step model by running batch size
         micro_ms = self.train_cost.ms(engine.train_micro_tokens)
         self.piece_ms = micro_ms / max(1, engine.train_pieces_per_micro_step)
         # One evaluation's cost (None: not modelled), and its pieces.
@@ -296,7 +297,7 @@ class SimReplica:
         self._ft_tokens = 0
         self._infer_ms = 0.0
         self._train_ms = 0.0
-        self._pending_ms = (0.0, 0.0)
+        self._pending_step = (0.0, 0)  # the pending iteration's inference step: (ms, tokens)
         # Busy time by kind of work (ms): inference, training, evaluation (a job's own and the gate's).
         self.busy_ms = {"inference": 0.0, "training": 0.0, "evaluation": 0.0}
         # (end s, ms, tokens) of every inference step, so its work can be read up to a cut
@@ -493,7 +494,7 @@ class SimReplica:
         last_t, last_ms, last_ctx = run.pop()
         self._run, self._run_i = run, 0
         self.pending = (items, last_t, last_t, last_t, False)
-        self._pending_ms = (last_ms, 0.0)
+        self._pending_step = (last_ms, len(items))
         self._step_shape = (n_dec, last_ctx, [], n_adapters, (0.0, None))
         self.iteration += k - 1
         self.iterations_total += k - 1
@@ -550,7 +551,7 @@ class SimReplica:
         dropped = len(run) - i  # iterations after the one in progress (the pending one among them)
         n_dec, _, _, n_adapters, _ = self._step_shape
         self.pending = (self.pending[0], t_inf, t_inf, t_inf, False)
-        self._pending_ms = (ms, 0.0)
+        self._pending_step = (ms, len(self.pending[0]))
         self._step_shape = (n_dec, ctx, [], n_adapters, (0.0, None))
         self._run, self._run_i = [], 0
         self.iteration -= dropped
@@ -565,27 +566,29 @@ class SimReplica:
         model: the engine's `_timings`, on the SLOs less the reserve (`ft_slo_reserve_frac`)."""
         keep = 1.0 - self.engine.ft_slo_reserve_frac
         ttft_s, tpot_s = keep * self.ttft_slo_s, keep * self.tpot_slo_s
-        n_tokens = {req.sid: n for req, n in items}
-        running = []
-        for r in self.running:
-            running.append(
-                running_timing(
-                    now, r.arrival_s, ttft_s, tpot_s, r.t_first, r.prompt_len, r.computed, r.generated,
-                    r.out_len, n_tokens.get(r.sid, 0),
-                )
-            )  # fmt: skip
+        n_tokens = dict(items)
+        running = [
+            running_timing(
+                now, r.arrival_s, ttft_s, tpot_s, r.t_first, r.prompt_len, r.computed, r.generated, r.out_len,
+                n_tokens.get(r, 0),
+            )
+            for r in self.running
+        ]  # fmt: skip
         waiting = [
             ReqTiming(r.arrival_s, ttft_s, tpot_s, prompt_left=r.prompt_len, tokens_left=r.out_len)
             for r in self.waiting
         ]
-        b = self.batch_cfg
-        model = StepModel(
-            decode_step_s=self.decode_ms[max(1, len(self.running))] / 1e3,
-            prefill_s_per_token=self.prefill_per_token_ms / 1e3,
-            max_batch=b.max_batch,
-            max_batch_tokens=b.max_batch_tokens,
-            prefill_chunk_tokens=b.prefill_chunk_tokens,
-        )
+        n_running = len(self.running)
+        model = self._step_models.get(n_running)
+        if model is None:  # the step model depends on the batch's size only (immutable: kept by size)
+            b = self.batch_cfg
+            model = self._step_models[n_running] = StepModel(
+                decode_step_s=self.decode_ms[max(1, n_running)] / 1e3,
+                prefill_s_per_token=self.prefill_per_token_ms / 1e3,
+                max_batch=b.max_batch,
+                max_batch_tokens=b.max_batch_tokens,
+                prefill_chunk_tokens=b.prefill_chunk_tokens,
+            )
         return running, waiting, model
 
     def _likely_arrivals(self, now: float, within_s: float) -> int:
@@ -686,7 +689,7 @@ class SimReplica:
         t_inf = now + inf_ms / 1e3
         t_ev = t_inf + eval_ms / 1e3
         self.pending = (items, t_inf, t_ev, t_ev + train_ms / 1e3, catch_up)
-        self._pending_ms = (inf_ms, train_ms)
+        self._pending_step = (inf_ms, tokens)
         self._step_shape = (n_dec, dec_context, chunks, n_adapters, decision)
         self.idle = False
         if n_dec == len(items) == len(running) and not (self.waiting or changed):
@@ -836,14 +839,15 @@ class SimReplica:
         self.pending = None
         eval_ms = max(0.0, (t_ev - t_inf) * 1e3)
         train_ms = max(0.0, (t_end - t_ev) * 1e3)  # an arrival may have cut the stretch short
-        self._infer_ms += self._pending_ms[0]
+        inf_ms, tokens = self._pending_step
+        self._infer_ms += inf_ms
         self._train_ms += train_ms
-        self.busy_ms["inference"] += self._pending_ms[0]
-        self.inference_steps.append((t_inf, self._pending_ms[0], sum(n for _, n in items)))
+        busy = self.busy_ms
+        busy["inference"] += inf_ms
+        self.inference_steps.append((t_inf, inf_ms, tokens))
         log = self.step_log
         if log is not None and items:
             n_dec, dec_context, chunks, n_adapters, (budget_ms, limit) = self._step_shape
-            inf_ms = self._pending_ms[0]
             log(
                 InferenceStep(
                     t_s=t_inf - inf_ms / 1e3,
@@ -859,7 +863,8 @@ class SimReplica:
             )
         if log is not None and eval_ms > 0:
             log(BackgroundWork(kind="eval", t_s=t_inf, ms=eval_ms))
-        self.busy_ms["evaluation"] += eval_ms
+        busy["evaluation"] += eval_ms
+        block_size = self.block_size
         for req, n in items:
             if req.computed < req.target:
                 req.computed += n
@@ -873,8 +878,11 @@ class SimReplica:
             self._gen_tokens += 1
             if req.generated >= req.out_len:
                 self._finish(req, t_inf, "ok")
-            else:
-                self._set_view(req)
+            else:  # `_set_view` of a decoding request: its KV holds the prompt and all but the last output
+                blocks = blocks_for(req.prompt_len + req.generated - 1, block_size)
+                self.blocks_used += blocks - req.blocks
+                req.blocks = blocks
+                req.view = None
         if eval_ms > 0:
             self._spend_evals(eval_ms, t_ev)
         job = self.job
