@@ -14,6 +14,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+# Decode step times at the calibrated context by batch size, per decode table (keyed by the table's
+# items: equal tables share an entry, a table changed in place gets a new one); a few tables are kept.
+_DECODE_AT_CONTEXT: dict[tuple[tuple[int, float], ...], dict[int, float]] = {}
+_DECODE_TABLES_KEPT = 64
+
 
 class CostModel(BaseModel):
     """Per-iteration costs of one replica (milliseconds)."""
@@ -55,6 +60,21 @@ class CostModel(BaseModel):
     def _decode_at_calibrated_context(self, batch: int) -> float:
         if batch <= 0:
             return 0.0
+        # Looked up once per table and batch size (the step cost is asked for on every iteration).
+        key = tuple(self.decode_step_ms.items())
+        by_batch = _DECODE_AT_CONTEXT.get(key)
+        if by_batch is None:
+            if len(_DECODE_AT_CONTEXT) >= _DECODE_TABLES_KEPT:
+                _DECODE_AT_CONTEXT.clear()
+            by_batch = _DECODE_AT_CONTEXT[key] = {}
+        ms = by_batch.get(batch)
+        if ms is None:
+            ms = by_batch[batch] = self._decode_from_table(batch)
+        return ms
+
+    def _decode_from_table(self, batch: int) -> float:
+        """The decode table at `batch` (> 0): interpolated between its sizes, held below the smallest,
+        extrapolated linearly from the last two above the largest."""
         sizes = sorted(self.decode_step_ms)
         if batch <= sizes[0]:
             return self.decode_step_ms[sizes[0]]
