@@ -90,20 +90,33 @@ from collm_sim.workload import Workload, build_workload
 
 _ITER, _TELEMETRY, _TICK, _DEADLINE, _PUBLISH, _EVAL_TIMEOUT = range(6)
 
-# `snapshot_at` copies a snapshot's instance dictionary: the snapshot must keep its fields there.
+# `snapshots_at` copies snapshots' instance dictionaries: a snapshot must keep its fields there.
 assert not hasattr(ReplicaSnapshot, "__slots__") and not hasattr(ReplicaSnapshot, "__post_init__")
 
 
-def snapshot_at(base: ReplicaSnapshot, age_s: float, local_in_flight: int) -> ReplicaSnapshot:
-    """`dataclasses.replace(base, age_s=age_s, local_in_flight=local_in_flight)`: a new snapshot with
-    `base`'s fields but these two, built by copying its fields at once (the frozen dataclass's
-    `__init__` sets them one by one; this runs for every replica on every request)."""
-    snap = object.__new__(ReplicaSnapshot)
-    fields = snap.__dict__
-    fields.update(base.__dict__)
-    fields["age_s"] = age_s
-    fields["local_in_flight"] = local_in_flight
-    return snap
+def snapshots_at(
+    view: dict[str, tuple[float, ReplicaSnapshot]],
+    now: float,
+    in_flight: dict[str, int],
+    only: set[str] | None = None,
+) -> list[ReplicaSnapshot]:
+    """The gateway's snapshots at `now`: for each replica of `view` (of `only`, when given), its
+    telemetry's snapshot (received at the time beside it) with its age and this gateway's in-flight count,
+    i.e. `dataclasses.replace(base, age_s=now - received_s, local_in_flight=in_flight[id])`, built by
+    copying the fields at once (the frozen dataclass's `__init__` sets them one by one, and this runs for
+    every replica on every request)."""
+    new, cls = object.__new__, ReplicaSnapshot
+    out = []
+    for rid, (received_s, base) in view.items():
+        if only is not None and rid not in only:
+            continue
+        snap = new(cls)
+        fields = snap.__dict__
+        fields.update(base.__dict__)
+        fields["age_s"] = now - received_s
+        fields["local_in_flight"] = in_flight[rid]
+        out.append(snap)
+    return out
 
 
 @dataclass
@@ -186,7 +199,7 @@ class Simulation:
         self._weights_at = 0.0
         self._shares_sent: dict[str, tuple[float, float]] = {}  # replica -> (share, when) last sent
         # The gateway's view of each replica: when its telemetry arrived, and the snapshot it gives (age
-        # and this gateway's in-flight count are set per request: `snapshot_at`).
+        # and this gateway's in-flight count are set per request: `snapshots_at`).
         self._gw_view: dict[str, tuple[float, ReplicaSnapshot]] = {}
         self._in_flight: dict[str, int] = dict.fromkeys(self.ids, 0)
         self._pending_obs: list[ReplicaObservation] = []
@@ -319,12 +332,7 @@ class Simulation:
             table = weights.adapter_weights.get(domain) or weights.weights
             serving = {r for r, x in table.items() if x > 0} or None
             weights = None
-        in_flight = self._in_flight
-        snaps = [
-            snapshot_at(base, t - ts, in_flight[rid])
-            for rid, (ts, base) in self._gw_view.items()
-            if serving is None or rid in serving
-        ]
+        snaps = snapshots_at(self._gw_view, t, self._in_flight, serving)
         tries = 1 + self.cfg.gateway.max_retries  # the gateway tries no more replicas than this
         ranked = rank_replicas(snaps, weights, domain, draw, self.routing_cfg, limit=tries).replica_ids
         for rid in ranked:

@@ -288,6 +288,9 @@ class SimReplica:
         self.share_expires_s: float | None = None
         self.job: Job | None = None
         self.window = LatencyWindow(engine.slo_window_s)
+        # The window's last summary, kept while no sample came in or left the window (`_latency`).
+        self._window_times: deque[float] = deque()  # the samples' times, as the window holds them
+        self._window_summary: dict[str, float | int | None] | None = None
         # Counters of the current telemetry interval, and totals.
         self._arrivals = 0
         self._recent_arrivals: deque[float] = deque()
@@ -412,8 +415,12 @@ class SimReplica:
                 self.tpot_slo_ms is None or tpot_ms is None or tpot_ms <= self.tpot_slo_ms
             )
             self.window.add(FinishedSample(t, ttft_ms, tpot_ms, good))
+            self._window_times.append(t)
+            self._window_summary = None
         elif status == "timeout":  # as the engine: dropped from the queue at its deadline, a miss
             self.window.add(FinishedSample(t, None, None, False))
+            self._window_times.append(t)
+            self._window_summary = None
         self.on_finish(req)
 
     def _expire(self, now: float) -> None:
@@ -914,10 +921,24 @@ class SimReplica:
             )
         return entry
 
+    def _latency(self, now: float) -> dict[str, float | int | None]:
+        """The latency window's summary at `now` (`LatencyWindow.summary`): the last one while no sample
+        was added and none is older than the window (whose pruning drops those)."""
+        times = self._window_times
+        limit = now - self.window.window_s
+        if times and times[0] < limit:
+            while times and times[0] < limit:
+                times.popleft()
+            self._window_summary = None
+        summary = self._window_summary
+        if summary is None:
+            summary = self._window_summary = self.window.summary(now)
+        return summary
+
     def telemetry(self, now: float, interval_s: float) -> ReplicaTelemetry:
         self.sync(now)
         dt = max(1e-9, now - self._last_telemetry_s) if self._last_telemetry_s else interval_s
-        lat = self.window.summary(now)
+        lat = self._latency(now)
         share, source = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
         in_flight: dict[str, int] = {}
         for r in self.running:

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
 from operator import itemgetter
 from typing import Literal
 
@@ -174,8 +176,9 @@ def rank_replicas(
 
     factor = weights_factor(weights, cfg)
     by_id = sorted(keyed, key=itemgetter(1)) if factor > 0 else []
-    probs = _blend([r for _, _, r in by_id], weights, adapter, factor) if factor > 0 else None
-    if probs is None:
+    ids = [rid for _, rid, _ in by_id]
+    shares = _blend(ids, weights, adapter, factor) if factor > 0 else None
+    if shares is None:
         # Least loaded first; the draw picks among the replicas tied for the lowest score.
         best = head[0][0]
         isclose = math.isclose
@@ -185,7 +188,8 @@ def rank_replicas(
         ranked = tuple(Choice(i, "least_loaded", sc) for sc, i in order)
         return RoutingDecision(ranked, 0.0, stale)
 
-    first_score, fid, _ = by_id[_weighted_pick([rid for _, rid, _ in by_id], probs, draw)]
+    first_score, fid, _ = by_id[_weighted_pick(shares, draw)]
+    probs = dict(zip(ids, shares, strict=True))
     rest = [(sc, i) for sc, i, _ in head if i != fid][: n - 1]
     ranked = (
         Choice(fid, "weights", first_score, probs[fid]),
@@ -195,9 +199,10 @@ def rank_replicas(
 
 
 def _blend(
-    eligible: Sequence[ReplicaSnapshot], w: WeightsSnapshot | None, adapter: str | None, factor: float
-) -> dict[str, float] | None:
-    """Per-replica probabilities: factor * coordinator share + (1 - factor) * even share.
+    ids: Sequence[str], w: WeightsSnapshot | None, adapter: str | None, factor: float
+) -> list[float] | None:
+    """Per-replica probabilities, in the order of `ids`: factor * coordinator share + (1 - factor) *
+    even share.
 
     None when the coordinator gave no positive weight to any eligible replica (its table is about
     replicas we cannot use), so the caller falls back to least-loaded.
@@ -206,34 +211,29 @@ def _blend(
     table = w.adapter_weights.get(adapter) if adapter is not None else None
     if table is None:
         table = w.weights
-    raw: dict[str, float] = {}
     inf = math.inf
-    for r in eligible:
-        x = table.get(r.replica_id, 0.0)
-        # `_finite_positive`, with the common case (a float) first.
-        raw[r.replica_id] = (x if 0.0 < x < inf else 0.0) if type(x) is float else _finite_positive(x)
-    total = sum(raw.values())
+    # `_finite_positive` of each weight, with the common case (a float) first.
+    raw = [
+        (x if 0.0 < x < inf else 0.0) if type(x) is float else _finite_positive(x)
+        for x in map(table.get, ids, repeat(0.0))
+    ]
+    total = sum(raw)
     if total <= 0.0:
         return None
-    even_part = (1.0 - factor) * (1.0 / len(eligible))
-    return {rid: factor * (v / total) + even_part for rid, v in raw.items()}
+    even_part = (1.0 - factor) * (1.0 / len(ids))
+    return [factor * (v / total) + even_part for v in raw]
 
 
 def _finite_positive(x: float) -> float:
     return x if isinstance(x, int | float) and math.isfinite(x) and x > 0 else 0.0
 
 
-def _weighted_pick(ids: Sequence[str], probs: Mapping[str, float], draw: float) -> int:
-    """The index in `ids` of the replica the draw picks by `probs` (replicas with no share never)."""
-    total = sum(probs.values())
-    target = draw * total
-    acc = 0.0
-    for k, rid in enumerate(ids):
-        p = probs[rid]
-        if p <= 0.0:
-            continue
-        acc += p
-        if target < acc:
-            return k
+def _weighted_pick(probs: Sequence[float], draw: float) -> int:
+    """The index the draw picks by `probs` (>= 0; one with no share never): the first whose running
+    sum, in order, passes `draw` times the total."""
+    target = draw * sum(probs)
+    k = bisect_right(list(accumulate(probs)), target)  # the running sums only grow at positive shares
+    if k < len(probs):
+        return k
     # rounding at the top end: the last replica with a positive share
-    return next(k for k in range(len(ids) - 1, -1, -1) if probs[ids[k]] > 0.0)
+    return next(k for k in range(len(probs) - 1, -1, -1) if probs[k] > 0.0)

@@ -516,14 +516,22 @@ def test_a_small_kv_pool_preempts_and_every_request_still_completes() -> None:
     assert done["paged"] > 0 and done["reserve"] == 0
 
 
-def test_a_snapshot_per_request_is_the_telemetry_snapshot_with_its_age_and_in_flight_count() -> None:
+def test_the_snapshots_per_request_are_the_telemetry_snapshots_with_their_age_and_in_flight_count() -> None:
     from collm_gateway.routing import ReplicaSnapshot
-    from collm_sim.cluster import snapshot_at
+    from collm_sim.cluster import snapshots_at
 
-    base = ReplicaSnapshot("r3", 0.0, 1.0, queue_len=2, running=5, max_batch=16, adapters={"a": 2})
-    snap = snapshot_at(base, 0.75, 4)
-    assert type(snap) is ReplicaSnapshot
-    assert snap == replace(base, age_s=0.75, local_in_flight=4)
-    assert base.age_s == 0.0 and base.local_in_flight == 0
+    base = {
+        rid: ReplicaSnapshot(rid, 0.0, 1.0, queue_len=q, running=5, max_batch=16, adapters={"a": 2})
+        for rid, q in (("r0", 2), ("r1", 0), ("r2", 7))
+    }
+    view = {rid: (10.0 + i, snap) for i, (rid, snap) in enumerate(base.items())}
+    in_flight = {"r0": 4, "r1": 0, "r2": 1}
+    snaps = snapshots_at(view, 12.5, in_flight)
+    assert all(type(s) is ReplicaSnapshot for s in snaps)
+    assert snaps == [
+        replace(base[rid], age_s=12.5 - view[rid][0], local_in_flight=in_flight[rid]) for rid in base
+    ]
+    assert [s.replica_id for s in snapshots_at(view, 12.5, in_flight, {"r2", "r0"})] == ["r0", "r2"]
+    assert all(s.age_s == 0.0 and s.local_in_flight == 0 for s in base.values())
     with pytest.raises(AttributeError):
-        snap.age_s = 1.0  # type: ignore[misc]
+        snaps[0].age_s = 1.0  # type: ignore[misc]
