@@ -182,7 +182,10 @@ def rank_replicas(
         # Least loaded first; the draw picks among the replicas tied for the lowest score.
         best = head[0][0]
         isclose = math.isclose
-        tied = sorted([k for k in keyed if isclose(k[0], best, rel_tol=1e-9, abs_tol=1e-12)])
+        tied = [k for k in keyed if k[0] == best or isclose(k[0], best, rel_tol=1e-9, abs_tol=1e-12)]
+        # In (score, id) order, as `sorted(tied)` (ids are unique): by id, then stably by score.
+        tied.sort(key=itemgetter(1))
+        tied.sort(key=itemgetter(0))
         score, rid, _ = tied[int(draw * len(tied))]
         order = [(score, rid)] + [(sc, i) for sc, i, _ in head if i != rid][: n - 1]
         ranked = tuple(Choice(i, "least_loaded", sc) for sc, i in order)
