@@ -37,7 +37,9 @@ decodes, nothing waits, no job or evaluation is pending, and `scheduler.repeated
 stays one token per request for that many iterations (up to the first request to finish). Each of them
 keeps its own step cost, end time and step-log record; a request, a job or an evaluation reaching the
 replica cuts the run at the iteration in progress, and telemetry applies the iterations done before
-it reads the replica, so the results are those of one iteration at a time.
+it reads the replica, so the results are those of one iteration at a time. With a job or an evaluation
+pending each iteration still gets its co-scheduler decision, but its plan is the last one's while
+`repeated_decodes` vouches for it and nothing arrives (`SamePlan`): `plan_iteration` is not asked again.
 
 The co-scheduler is given the calibration's costs as its predictions (the live engine learns the same
 costs online). Telemetry is built like the live replica's (a window of `slo_window_s` for latency
