@@ -202,6 +202,32 @@ class SamePlan:
         self.left = left
 
 
+class KeptSummaryWindow(LatencyWindow):
+    """The replica's `LatencyWindow`, whose summary is computed again only when a sample came in or
+    leaves the window (its pruning drops samples older than `window_s`); the same summaries."""
+
+    def __init__(self, window_s: float) -> None:
+        super().__init__(window_s)
+        self._times: deque[float] = deque()  # the samples' times, as the window holds them
+        self._summary: dict[str, float | int | None] | None = None
+
+    def add(self, sample: FinishedSample) -> None:
+        super().add(sample)
+        self._times.append(sample.t_s)
+        self._summary = None
+
+    def summary(self, now_s: float) -> dict[str, float | int | None]:
+        times = self._times
+        limit = now_s - self.window_s
+        if times and times[0] < limit:
+            while times and times[0] < limit:
+                times.popleft()
+            self._summary = None
+        if self._summary is None:
+            self._summary = super().summary(now_s)
+        return self._summary
+
+
 # The most decode iterations one run takes at once (anything reaching the replica cuts a run, and the
 # step costs of the iterations after the cut are wasted work).
 RUN_MAX = 64
@@ -289,10 +315,7 @@ class SimReplica:
         self.share: float | None = None
         self.share_expires_s: float | None = None
         self.job: Job | None = None
-        self.window = LatencyWindow(engine.slo_window_s)
-        # The window's last summary, kept while no sample came in or left the window (`_latency`).
-        self._window_times: deque[float] = deque()  # the samples' times, as the window holds them
-        self._window_summary: dict[str, float | int | None] | None = None
+        self.window = KeptSummaryWindow(engine.slo_window_s)
         # Counters of the current telemetry interval, and totals.
         self._arrivals = 0
         self._recent_arrivals: deque[float] = deque()
@@ -417,12 +440,8 @@ class SimReplica:
                 self.tpot_slo_ms is None or tpot_ms is None or tpot_ms <= self.tpot_slo_ms
             )
             self.window.add(FinishedSample(t, ttft_ms, tpot_ms, good))
-            self._window_times.append(t)
-            self._window_summary = None
         elif status == "timeout":  # as the engine: dropped from the queue at its deadline, a miss
             self.window.add(FinishedSample(t, None, None, False))
-            self._window_times.append(t)
-            self._window_summary = None
         self.on_finish(req)
 
     def _expire(self, now: float) -> None:
@@ -923,24 +942,10 @@ class SimReplica:
             )
         return entry
 
-    def _latency(self, now: float) -> dict[str, float | int | None]:
-        """The latency window's summary at `now` (`LatencyWindow.summary`): the last one while no sample
-        was added and none is older than the window (whose pruning drops those)."""
-        times = self._window_times
-        limit = now - self.window.window_s
-        if times and times[0] < limit:
-            while times and times[0] < limit:
-                times.popleft()
-            self._window_summary = None
-        summary = self._window_summary
-        if summary is None:
-            summary = self._window_summary = self.window.summary(now)
-        return summary
-
     def telemetry(self, now: float, interval_s: float) -> ReplicaTelemetry:
         self.sync(now)
         dt = max(1e-9, now - self._last_telemetry_s) if self._last_telemetry_s else interval_s
-        lat = self._latency(now)
+        lat = self.window.summary(now)
         share, source = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
         in_flight: dict[str, int] = {}
         for r in self.running:
