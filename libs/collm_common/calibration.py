@@ -111,7 +111,8 @@ class CostModel(BaseModel):
             ms = self.prefill_fixed_ms
         else:
             return 0.0
-        ms += sum(self.prefill_chunk_ms(n, start) for n, start in chunks)
+        if chunks:
+            ms += sum(self.prefill_chunk_ms(n, start) for n, start in chunks)
         return ms * (1.0 + self.lora_overhead_frac_per_adapter * adapters)
 
     def train_ms(self, tokens: int) -> float:

@@ -893,6 +893,7 @@ class SimReplica:
             log(BackgroundWork(kind="eval", t_s=t_inf, ms=eval_ms))
         busy["evaluation"] += eval_ms
         block_size = self.block_size
+        generated = grown = 0  # tokens out of this step, blocks taken by the decoding requests
         for req, n in items:
             if req.computed < req.target:
                 req.computed += n
@@ -903,14 +904,16 @@ class SimReplica:
                 if req.t_first is None:
                     req.t_first = t_inf
             req.generated += 1
-            self._gen_tokens += 1
+            generated += 1
             if req.generated >= req.out_len:
                 self._finish(req, t_inf, "ok")
             else:  # `_set_view` of a decoding request: its KV holds the prompt and all but the last output
                 blocks = blocks_for(req.prompt_len + req.generated - 1, block_size)
-                self.blocks_used += blocks - req.blocks
+                grown += blocks - req.blocks
                 req.blocks = blocks
                 req.view = None
+        self._gen_tokens += generated
+        self.blocks_used += grown
         if eval_ms > 0:
             self._spend_evals(eval_ms, t_ev)
         job = self.job
