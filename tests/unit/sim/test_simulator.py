@@ -535,3 +535,24 @@ def test_the_snapshots_per_request_are_the_telemetry_snapshots_with_their_age_an
     assert all(s.age_s == 0.0 and s.local_in_flight == 0 for s in base.values())
     with pytest.raises(AttributeError):
         snaps[0].age_s = 1.0  # type: ignore[misc]
+
+
+def test_the_simulators_shortcuts_compute_what_one_iteration_and_one_summary_at_a_time_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reusing a plan `repeated_decodes` vouches for and keeping the latency summary change nothing:
+    the same run with each replica planning every iteration and summarizing its window every time."""
+    from collm_replica.costs import LatencyWindow
+    from collm_sim.cli import load_calibration
+    from collm_sim.replica import KeptSummaryWindow, SimReplica
+    from tests.unit.sim.test_fixed_seed_results import CALIBRATION, fingerprint
+
+    core = {"slow_interval_s": 20.0, "round_deadline_s": 15.0}
+    cfg = SimConfig(replicas=4, workload=synthetic(rate=3.0, duration=60.0), core=core, seed=2)
+    cal = load_calibration(CALIBRATION)  # step costs that grow with the context
+    fast = simulate(cfg, cal)
+    monkeypatch.setattr(SimReplica, "_plan_repeats", lambda self, *args: None)
+    monkeypatch.setattr(KeptSummaryWindow, "summary", LatencyWindow.summary)
+    plain = simulate(cfg, cal)
+    assert fast.sim["iterations"] > 1000 and fast.summary["counts"]["good"] > 0
+    assert fingerprint(fast) == fingerprint(plain)
