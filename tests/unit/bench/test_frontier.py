@@ -18,6 +18,7 @@ from collm_bench.frontier.points import (
     fixed_ratio_knobs,
     frontier,
     knob_grid,
+    rate_for_attainment,
     separate_knobs,
     sized_window,
     value_at,
@@ -205,6 +206,23 @@ def test_sized_window_extends_the_window_to_the_minimum_count() -> None:
     assert sized_window(0.5, 60.0, 100) == (200.0, 100)
     with pytest.raises(ValueError):
         sized_window(0.0, 60.0, 100)
+
+
+def test_rate_for_attainment_finds_the_crossing_of_a_falling_curve() -> None:
+    """Serving alone's attainment falling with the rate: the highest fraction still at the target,
+    within the bisection's resolution, each fraction tried recorded; the bounds' own cases."""
+
+    def falling(frac: float) -> float:  # crosses 0.9 at 0.04
+        return 1.0 if frac <= 0.04 else max(0.0, 1.0 - (frac - 0.04) * 5)
+
+    frac, tried = rate_for_attainment(falling, 0.9, steps=10)
+    assert 0.04 <= frac <= 0.06 and falling(frac) >= 0.9
+    assert tried[:2] == [(1.0, 0.0), (0.005, 1.0)] and len(tried) == 12
+    assert rate_for_attainment(lambda _f: 0.95, 0.9) == (1.0, [(1.0, 0.95)])
+    with pytest.raises(ValueError, match="even at 0.005"):
+        rate_for_attainment(lambda _f: 0.5, 0.9)
+    with pytest.raises(ValueError):
+        rate_for_attainment(falling, 1.5)
 
 
 def test_points_round_trip_through_their_dict() -> None:

@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traces-dir", type=Path, default=None)
     p.add_argument("--load", type=float, default=0.5, help="rate as a fraction of the capacity estimate")
     p.add_argument("--rate", type=float, default=None, help="offered rate (req/s), instead of --load")
+    p.add_argument(
+        "--alone-attainment",
+        type=float,
+        default=None,
+        metavar="A",
+        help="instead of --load: the rate at which the simulator says serving alone attains A",
+    )
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     p.add_argument(
         "--fixed-shares", default=None, help="fixed_ratio's training shares (0.05,0.1,0.2,0.333,0.5)"
@@ -177,7 +184,9 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
         replicas = args.replicas or 8
         cfg = headline_config(args, replicas, args.window_s or 3600.0)
         knobs = knob_grid(args, policies, replicas)
-        results = sim_frontier(cfg, knobs, args.load, args.rate, usable_jobs(args.jobs), say)
+        results = sim_frontier(
+            cfg, knobs, args.load, args.rate, usable_jobs(args.jobs), say, args.alone_attainment
+        )
         results["command"] = command
         finish(results, result_path(args.out_dir, "sim", args.trace, replicas), out)
         return 0

@@ -1,10 +1,11 @@
 """The live frontier: every policy x knob on the default stack, one fresh stack per point.
 
 Each point is `collm_bench.headline.live.run_live` (the headline's runner: NATS, Redis, aggregator,
-coordinator with the policy and its knobs, N replicas with local data, gateway) replaying the same
-plan: one trace slice at one offered rate (`--rate`, else `load` x the capacity estimate from the
-calibration), its window long enough to hold `min_requests` requests (`points.sized_window`: the
-window grows, the rate stays). Knobs reach the services through their settings: the coordinator's
+coordinator with the policy and its knobs, N replicas with local data, gateway) replaying the same plan:
+one trace slice at one offered rate (`--rate`; else, with `--alone-attainment A`, the rate at which the
+simulator says serving alone attains A on windows sized as these; else `load` x the capacity estimate
+from the calibration), its window long enough to hold `min_requests` requests (`points.sized_window`:
+the window grows, the rate stays). Knobs reach the services through their settings: the coordinator's
 CoreConfig knobs as `COLLM_COORDINATOR_<KNOB>`, `fixed_ratio_k` as `COLLM_FIXED_RATIO_K` on the
 coordinator and every replica (`knob_env`). The base model's held-out loss is measured by the first
 point and reused. Served quality gain needs no calibrated curve (`frontier.curves`).
@@ -24,10 +25,12 @@ from typing import IO, Any
 from collm_bench.headline import setup
 from collm_bench.headline.config import HeadlineConfig, tiny_preset
 from collm_bench.headline.live import LiveRunError, run_live
+from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
 
+from .curves import with_default_curves
 from .points import Knob, sized_window
-from .sim import SCHEMA, capacity_rps, max_batch, point_of
+from .sim import SCHEMA, alone_rate, capacity_rps, max_batch, point_of
 
 # Per point beside its window and drain, measured on the default stack (2 SmolLM2 replicas, 2 cores):
 # stack start 12-17 s, v1 adapters and residency 3-5 s, read-out and stop 3-8 s.
@@ -43,6 +46,7 @@ class LiveFrontierConfig:
     min_requests: int = 100
     load: float = 0.5
     rate_rps: float | None = None
+    alone_attainment: float | None = None  # the rate where the simulator says serving alone attains it
     policies: tuple[str, ...] = ()
     tiny: bool = False
     knobs_per_policy: int | None = None
@@ -78,6 +82,7 @@ class LiveFrontierConfig:
             min_requests=args.min_requests or 100,
             load=args.load,
             rate_rps=args.rate,
+            alone_attainment=args.alone_attainment,
             policies=policies,
             runs_dir=args.runs_dir,
             data_dirs=data,
@@ -112,13 +117,34 @@ def estimate_s(points: int, window_s: float, drain_s: float, prep_s: float = 0.0
     return prep_s + BASE_LOSS_S + points * (POINT_OVERHEAD_S + window_s + drain_s)
 
 
-def live_rate(cfg: HeadlineConfig, live: LiveFrontierConfig, source: setup.TraceSource) -> tuple[float, str]:
-    """The offered rate and how it was had."""
+def live_rate(
+    cfg: HeadlineConfig,
+    live: LiveFrontierConfig,
+    source: setup.TraceSource,
+    slo: Slo,
+    say: Callable[[str], None],
+) -> tuple[float, str]:
+    """The offered rate and how it was had: given; the simulator's rate where serving alone attains
+    `alone_attainment` on windows sized as the live ones (`sim.alone_rate`); or `load` x the capacity
+    estimate."""
     if live.rate_rps is not None:
         return live.rate_rps, "given"
     if cfg.calibration is None or not Path(cfg.calibration).is_file():
         raise setup.SetupError("without --rate the rate comes from a calibration (--calibration FILE)")
-    cap = capacity_rps(cfg, Calibration.load(cfg.calibration), source)
+    cal = Calibration.load(cfg.calibration)
+    cap = capacity_rps(cfg, cal, source)
+    if live.alone_attainment is not None:
+        cal, _ = with_default_curves(cal, cfg.domains)
+        sim_cfg = dataclasses.replace(cfg, live=False, simulate=True)
+        return alone_rate(
+            sim_cfg,
+            cal,
+            slo,
+            cap,
+            live.alone_attainment,
+            lambda r: sized_window(r, cfg.duration_s, live.min_requests)[0],
+            say,
+        )
     return live.load * cap, f"{live.load:g} x the capacity estimate {cap:.3f} req/s"
 
 
@@ -149,7 +175,7 @@ def live_frontier(
     if cfg.calibration is not None and Path(cfg.calibration).is_file():
         cal = Calibration.load(cfg.calibration)
     slo = setup.slo_for(cfg, source, cal, max_batch())
-    rate, how = live_rate(cfg, live, source)
+    rate, how = live_rate(cfg, live, source, slo, say)
     cfg = sized_plan(cfg, source, rate, live.min_requests)
     root = (live.runs_dir or Path(cfg.out_dir).parent / "frontier-runs") / time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)

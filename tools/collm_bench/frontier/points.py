@@ -24,7 +24,7 @@ fine-tuning off on every replica):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -351,3 +351,43 @@ def sized_window(rate_rps: float, window_s: float, min_requests: int) -> tuple[f
         raise ValueError("rate_rps and window_s must be > 0 and min_requests >= 1")
     n = max(min_requests, round(rate_rps * window_s))
     return max(window_s, n / rate_rps), n
+
+
+# Offered rates searched for a target attainment of serving alone, as fractions of the capacity estimate.
+ALONE_SEARCH = (0.005, 1.0)
+
+
+def rate_for_attainment(
+    attains: Callable[[float], float],
+    target: float,
+    lo: float = ALONE_SEARCH[0],
+    hi: float = ALONE_SEARCH[1],
+    steps: int = 7,
+) -> tuple[float, list[tuple[float, float]]]:
+    """The highest fraction of the capacity estimate at which `attains(fraction)` (serving alone's SLO
+    attainment there) is at least `target`, by geometric bisection between `lo` and `hi` in `steps`
+    halvings of the log range (the answer is within a factor (hi/lo) ** (1/2**steps) of the crossing):
+    (the fraction, every (fraction, attainment) tried). `hi` itself when it attains the target; a
+    ValueError when even `lo` does not."""
+    if not 0 < target <= 1 or not 0 < lo < hi:
+        raise ValueError("target must be in (0, 1] and 0 < lo < hi")
+    tried: list[tuple[float, float]] = []
+
+    def ok(frac: float) -> bool:
+        a = attains(frac)
+        tried.append((frac, a))
+        return a >= target
+
+    if ok(hi):
+        return hi, tried
+    if not ok(lo):
+        raise ValueError(
+            f"serving alone attains {tried[-1][1]:.3f} < {target:g} even at {lo:g} x the capacity estimate"
+        )
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, tried

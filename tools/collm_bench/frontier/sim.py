@@ -2,8 +2,9 @@
 
 Each point is `collm_bench.headline.predict.simulate_run` (the coordinator, gateway routing and replica
 co-schedulers' own code) with the headline's setup at `replicas` and a `window_s` slice of the trace,
-at one offered rate for every point: `--rate`, else `load` x the cluster's capacity estimate from the
-calibration (`headline.rates.capacity_estimate_rps`). SLOs, lengths, domains and cadences are the
+at one offered rate for every point: `--rate`; else, with `--alone-attainment A`, the rate at which the
+simulator says serving alone attains A (`alone_rate`); else `load` x the cluster's capacity estimate from
+the calibration (`headline.rates.capacity_estimate_rps`). SLOs, lengths, domains and cadences are the
 headline's. Points run in `jobs` processes at once.
 """
 
@@ -24,7 +25,7 @@ from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
 
 from .curves import with_default_curves
-from .points import Knob, Point
+from .points import SERVING_ALONE, Knob, Point, rate_for_attainment
 
 SCHEMA = "collm-frontier/1"
 
@@ -83,6 +84,36 @@ def run_point(cfg: HeadlineConfig, cal: Calibration, rate_rps: float, slo: Slo, 
     }
 
 
+def alone_rate(
+    cfg: HeadlineConfig,
+    cal: Calibration,
+    slo: Slo,
+    cap: float,
+    target: float,
+    window_of: Callable[[float], float],
+    say: Callable[[str], None],
+) -> tuple[float, str]:
+    """The offered rate at which the simulator says serving alone attains `target` on this setup
+    (`points.rate_for_attainment` over fractions of the capacity estimate `cap`, each tried on a window
+    of `window_of(rate)` seconds), and how it was had. A trace whose bursts or long prompts the capacity
+    estimate (mean lengths) does not see gets a rate its SLOs can be met at."""
+    knob = Knob(SERVING_ALONE, "fine-tuning off")
+
+    def attains(frac: float) -> float:
+        rate = frac * cap
+        run = run_point(dataclasses.replace(cfg, duration_s=window_of(rate)), cal, rate, slo, knob)
+        a = float(run["point"]["slo_attainment"] or 0.0)
+        say(f"  serving alone at {frac:.4f} x the capacity estimate ({rate:.4f} req/s): attainment {a:.3f}")
+        return a
+
+    frac, tried = rate_for_attainment(attains, target)
+    how = (
+        f"serving alone attains >= {target:g} in the simulator at {frac:.4f} x the capacity estimate "
+        f"{cap:.3f} req/s ({len(tried)} simulated runs)"
+    )
+    return frac * cap, how
+
+
 def simulate_grid(
     cfg: HeadlineConfig,
     cal: Calibration,
@@ -123,19 +154,26 @@ def sim_frontier(
     rate_rps: float | None,
     jobs: int,
     say: Callable[[str], None],
+    alone: float | None = None,
 ) -> dict[str, Any]:
-    """The whole simulated frontier (the result file's content, less goals and frontiers)."""
+    """The whole simulated frontier (the result file's content, less goals and frontiers). The rate:
+    `rate_rps`, else the one where serving alone attains `alone` (`alone_rate`), else `load` x the
+    capacity estimate."""
     if cfg.calibration is None or not Path(cfg.calibration).is_file():
         raise setup.SetupError(f"the simulated frontier needs a calibration (got {cfg.calibration})")
     cal, defaulted = with_default_curves(Calibration.load(cfg.calibration), cfg.domains)
     (source,) = setup.resolve_sources(cfg)
     slo = setup.slo_for(cfg, source, cal, max_batch())
     cap = capacity_rps(cfg, cal, source)
-    rate = rate_rps if rate_rps is not None else load * cap
+    rate, how = (
+        (rate_rps, "given") if rate_rps is not None else (load * cap, f"{load:g} x the capacity estimate")
+    )
+    if rate_rps is None and alone is not None:
+        rate, how = alone_rate(cfg, cal, slo, cap, alone, lambda _r: cfg.duration_s, say)
     n = round(rate * cfg.duration_s)
     say(
         f"{source.label(cfg)}, {cfg.replicas} replicas, {cfg.duration_s:g} s windows: {rate:.3f} req/s "
-        f"({n} requests; capacity estimate {cap:.3f} req/s), SLO TTFT {slo.ttft_ms:.0f} ms / TPOT "
+        f"({how}; {n} requests; capacity estimate {cap:.3f} req/s), SLO TTFT {slo.ttft_ms:.0f} ms / TPOT "
         f"{slo.tpot_ms:.0f} ms; {len(knobs)} points in {jobs} process(es)"
     )
     if defaulted:
@@ -160,6 +198,7 @@ def sim_frontier(
             "window_s": cfg.duration_s,
             "drain_s": cfg.drain_s,
             "rate_rps": rate,
+            "rate_from": how,
             "load_of_capacity": rate / cap,
             "capacity_estimate_rps": cap,
             "slo": dataclasses.asdict(slo),
