@@ -334,17 +334,21 @@ async def make_resident(bus: Bus, cfg: HeadlineConfig) -> None:
                 raise LiveRunError(f"{rid} could not load {d}: {reply.message}")
 
 
-async def base_losses(bus: Bus, cfg: HeadlineConfig) -> dict[str, float]:
-    """Held-out loss of v1 (= the base model) per domain, example-weighted over the replicas holding it
-    (all replicas score at once)."""
+async def base_losses(bus: Bus, store: AdapterStore, cfg: HeadlineConfig) -> dict[str, float]:
+    """Held-out loss of the base model per domain, example-weighted over the replicas holding it (all
+    replicas score at once). Each replica scores it beside the adapter's current version (the base model
+    is the evaluation's `current_version` None): the current version is never pruned, while v1 (the base
+    model's behaviour) can be after a long run's publications."""
+    current = {d: await store.current(d) or 1 for d in sorted(cfg.domains)}
 
     async def one(rid: str, d: str) -> tuple[str, EvalReport]:
         req = EvaluateCandidate(
             adapter=d,
             candidate_key="",
             candidate_sha256="",
-            candidate_version=1,
-            score_current=False,
+            candidate_version=current[d],
+            score_current=True,
+            current_version=None,
             max_examples=cfg.eval_max_examples,
             max_tokens=cfg.eval_max_tokens,
         )
@@ -354,9 +358,9 @@ async def base_losses(bus: Bus, cfg: HeadlineConfig) -> dict[str, float]:
     sums: dict[str, list[float]] = {}
     for d, rep in reports:
         for loss in rep.losses:
-            if loss.domain == d and loss.num_examples > 0:
+            if loss.domain == d and loss.num_examples > 0 and loss.current_loss is not None:
                 acc = sums.setdefault(d, [0.0, 0.0])
-                acc[0] += loss.candidate_loss * loss.num_examples
+                acc[0] += loss.current_loss * loss.num_examples
                 acc[1] += loss.num_examples
     return {d: total / n for d, (total, n) in sums.items()}
 
@@ -453,7 +457,7 @@ async def _drive(
         ft_after = await read_ft_counters(stack)
         base_measured = base is None
         if base is None:
-            base = await base_losses(bus, cfg)
+            base = await base_losses(bus, store, cfg)
             phases.mark("base_loss")
         status: CoordinatorStatus | None = None
         with contextlib.suppress(BusError):
