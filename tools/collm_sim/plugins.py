@@ -7,11 +7,11 @@ The simulator does not model these decisions: it calls the very code the service
   least-loaded otherwise, stale replicas never ranked);
 * aggregator: `collm_aggregator.planner.choose_evaluators` (which replicas score a round's versions);
 * replica: `collm_replica.engine.scheduler.plan_iteration` (continuous batching with chunked prefill,
-  paged KV admission and preemption: `engine.kv.blocks_for`) and the
-  co-schedulers of `collm_replica.cosched` (`slo`, `fixed`, `leftover`), with `effective_share` for the
-  coordinator's share and its TTL, and the engine's inputs to them: each request's deadline
-  (`request_deadlines`) and the guard for the next arrival (`arrival_guard_s`); `repeated_decodes` says
-  how many iterations in a row its plan stays one decode token per running request.
+  paged KV admission and preemption: `engine.kv.blocks_for`), `scheduler.decide_background` (the
+  training and evaluation windows after each step and the job to train, through the co-schedulers of
+  `collm_replica.cosched`: `slo`, `fixed`, `leftover`), with `effective_share` for the coordinator's
+  share and its TTL and `behind_schedule` for an evaluation's pace; `repeated_decodes` says how many
+  iterations in a row its plan stays one decode token per running request.
 
 Which co-scheduler a replica runs follows the policy under test, as the live benchmark configures the
 replicas (`COLLM_COSCHEDULER`): the two-timescale policy and the static split use the SLO-aware one,
@@ -25,23 +25,26 @@ from collm_coordinator.core import CoordinatorCore, CoreConfig
 from collm_coordinator.core.config import COSCHEDULER_FOR_POLICY
 from collm_gateway.routing import ReplicaSnapshot, RoutingConfig, WeightsSnapshot, rank_replicas
 from collm_replica.cosched import (
-    CoSchedInput,
     CoScheduler,
-    ReqTiming,
-    StepModel,
     TrainCost,
-    arrival_guard_s,
-    background_budget_ms,
     behind_schedule,
     effective_share,
     likely_arrivals,
     make_coscheduler,
-    request_deadlines,
-    running_timing,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow
 from collm_replica.engine.kv import blocks_for
-from collm_replica.engine.scheduler import BatchConfig, SeqView, plan_iteration, repeated_decodes
+from collm_replica.engine.scheduler import (
+    BackgroundInput,
+    BackgroundSettings,
+    BatchConfig,
+    JobView,
+    RequestView,
+    SeqView,
+    decide_background,
+    plan_iteration,
+    repeated_decodes,
+)
 
 # Reference series run beside the policies (not a policy): name -> (the coordinator's policy, the replicas'
 # co-scheduler). `serving_only` is collm's coordinator and routing with fine-tuning off on every replica:
@@ -59,24 +62,24 @@ def series_setup(series: str) -> tuple[str, str]:
 __all__ = [
     "COSCHEDULER_FOR_POLICY",
     "REFERENCES",
+    "BackgroundInput",
+    "BackgroundSettings",
     "BatchConfig",
-    "CoSchedInput",
     "CoScheduler",
     "CoordinatorCore",
     "CoreConfig",
     "FinishedSample",
+    "JobView",
     "LatencyWindow",
     "ReplicaSnapshot",
-    "ReqTiming",
+    "RequestView",
     "RoutingConfig",
     "SeqView",
-    "StepModel",
     "TrainCost",
     "WeightsSnapshot",
-    "arrival_guard_s",
-    "background_budget_ms",
     "behind_schedule",
     "choose_evaluators",
+    "decide_background",
     "effective_share",
     "likely_arrivals",
     "make_coscheduler",
@@ -84,7 +87,5 @@ __all__ = [
     "repeated_decodes",
     "blocks_for",
     "rank_replicas",
-    "request_deadlines",
-    "running_timing",
     "series_setup",
 ]

@@ -6,11 +6,11 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
 2. the replica's `engine.scheduler.plan_iteration` picks decode tokens and prefill chunks, admits FCFS
    and preempts by the blocks of the paged KV cache (`kv_admission`, as the replica: a preempted request
    goes back to the front of the queue and recomputes its prompt and output before its next token);
-3. the replica's co-scheduler (`collm_replica.cosched`) decides the training time after the step
-   (`budget_ms`), given the coordinator's share (with its TTL: `effective_share`), each request's
-   deadline as it will be after the step (`request_deadlines`, on the SLOs less `ft_slo_reserve_frac`)
-   and the guard (`ft_guard_frac` of the TTFT SLO and, while serving, what the next arrivals could
-   absorb: `arrival_guard_s`), exactly as the engine's `_decide_background` builds them;
+3. the replica's `engine.scheduler.decide_background` decides the training and evaluation windows after
+   the step, through its co-scheduler (`collm_replica.cosched`), given the coordinator's share (with its
+   TTL: `effective_share`), the requests as the engine's `Sequence.timing` shows them (`max_tokens` is
+   the output length: the benchmark client asks for exactly that many tokens) and the arrival history's
+   tightest TTFT SLO and likely arrivals, exactly as the engine's `_decide_background` calls it;
 4. the inference step costs `CostModel.step_ms` (what the step log's comparison predicts too):
    `decode_step_ms(decodes)`, plus `decode_ms_per_context_token` per token of the decoding sequences'
    contexts beyond `decode_context_tokens` each, plus `prefill_ms_per_token` per prefill token and
@@ -27,10 +27,10 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
 
 Evaluations (when the calibration has their cost, `CostModel.eval_ms`): a round job only trains, as the
 engine's does; the aggregator's gate asks every evaluator to score a version (`EvalTask`), which runs
-before training after the inference step, as the engine's pending evaluations do: within
-`background_budget_ms` (the slack rule without share or job), at least one piece per iteration, and,
-while the task is behind the even pace to its deadline (`behind_schedule`), up to the guard; training
-gets what is left of its window.
+before training after the inference step, as the engine's pending evaluations do (`Evaluations.work`):
+within the decision's evaluation window, at least one piece per iteration, and, while the task is behind
+the even pace to its deadline (`behind_schedule`), up to the guard (`ft_guard_frac` of the TTFT SLO);
+training gets what is left of its window.
 
 A run of decode iterations is taken at once when nothing can change its plan: every running request
 decodes, nothing waits, no job or evaluation is pending, and `scheduler.repeated_decodes` says the plan
@@ -58,25 +58,23 @@ from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.telemetry import ReplicaTelemetry, ResidentAdapter, TrainingJobStatus
 from collm_sim.config import EngineSpec
 from collm_sim.plugins import (
+    BackgroundInput,
+    BackgroundSettings,
     BatchConfig,
-    CoSchedInput,
     CoScheduler,
     FinishedSample,
+    JobView,
     LatencyWindow,
-    ReqTiming,
+    RequestView,
     SeqView,
-    StepModel,
     TrainCost,
-    arrival_guard_s,
-    background_budget_ms,
     behind_schedule,
     blocks_for,
+    decide_background,
     effective_share,
     likely_arrivals,
     plan_iteration,
     repeated_decodes,
-    request_deadlines,
-    running_timing,
 )
 
 
@@ -298,7 +296,14 @@ class SimReplica:
         # The iterations ahead that plan as the last one did (`_plan_repeats`), or None.
         self._same_plan: SamePlan | None = None
         self.block_size = engine.kv_block_tokens
-        self._step_models: dict[int, StepModel] = {}  # `_timings`' step model by running batch size
+        self.settings = BackgroundSettings(
+            batch=self.batch_cfg,
+            train_guard_frac=engine.ft_guard_frac,
+            train_slack_frac=engine.ft_slack_frac,
+            train_slo_reserve_frac=engine.ft_slo_reserve_frac,
+            micro_tokens=engine.train_micro_tokens,
+            batch_tokens=engine.train_batch_tokens,
+        )
         micro_ms = self.train_cost.ms(engine.train_micro_tokens)
         self.piece_ms = micro_ms / max(1, engine.train_pieces_per_micro_step)
         # One evaluation's cost (None: not modelled), and its pieces.
@@ -587,37 +592,14 @@ class SimReplica:
         self.gen += 1
         return t_inf
 
-    def _timings(
-        self, now: float, items: list[tuple[Req, int]]
-    ) -> tuple[list[ReqTiming], list[ReqTiming], StepModel]:
-        """The running and waiting requests as they will be after this step (`items`), and the step
-        model: the engine's `_timings`, on the SLOs less the reserve (`ft_slo_reserve_frac`)."""
-        keep = 1.0 - self.engine.ft_slo_reserve_frac
-        ttft_s, tpot_s = keep * self.ttft_slo_s, keep * self.tpot_slo_s
-        n_tokens = dict(items)
-        running = [
-            running_timing(
-                now, r.arrival_s, ttft_s, tpot_s, r.t_first, r.prompt_len, r.computed, r.generated, r.out_len,
-                n_tokens.get(r, 0),
-            )
-            for r in self.running
-        ]  # fmt: skip
-        waiting = [
-            ReqTiming(r.arrival_s, ttft_s, tpot_s, prompt_left=r.prompt_len, tokens_left=r.out_len)
-            for r in self.waiting
-        ]
-        n_running = len(self.running)
-        model = self._step_models.get(n_running)
-        if model is None:  # the step model depends on the batch's size only (immutable: kept by size)
-            b = self.batch_cfg
-            model = self._step_models[n_running] = StepModel(
-                decode_step_s=self.decode_ms[max(1, n_running)] / 1e3,
-                prefill_s_per_token=self.prefill_per_token_ms / 1e3,
-                max_batch=b.max_batch,
-                max_batch_tokens=b.max_batch_tokens,
-                prefill_chunk_tokens=b.prefill_chunk_tokens,
-            )
-        return running, waiting, model
+    def _request_view(self, r: Req) -> RequestView:
+        """The request as the engine's background decision sees it (`Sequence.timing`): its SLOs, first
+        token, prompt, tokens computed and output so far; `max_tokens` is its output length (the benchmark
+        client asks for exactly the trace's output length)."""
+        return RequestView(
+            r.sid, r.arrival_s, self.ttft_slo_s, self.tpot_slo_s, r.t_first, r.prompt_len, r.computed,
+            r.generated, r.out_len,
+        )  # fmt: skip
 
     def _likely_arrivals(self, now: float, within_s: float) -> int:
         """The engine's `_likely_arrivals`: arrivals to expect within `within_s` at the rate of the last
@@ -657,58 +639,45 @@ class SimReplica:
             min_ttft_ms = min(
                 self.ttft_slo_ms or self.engine.default_ttft_slo_ms, self.engine.default_ttft_slo_ms
             )
-            guard_ms = self.engine.ft_guard_frac * min_ttft_ms
-            deadlines: tuple[float, ...] = ()
-            if (share > 0 and has_job) or self.evals:
-                r_t, w_t, model = self._timings(now, items)
-                deadlines = request_deadlines(r_t, w_t, model)
-                if running:  # as the engine: no longer than the next arrivals could absorb
-                    keep = 1.0 - self.engine.ft_slo_reserve_frac
-                    guard_ms = min(
-                        guard_ms,
-                        1e3
-                        * arrival_guard_s(
-                            r_t,
-                            w_t,
-                            model,
-                            inf_ms / 1e3,
-                            keep * min_ttft_ms / 1e3,
-                            round(self._prompt_tokens_ewma),
-                            self._likely_arrivals(now, min_ttft_ms / 1e3),
-                        ),
-                    )
-            inp = CoSchedInput(
-                now_s=now,
-                share=share,
-                has_job=has_job,
-                running=len(running),
-                waiting=len(self.waiting),
-                inference_tokens=tokens,
-                token_budget=self.batch_cfg.max_batch_tokens,
-                step_ms=inf_ms,
-                deadlines_s=deadlines,
-                train=self.train_cost,
-                micro_tokens=self.engine.train_micro_tokens,
-                batch_tokens=self.engine.train_batch_tokens,
-                iteration=self.iteration,
-                max_train_ms=guard_ms,
-            )
+            d = decide_background(
+                BackgroundInput(
+                    now_s=now,
+                    share=share,
+                    running=[self._request_view(r) for r in running],
+                    waiting=[self._request_view(r) for r in self.waiting],
+                    plan_items=[(r.sid, n) for r, n in items],
+                    plan_tokens=tokens,
+                    step_ms=inf_ms,
+                    decode_step_ms=self.decode_ms[max(1, len(running))],
+                    prefill_ms_per_token=self.prefill_per_token_ms,
+                    train=self.train_cost,
+                    min_ttft_slo_ms=min_ttft_ms,
+                    prompt_tokens_guess=round(self._prompt_tokens_ewma),
+                    arrivals_within_ttft=self._likely_arrivals(now, min_ttft_ms / 1e3),
+                    jobs=[JobView(due=False, in_progress=job.progress_ms > 0)] if has_job and job else [],
+                    training_paused=False,
+                    evals_pending=bool(self.evals),
+                    iteration=self.iteration,
+                    job_rr=0,
+                ),
+                self.settings,
+                self.cosched,
+            )  # fmt: skip
             if self.evals:
-                eval_ms, catch_up = self._eval_stretch(inp, guard_ms, now + inf_ms / 1e3)
-            if job is not None and has_job:
-                # As the engine: the co-scheduler's time budget, spent in whole pieces (at least one when
+                catch_up_ms = self.engine.ft_guard_frac * min_ttft_ms
+                eval_ms, catch_up = self._eval_stretch(d.eval_ms, catch_up_ms, now + inf_ms / 1e3)
+            if job is not None and d.job is not None:
+                # As the engine: the decision's training window, spent in whole pieces (at least one when
                 # idle and no evaluation is pending), never past what the job still needs; evaluation
                 # pieces count against the same window.
-                budget = getattr(self.cosched, "budget_ms", None)
-                budget_ms = (
-                    budget(inp) if budget is not None else self.train_cost.ms(self.cosched.decide(inp))
-                )
-                decision = (max(0.0, min(budget_ms, 60_000.0)), getattr(self.cosched, "limit", "policy"))
-                window_ms = min(budget_ms, 60_000.0)
-                if inp.idle and budget_ms > 0 and not self.evals:
+                decision = (max(0.0, d.train_ms), d.limit)
+                window_ms = d.train_ms
+                if d.idle and not self.evals:
                     window_ms = max(window_ms, self.piece_ms)
                 pieces = int(max(0.0, window_ms - eval_ms) / self.piece_ms + 1e-9)
                 train_ms = min(pieces * self.piece_ms, self._ms_to_finish(job))
+            elif d.has_job:
+                decision = (max(0.0, d.train_ms), d.limit)
         self.iteration += 1
         if not items and train_ms <= 0 and eval_ms <= 0:
             self.idle = True
@@ -789,19 +758,18 @@ class SimReplica:
             return None
         return SamePlan(items, n_dec, dec_context, n_adapters, k - 1)
 
-    def _eval_stretch(self, inp: CoSchedInput, guard_ms: float, t_inf: float) -> tuple[float, bool]:
+    def _eval_stretch(self, budget_ms: float, catch_up_ms: float, t_inf: float) -> tuple[float, bool]:
         """Evaluation time after this step (ms), and whether it is catching up on its pace: the engine's
-        `_eval_work`: the slack rule's budget, at least one piece, and more while the first task is behind
-        the even pace to its deadline, up to the guard."""
+        `Evaluations.work`: the decision's evaluation window (`budget_ms`), at least one piece, and more
+        while the first task is behind the even pace to its deadline, up to `catch_up_ms` (the guard
+        for the next arrival, `ft_guard_frac` of the TTFT SLO)."""
         piece = self.eval_piece_ms
         left = sum(t.ms_left for t in self.evals)
         if piece <= 0 or left <= 0:
             return 0.0, False
-        margin_ms = getattr(self.cosched, "margin_ms", 10.0)
-        budget = background_budget_ms(inp, margin_ms, self.engine.ft_slack_frac)
-        n = max(1, int(min(budget, 60_000.0) / piece + 1e-9))
+        n = max(1, int(min(budget_ms, 60_000.0) / piece + 1e-9))
         task = self.evals[0]
-        limit = int(guard_ms / piece + 1e-9)
+        limit = int(catch_up_ms / piece + 1e-9)
         catch_up = False
         while n < limit and n * piece < left:
             done_ms = n * piece

@@ -366,6 +366,52 @@ def test_a_round_job_only_trains_as_the_engines_does() -> None:
     assert plain.eval_ms_each is None and plain._ms_to_finish(plain.job) == pytest.approx(296.0)  # type: ignore[arg-type]
 
 
+def test_the_background_windows_are_the_replicas_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each iteration's training window is what the replica's `scheduler.decide_background` grants,
+    asked with the requests as the engine's `Sequence.timing` shows them; a preempted request waits
+    with its prompt and output to recompute and the rest of its output to generate."""
+    import collm_sim.replica as sim_replica
+    from collm_replica.cosched import SloAwareCoScheduler
+    from collm_replica.engine.scheduler import BackgroundDecision, BackgroundInput, timings
+
+    real = sim_replica.decide_background
+    seen: list[tuple[BackgroundInput, BackgroundDecision]] = []
+
+    def spy(inp: BackgroundInput, settings: Any, policy: Any) -> BackgroundDecision:
+        d = real(inp, settings, policy)
+        seen.append((inp, d))
+        return d
+
+    monkeypatch.setattr(sim_replica, "decide_background", spy)
+    done: list[object] = []
+    engine = EngineSpec(train_micro_tokens=32, train_pieces_per_micro_step=4)
+    rep: Any = eval_replica(engine, SloAwareCoScheduler(), done, ttft_ms=2000.0, tpot_ms=400.0)
+    rep.set_share(1.0, 1e9)
+    rep.start_job("med", 1, 1, budget=100_000, deadline_s=1e9, now=0.0)
+    req = sim_replica.Req(0, 0.0, 100, 20, "med")
+    rep.enqueue(req, 0.0)
+    t: float | None = 0.0
+    trained = 0
+    while t is not None and req.t_end is None:
+        t = rep.step(t)
+        if t is None:
+            break
+        inp, d = seen[-1]
+        _, _, t_ev, t_train, _ = rep.pending
+        assert (t_train - t_ev) * 1e3 <= max(0.0, d.train_ms) + 1e-6
+        trained += (t_train - t_ev) > 0
+        if inp.running:
+            (view,) = inp.running
+            assert (view.max_tokens, view.prompt_len) == (20, 100)
+            assert (view.n_output, view.computed) == (req.generated, req.computed)  # before the step's tokens
+    assert len(seen) > 5 and trained > 0 and req.status == "ok"
+    # A request preempted after 7 tokens: 107 tokens to recompute, 13 to generate.
+    late = sim_replica.Req(1, 0.0, 100, 20, "med")
+    late.generated, late.computed, late.target = 7, 0, 107
+    (_, (waiting,), _) = timings(0.0, [], [rep._request_view(late)], [], rep.settings, 20.0, 1.0)
+    assert (waiting.prompt_left, waiting.tokens_left) == (107, 13)
+
+
 def test_a_gate_evaluation_takes_the_idle_time_and_one_piece_per_iteration_under_load() -> None:
     from collm_replica.cosched import SloAwareCoScheduler
     from collm_sim.replica import EvalTask, Req
