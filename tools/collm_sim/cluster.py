@@ -74,6 +74,7 @@ from collm_coordinator.core import (
 )
 from collm_coordinator.core.types import ReplicaObservation
 from collm_coordinator.priors import cost_prior, quality_prior
+from collm_sim.background import EvalTask, Job
 from collm_sim.config import SimConfig
 from collm_sim.plugins import (
     COSCHEDULER_FOR_POLICY,
@@ -87,7 +88,7 @@ from collm_sim.plugins import (
     rank_replicas,
 )
 from collm_sim.quality import QualityModel
-from collm_sim.replica import EvalTask, Job, Req, SimReplica
+from collm_sim.replica import Req, SimReplica
 from collm_sim.workload import Workload, build_workload
 
 _ITER, _TELEMETRY, _TICK, _DEADLINE, _PUBLISH, _EVAL_TIMEOUT = range(6)

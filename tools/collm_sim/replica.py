@@ -25,12 +25,10 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
 5. tokens are emitted at the end of the inference step: a prompt's last prefill chunk emits its first
    token (TTFT), every decode one more token.
 
-Evaluations (when the calibration has their cost, `CostModel.eval_ms`): a round job only trains, as the
-engine's does; the aggregator's gate asks every evaluator to score a version (`EvalTask`), which runs
-before training after the inference step, as the engine's pending evaluations do (`Evaluations.work`):
-within the decision's evaluation window, at least one piece per iteration, and, while the task is behind
-the even pace to its deadline (`behind_schedule`), up to the guard (`ft_guard_frac` of the TTFT SLO);
-training gets what is left of its window.
+Background work (`collm_sim.background.Background`): a round job only trains, as the engine's does; the
+aggregator's gate asks every evaluator to score a version (`EvalTask`, when the calibration has its cost,
+`CostModel.eval_ms`), which runs before training after the inference step, as the engine's pending
+evaluations do; training gets what is left of the decision's window.
 
 A run of decode iterations is taken at once when nothing can change its plan: every running request
 decodes, nothing waits, no job or evaluation is pending, and `scheduler.repeated_decodes` says the plan
@@ -56,6 +54,7 @@ from itertools import islice
 from collm_common.calibration import CostModel
 from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.telemetry import ReplicaTelemetry, ResidentAdapter, TrainingJobStatus
+from collm_sim.background import Background, EvalTask, Job
 from collm_sim.config import EngineSpec
 from collm_sim.plugins import (
     BackgroundInput,
@@ -67,8 +66,6 @@ from collm_sim.plugins import (
     LatencyWindow,
     RequestView,
     SeqView,
-    TrainCost,
-    behind_schedule,
     blocks_for,
     decide_background,
     effective_share,
@@ -139,48 +136,6 @@ class Req:
     def kv_tokens(self) -> int:
         """Tokens in the KV cache: the prefill done so far, or the prompt and all but the last output."""
         return self.computed if self.computed < self.target else self.prompt_len + self.generated - 1
-
-
-class Job:
-    """A replica's local training job for one round."""
-
-    __slots__ = (
-        "adapter", "round_id", "base_version", "budget", "tokens_done", "stop_s", "active", "progress_ms",
-    )  # fmt: skip
-
-    def __init__(self, adapter: str, round_id: int, base_version: int, budget: int, stop_s: float) -> None:
-        self.adapter = adapter
-        self.round_id = round_id
-        self.base_version = base_version
-        self.budget = budget
-        self.tokens_done = 0
-        self.stop_s = stop_s
-        self.active = True
-        self.progress_ms = 0.0  # training time already spent on the micro-step in progress
-
-    @property
-    def done(self) -> bool:
-        return self.tokens_done >= self.budget
-
-
-class EvalTask:
-    """A version the aggregator asked this replica to score: `ms_left` of work, paced to `deadline_s`."""
-
-    __slots__ = ("round_id", "ms_total", "ms_left", "asked_s", "deadline_s", "on_done")
-
-    def __init__(
-        self,
-        round_id: int,
-        ms: float,
-        asked_s: float,
-        deadline_s: float,
-        on_done: Callable[[SimReplica, EvalTask, float], None],
-    ) -> None:
-        self.round_id = round_id
-        self.ms_total = self.ms_left = ms
-        self.asked_s = asked_s
-        self.deadline_s = deadline_s
-        self.on_done = on_done
 
 
 class SamePlan:
@@ -268,14 +223,12 @@ class SimReplica:
         self.decode_ms = [0.0] + [cost.decode_ms(b) for b in range(1, engine.max_batch_tokens + 1)]
         self.cost = cost
         self.prefill_per_token_ms = cost.prefill_ms_per_token
-        self.train_cost = TrainCost(cost.train_fixed_ms, cost.train_ms_per_token)
         self.ttft_slo_s = (ttft_slo_ms or 1e12) / 1e3
         self.tpot_slo_s = (tpot_slo_ms or 1e12) / 1e3
         self.ttft_slo_ms = ttft_slo_ms
         self.tpot_slo_ms = tpot_slo_ms
         self.request_timeout_s = request_timeout_s
         self.on_finish = on_finish
-        self.on_job_done = on_job_done
 
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -304,22 +257,10 @@ class SimReplica:
             micro_tokens=engine.train_micro_tokens,
             batch_tokens=engine.train_batch_tokens,
         )
-        micro_ms = self.train_cost.ms(engine.train_micro_tokens)
-        self.piece_ms = micro_ms / max(1, engine.train_pieces_per_micro_step)
-        # One evaluation's cost (None: not modelled), and its pieces.
-        self.eval_ms_each: float | None = None
-        self.eval_piece_ms = 0.0
-        batches = 1
-        if engine.eval_tokens:
-            batches = engine.eval_batches or -(-engine.eval_tokens // max(1, engine.eval_batch_tokens))
-            self.eval_ms_each = cost.eval_ms(engine.eval_tokens, -(-engine.eval_tokens // max(1, batches)))
-        if self.eval_ms_each:
-            self.eval_piece_ms = self.eval_ms_each / (batches * max(1, engine.eval_pieces_per_batch))
-        self.evals: deque[EvalTask] = deque()
         self.iteration = 0
         self.share: float | None = None
         self.share_expires_s: float | None = None
-        self.job: Job | None = None
+        self.bg = Background(self, cost, engine, on_job_done)
         self.window = KeptSummaryWindow(engine.slo_window_s)
         # Counters of the current telemetry interval, and totals.
         self._arrivals = 0
@@ -389,14 +330,14 @@ class SimReplica:
         if now < t_ev:  # evaluation pieces: at least one ran or runs; catching up on its pace, all of them
             if catch_up:
                 return None
-            piece_s = self.eval_piece_ms / 1e3
+            piece_s = self.bg.eval_piece_ms / 1e3
             pieces = max(1, math.ceil((now - t_inf) / piece_s - 1e-9)) if piece_s > 0 else 0
             new_ev = min(t_ev, t_inf + pieces * piece_s)
             new_end = new_ev  # training does not start after news
         else:
             new_ev = t_ev
-            pieces = max(0, math.ceil((now - t_ev) / (self.piece_ms / 1e3) - 1e-9))
-            new_end = min(t_end, t_ev + pieces * self.piece_ms / 1e3)
+            pieces = max(0, math.ceil((now - t_ev) / (self.bg.piece_ms / 1e3) - 1e-9))
+            new_end = min(t_end, t_ev + pieces * self.bg.piece_ms / 1e3)
         if new_end >= t_end:
             return None
         self.pending = (items, t_inf, new_ev, new_end, catch_up)
@@ -463,30 +404,23 @@ class SimReplica:
     def start_job(
         self, adapter: str, round_id: int, base_version: int, budget: int, deadline_s: float, now: float
     ) -> None:
-        if self.job is not None and self.job.active:
-            self._finish_job(now)
-        self.job = Job(
-            adapter,
-            round_id,
-            base_version,
-            budget,
-            deadline_s - self.engine.round_deadline_margin_s,
-        )
+        self.bg.start_job(adapter, round_id, base_version, budget, deadline_s, now)
 
     def add_eval(self, task: EvalTask) -> None:
         """The aggregator asks this replica to score a version (the cluster wakes the replica)."""
-        self.evals.append(task)
-
-    def _finish_job(self, now: float) -> None:
-        job = self.job
-        if job is None or not job.active:
-            return
-        job.active = False
-        self.on_job_done(self, job, now)
+        self.bg.add_eval(task)
 
     @property
     def has_job(self) -> bool:
-        return self.job is not None and self.job.active
+        return self.bg.has_job
+
+    @property
+    def job(self) -> Job | None:
+        return self.bg.job
+
+    @property
+    def eval_ms_each(self) -> float | None:
+        return self.bg.eval_ms_each
 
     # --- the iteration loop ---------------------------------------------------------------------------
     def step(self, now: float) -> float | None:
@@ -571,7 +505,7 @@ class SimReplica:
     def _cut_run(self, now: float) -> float | None:
         """End the run with its iteration in progress at `now` (`interrupt`), unless the run still holds:
         nothing waits and there is no job or evaluation (a share alone changes nothing without a job)."""
-        if not (self.waiting or self.evals or self.has_job):
+        if not (self.waiting or self.bg.evals or self.bg.has_job):
             return None
         run, i = self._run, self._run_i
         while i < len(run) and run[i][0] <= now:
@@ -613,9 +547,9 @@ class SimReplica:
 
     def _start(self, now: float) -> float | None:
         self._expire(now)
-        job = self.job
+        job = self.bg.job
         if job is not None and job.active and now >= job.stop_s:
-            self._finish_job(now)
+            self.bg.finish_job(now)
         running = self.running
         memo = self._same_plan
         if memo is not None and memo.left > 0 and not self.waiting and len(running) == memo.n_dec:
@@ -631,10 +565,10 @@ class SimReplica:
         inf_ms = self.cost.step_ms(n_dec, dec_context, chunks, n_adapters) if items else 0.0
         train_ms = eval_ms = 0.0
         catch_up = False
-        job = self.job
+        job = self.bg.job
         has_job = job is not None and job.active
         decision: tuple[float, str | None] = (0.0, None)  # the training budget and what bounded it
-        if has_job or self.evals:
+        if has_job or self.bg.evals:
             share, _ = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
             min_ttft_ms = min(
                 self.ttft_slo_ms or self.engine.default_ttft_slo_ms, self.engine.default_ttft_slo_ms
@@ -650,32 +584,32 @@ class SimReplica:
                     step_ms=inf_ms,
                     decode_step_ms=self.decode_ms[max(1, len(running))],
                     prefill_ms_per_token=self.prefill_per_token_ms,
-                    train=self.train_cost,
+                    train=self.bg.train_cost,
                     min_ttft_slo_ms=min_ttft_ms,
                     prompt_tokens_guess=round(self._prompt_tokens_ewma),
                     arrivals_within_ttft=self._likely_arrivals(now, min_ttft_ms / 1e3),
                     jobs=[JobView(due=False, in_progress=job.progress_ms > 0)] if has_job and job else [],
                     training_paused=False,
-                    evals_pending=bool(self.evals),
+                    evals_pending=bool(self.bg.evals),
                     iteration=self.iteration,
                     job_rr=0,
                 ),
                 self.settings,
                 self.cosched,
             )  # fmt: skip
-            if self.evals:
+            if self.bg.evals:
                 catch_up_ms = self.engine.ft_guard_frac * min_ttft_ms
-                eval_ms, catch_up = self._eval_stretch(d.eval_ms, catch_up_ms, now + inf_ms / 1e3)
+                eval_ms, catch_up = self.bg.eval_stretch(d.eval_ms, catch_up_ms, now + inf_ms / 1e3)
             if job is not None and d.job is not None:
                 # As the engine: the decision's training window, spent in whole pieces (at least one when
                 # idle and no evaluation is pending), never past what the job still needs; evaluation
                 # pieces count against the same window.
                 decision = (max(0.0, d.train_ms), d.limit)
                 window_ms = d.train_ms
-                if d.idle and not self.evals:
-                    window_ms = max(window_ms, self.piece_ms)
-                pieces = int(max(0.0, window_ms - eval_ms) / self.piece_ms + 1e-9)
-                train_ms = min(pieces * self.piece_ms, self._ms_to_finish(job))
+                if d.idle and not self.bg.evals:
+                    window_ms = max(window_ms, self.bg.piece_ms)
+                pieces = int(max(0.0, window_ms - eval_ms) / self.bg.piece_ms + 1e-9)
+                train_ms = min(pieces * self.bg.piece_ms, self.bg.ms_to_finish(job))
             elif d.has_job:
                 decision = (max(0.0, d.train_ms), d.limit)
         self.iteration += 1
@@ -690,7 +624,7 @@ class SimReplica:
         self._step_shape = (n_dec, dec_context, chunks, n_adapters, decision)
         self.idle = False
         if n_dec == len(items) == len(running) and not (self.waiting or changed):
-            if not (has_job or self.evals):
+            if not (has_job or self.bg.evals):
                 end = self._decode_run(now, items, inf_ms)
                 if end is not None:
                     self._same_plan = None
@@ -758,77 +692,6 @@ class SimReplica:
             return None
         return SamePlan(items, n_dec, dec_context, n_adapters, k - 1)
 
-    def _eval_stretch(self, budget_ms: float, catch_up_ms: float, t_inf: float) -> tuple[float, bool]:
-        """Evaluation time after this step (ms), and whether it is catching up on its pace: the engine's
-        `Evaluations.work`: the decision's evaluation window (`budget_ms`), at least one piece, and more
-        while the first task is behind the even pace to its deadline, up to `catch_up_ms` (the guard
-        for the next arrival, `ft_guard_frac` of the TTFT SLO)."""
-        piece = self.eval_piece_ms
-        left = sum(t.ms_left for t in self.evals)
-        if piece <= 0 or left <= 0:
-            return 0.0, False
-        n = max(1, int(min(budget_ms, 60_000.0) / piece + 1e-9))
-        task = self.evals[0]
-        limit = int(catch_up_ms / piece + 1e-9)
-        catch_up = False
-        while n < limit and n * piece < left:
-            done_ms = n * piece
-            progress = 1.0 - max(0.0, task.ms_left - done_ms) / task.ms_total
-            if not behind_schedule(progress, t_inf + done_ms / 1e3, task.asked_s, task.deadline_s):
-                break
-            n += 1
-            catch_up = True
-        return min(n * piece, left), catch_up
-
-    def _spend_evals(self, ms: float, t: float) -> None:
-        left = ms
-        while self.evals and left > 1e-9:
-            task = self.evals[0]
-            take = min(task.ms_left, left)
-            task.ms_left -= take
-            left -= take
-            if task.ms_left <= 1e-6:
-                self.evals.popleft()
-                task.on_done(self, task, t)
-
-    def _micro_ms(self, job: Job) -> tuple[int, float]:
-        """(tokens, ms) of the job's micro-step in progress (the last one may be short of the budget)."""
-        tokens = min(self.engine.train_micro_tokens, job.budget - job.tokens_done)
-        return tokens, self.train_cost.ms(tokens)
-
-    def _ms_to_finish(self, job: Job) -> float:
-        """Work until the job is done (its token budget), whole pieces."""
-        left = job.budget - job.tokens_done
-        ms = 0.0
-        if left > 0:
-            micro = self.engine.train_micro_tokens
-            full, rest = divmod(left, micro)
-            ms = full * self.train_cost.ms(micro) + self.train_cost.ms(rest)
-        ms -= job.progress_ms
-        if ms <= 0:
-            return 0.0
-        return math.ceil(ms / self.piece_ms - 1e-9) * self.piece_ms
-
-    def _train(self, job: Job, ms: float) -> tuple[int, list[tuple[int, float]]]:
-        """Spend `ms` on the job's micro-steps: (tokens of the micro-steps it completed, (tokens, ms) of
-        each micro-step completed)."""
-        done = 0
-        micro_steps: list[tuple[int, float]] = []
-        job.progress_ms += ms
-        while job.active:
-            if job.tokens_done >= job.budget:
-                break
-            tokens, step_ms = self._micro_ms(job)
-            if job.progress_ms + 1e-6 < step_ms:
-                break
-            job.progress_ms -= step_ms
-            job.tokens_done += tokens
-            done += tokens
-            micro_steps.append((tokens, step_ms))
-        if job.done:
-            job.progress_ms = 0.0
-        return done, micro_steps
-
     def _complete(self) -> None:
         assert self.pending is not None
         items, t_inf, t_ev, t_end, _ = self.pending
@@ -883,11 +746,11 @@ class SimReplica:
         self._gen_tokens += generated
         self.blocks_used += grown
         if eval_ms > 0:
-            self._spend_evals(eval_ms, t_ev)
-        job = self.job
+            self.bg.spend_evals(eval_ms, t_ev)
+        job = self.bg.job
         if train_ms > 0 and job is not None and job.active:
             self.cosched.charge(train_ms)
-            train_tokens, micro_steps = self._train(job, train_ms)
+            train_tokens, micro_steps = self.bg.train(job, train_ms)
             if log is not None:
                 log(
                     BackgroundWork(
@@ -900,7 +763,7 @@ class SimReplica:
             if train_tokens:
                 self.training_done.append((t_end, train_tokens))
             if job.done:
-                self._finish_job(t_end)
+                self.bg.finish_job(t_end)
 
     # --- telemetry ------------------------------------------------------------------------------------
     def _resident_adapter(self, name: str, version: int, in_flight: int) -> ResidentAdapter:
@@ -921,7 +784,7 @@ class SimReplica:
         in_flight: dict[str, int] = {}
         for r in self.running:
             in_flight[r.domain] = in_flight.get(r.domain, 0) + 1
-        job = self.job
+        job = self.bg.job
         jobs = []
         if job is not None:
             jobs.append(
@@ -960,7 +823,7 @@ class SimReplica:
             slo_attainment=lat["slo_attainment"],
             decode_step_ms=self.decode_ms[self.engine.max_batch],
             prefill_ms_per_token=self.prefill_per_token_ms,
-            train_step_ms=self.train_cost.ms(self.engine.train_micro_tokens),
+            train_step_ms=self.bg.train_cost.ms(self.engine.train_micro_tokens),
             infer_busy_frac=min(1.0, self._infer_ms / 1e3 / dt) if busy else None,
             train_busy_frac=min(1.0, self._train_ms / 1e3 / dt) if busy else None,
             ft_share=share,

@@ -347,7 +347,7 @@ def test_a_round_job_only_trains_as_the_engines_does() -> None:
     assert rep.eval_ms_each == pytest.approx(60.0)  # type: ignore[attr-defined]  # 10 + 100 x 0.5 ms
     rep.start_job("med", 1, 1, budget=256, deadline_s=1e9, now=0.0)  # type: ignore[attr-defined]
     # Two micro-steps of 148 ms: 296 ms, 8 whole pieces of 37 ms.
-    assert rep._ms_to_finish(rep.job) == pytest.approx(8 * 37.0)  # type: ignore[attr-defined]
+    assert rep.bg.ms_to_finish(rep.job) == pytest.approx(8 * 37.0)  # type: ignore[attr-defined]
     t = 0.0
     while (nxt := rep.step(t)) is not None:  # type: ignore[attr-defined]
         t = nxt
@@ -363,7 +363,7 @@ def test_a_round_job_only_trains_as_the_engines_does() -> None:
         60.0, done.append, lambda _r, job, _t: done.append(job),
     )  # fmt: skip
     plain.start_job("med", 1, 1, budget=256, deadline_s=1e9, now=0.0)
-    assert plain.eval_ms_each is None and plain._ms_to_finish(plain.job) == pytest.approx(296.0)  # type: ignore[arg-type]
+    assert plain.eval_ms_each is None and plain.bg.ms_to_finish(plain.job) == pytest.approx(296.0)  # type: ignore[arg-type]
 
 
 def test_the_background_windows_are_the_replicas_decision(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -414,7 +414,8 @@ def test_the_background_windows_are_the_replicas_decision(monkeypatch: pytest.Mo
 
 def test_a_gate_evaluation_takes_the_idle_time_and_one_piece_per_iteration_under_load() -> None:
     from collm_replica.cosched import SloAwareCoScheduler
-    from collm_sim.replica import EvalTask, Req
+    from collm_sim.background import EvalTask
+    from collm_sim.replica import Req
 
     engine = EngineSpec(eval_tokens=100, eval_batch_tokens=100, eval_pieces_per_batch=2)  # 2 x 30 ms
     reported: list[tuple[int, float]] = []
@@ -520,11 +521,11 @@ def test_an_evaluation_runs_in_the_batches_and_pieces_it_is_given() -> None:
     done: list[object] = []
     default = eval_replica(EngineSpec(eval_tokens=1024), LeftoverCoScheduler(), done)
     assert default.eval_ms_each == pytest.approx(532.0)  # type: ignore[attr-defined]
-    assert default.eval_piece_ms == pytest.approx(532.0 / 62)  # type: ignore[attr-defined]
+    assert default.bg.eval_piece_ms == pytest.approx(532.0 / 62)  # type: ignore[attr-defined]
     spec = EngineSpec(eval_tokens=1024, eval_batches=4, eval_pieces_per_batch=32)
     live_shape = eval_replica(spec, LeftoverCoScheduler(), done)
     assert live_shape.eval_ms_each == pytest.approx(552.0)  # type: ignore[attr-defined]
-    assert live_shape.eval_piece_ms == pytest.approx(552.0 / 128)  # type: ignore[attr-defined]
+    assert live_shape.bg.eval_piece_ms == pytest.approx(552.0 / 128)  # type: ignore[attr-defined]
 
 
 def test_a_replica_can_have_its_own_engine_settings() -> None:
