@@ -172,7 +172,7 @@ class AdapterManager:
                     log.info("adapter %s has no current version in the store (unloaded): forgotten", name)
                 continue
             newest = self.engine.global_version(name)
-            if cur is not None and (newest is None or cur > newest):
+            if newest is None or cur > newest:
                 with contextlib.suppress(ReplicaError):
                     await self.load(name, cur, make_current=True, source="sync")
 

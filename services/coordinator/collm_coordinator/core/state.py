@@ -329,7 +329,11 @@ class ClusterState:
 
     def update_virtual_queue(self, dt_s: float) -> None:
         """Z <- max(0, Z + gain * (target - attainment) * dt / slow_interval): Z grows while the
-        attainment measured since the last fast tick falls short of the target, and drains otherwise."""
+        attainment falls short of the target, and drains otherwise. The attainment is that of the reports
+        received since the last fast tick: their `good` and `finished` counts summed, each report's over
+        its replica's SLO window (`slo_window_s`), so with one report per replica per tick it is the
+        cluster's windowed attainment, and a request counts in every tick while it is in a window; below
+        `min_finished_for_attainment` finished in those reports Z holds and the counts carry over."""
         cfg = self.config
         if self._window_finished >= cfg.min_finished_for_attainment:
             att = self._window_good / self._window_finished
