@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from collm_replica.cosched import (
     CoSchedInput,
@@ -274,9 +274,9 @@ def _plan_reserved(
     return plan
 
 
-@dataclass(frozen=True)
-class RequestView:
-    """A request as the background decision sees it; times on the engine's clock (s), SLOs in s."""
+class RequestView(NamedTuple):
+    """A request as the background decision sees it; times on the engine's clock (s), SLOs in s. A named
+    tuple: one is built for every present request at every iteration."""
 
     request_id: str
     t_arrival_s: float
