@@ -83,7 +83,9 @@ class CoScheduler(Protocol):
     name: str
 
     def decide(self, inp: CoSchedInput) -> int:
-        """Training tokens to run after this iteration's inference step (0: none)."""
+        """Training tokens to run after this iteration's inference step (0: none; always 0 without a job
+        or with a share of 0, whatever else the input says: `scheduler.decide_background` does not
+        compute the requests' deadlines then)."""
         ...
 
     def charge(self, train_ms: float) -> None:

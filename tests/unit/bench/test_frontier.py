@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from collm_bench.frontier.curves import default_curve, with_default_curves
-from collm_bench.frontier.live import BASE_LOSS_S, POINT_OVERHEAD_S, estimate_s, knob_env
+from collm_bench.frontier.live import BASE_LOSS_S, POINT_OVERHEAD_S, estimate_s, knob_env, resume_from
 from collm_bench.frontier.points import (
     Point,
     best_at_least,
@@ -293,6 +293,45 @@ def test_with_default_curves_adds_only_the_missing_domains() -> None:
 
     q = QualityModel(more.quality)
     assert 0 < q.gain("legal", 2000) < max(q.gain("math", 2000), q.gain("medical", 2000))
+
+
+def _prior(points: list[Point], base: dict[str, float] | None = None, **config: object) -> dict[str, object]:
+    cfg = {"model": "smollm2", "replicas": 2, "window_s": 600.0, "drain_s": 30.0, "rate_rps": 0.765,
+           "min_requests": 100, "slo": {"ttft_ms": 9423.0, "tpot_ms": 456.3}, "domains": ["math", "medical"],
+           "seed": 0, "runs_dir": "/elsewhere"}  # fmt: skip
+    cfg.update(config)
+    return {
+        "mode": "live",
+        "trace": {"name": "conv"},
+        "config": cfg,
+        "points": [p.as_dict() for p in points],
+        "runs": [{"policy": p.policy, "knob": p.knob, "rounds": 3} for p in points],
+        "base_losses": base,
+    }
+
+
+def test_a_resumed_run_keeps_the_points_of_its_grid_and_refuses_another_plan() -> None:
+    knobs = knob_grid(("collm", "fixed_ratio"), 2, fixed_shares=(0.05, 0.1), collm_weights=(20,),
+                      collm_targets=(0.9,))  # fmt: skip
+    done = [pt("fixed_ratio", knobs[1].label, ft=8250.0), pt("separate", "1 of 2 train")]
+    prior = _prior(done, {"math": 1.2})
+    mine = {**prior["config"], "runs_dir": "/here"}  # type: ignore[dict-item]
+    kept, base = resume_from(prior, "conv", mine, knobs)
+    # Only the knob of this grid is kept (separate is not in it), with its run entry; the base losses too.
+    assert list(kept) == [("fixed_ratio", knobs[1].label)]
+    point, run = kept[("fixed_ratio", knobs[1].label)]
+    assert point["finetune_tokens"] == 8250.0 and run == {"policy": "fixed_ratio", "knob": knobs[1].label,
+                                                          "rounds": 3}  # fmt: skip
+    assert base == {"math": 1.2}
+    assert resume_from(_prior([]), "conv", mine, knobs) == ({}, None)  # nothing done yet: nothing kept
+    with pytest.raises(ValueError, match="rate_rps"):
+        resume_from(_prior(done, {"math": 1.2}, rate_rps=0.8), "conv", mine, knobs)
+    with pytest.raises(ValueError, match="trace"):
+        resume_from(prior, "code", mine, knobs)
+    with pytest.raises(ValueError, match="base losses"):
+        resume_from(_prior(done), "conv", mine, knobs)
+    with pytest.raises(ValueError, match="live"):
+        resume_from({**prior, "mode": "sim"}, "conv", mine, knobs)
 
 
 def test_estimate_counts_every_point_with_its_overhead() -> None:

@@ -348,10 +348,15 @@ class RecordingCoScheduler(SloAwareCoScheduler):
 @pytest.mark.parametrize("reserve", [0.0, 0.5])
 def test_background_work_plans_against_the_slos_less_the_reserve(tiny: LoadedModel, reserve: float) -> None:
     """A decoding request's next token is due `tpot_slo x (1 - reserve)` after the previous one's due
-    time: consecutive deadlines of a lone request are that far apart (less the step-time noise)."""
-    cfg = EngineConfig(train_slo_reserve_frac=reserve)
+    time: consecutive deadlines of a lone request are that far apart (less the step-time noise). (A job
+    and a share: without background work to grant, the decision computes no deadlines.)"""
+    cfg = EngineConfig(
+        train_slo_reserve_frac=reserve, ft_share_default=1.0, job=JobConfig(micro_tokens=32, batch_tokens=32)
+    )
     rec = RecordingCoScheduler()
     with Engine(tiny, cfg, rec, dataset=dataset()) as eng:
+        live = LiveLora.init_new(LoraSpec(), eng.executor.n_layers, eng.executor.shapes, "tiny")
+        eng.start_job(JobSpec("med", "med@v1", 1, live, token_budget=100_000)).result(10)
         submit_all(eng, [greedy("r", P1, 8, tpot_slo_ms=1000.0, ttft_slo_ms=20_000.0)])
     decoding = [i.deadlines_s[0] for i in rec.inputs if i.running == 1 and i.deadlines_s][1:]
     gaps = [b - a for a, b in zip(decoding, decoding[1:], strict=False)]

@@ -79,7 +79,7 @@ def _input(**kw: object) -> BackgroundInput:
         iteration=1,
         job_rr=0,
     )
-    return replace(base, **kw)
+    return base._replace(**kw)  # type: ignore[arg-type]
 
 
 def _primed_policy() -> SloAwareCoScheduler:
@@ -125,7 +125,7 @@ def test_slack_grants_training_to_the_job_within_the_guard() -> None:
     assert d.job == 0
     assert d.step_ms == 10.0
     # A tighter TPOT SLO leaves less slack, hence less training.
-    tight = decide_background(replace(inp, running=[_decoding(tpot_slo_s=0.1)]), SETTINGS, _primed_policy())
+    tight = decide_background(inp._replace(running=[_decoding(tpot_slo_s=0.1)]), SETTINGS, _primed_policy())
     assert 0.0 <= tight.train_ms < d.train_ms
 
 
@@ -147,7 +147,7 @@ def test_no_job_or_paused_means_no_training_but_evaluations_still_run() -> None:
 def test_evaluations_get_their_own_window_beside_training() -> None:
     inp = _input(running=[_decoding(tpot_slo_s=1.0)], plan_items=[("a", 1)], plan_tokens=1, step_ms=10.0)
     without = decide_background(inp, SETTINGS, _primed_policy())
-    with_evals = decide_background(replace(inp, evals_pending=True), SETTINGS, _primed_policy())
+    with_evals = decide_background(inp._replace(evals_pending=True), SETTINGS, _primed_policy())
     assert without.eval_ms == 0.0
     assert with_evals.eval_ms > 0.0
     # The training window does not shrink for pending evaluations (the loop runs evaluations first, and

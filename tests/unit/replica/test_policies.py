@@ -162,6 +162,19 @@ def test_make_coscheduler_and_off() -> None:
         make_coscheduler("nope")
 
 
+@pytest.mark.parametrize("name", ["slo", "fixed", "leftover", "off"])
+def test_no_coscheduler_trains_without_a_job_or_a_share(name: str) -> None:
+    """The contract `scheduler.decide_background` relies on to skip the requests' deadlines: nothing to
+    train without a job or with a share of 0, idle or loaded, with every slack in the world."""
+    for kw in ({"has_job": False}, {"share": 0.0}, {"share": 0.0, "running": 0}):
+        p = make_coscheduler(name)
+        p.decide(inp(now_s=90.0, share=1.0, has_job=False))  # credit, for the policies that keep one
+        for deadlines in ((), (1e9,)):
+            case = inp(deadlines_s=deadlines, max_train_ms=1e6, **kw)
+            assert p.decide(case) == 0
+            assert getattr(p, "budget_ms", lambda _i: 0.0)(case) == 0.0
+
+
 def test_effective_share_ttl() -> None:
     assert effective_share(10.0, 0.8, 20.0, 0.3) == (0.8, "coordinator")
     assert effective_share(25.0, 0.8, 20.0, 0.3) == (0.3, "local_default")

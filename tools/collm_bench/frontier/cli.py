@@ -3,6 +3,7 @@
     python -m collm_bench frontier --sim --replicas 64 --window-s 3600 --trace conv   # the simulator
     python -m collm_bench frontier                     # live, the default stack (make bench-frontier)
     python -m collm_bench frontier --tiny              # live, the quick check of the pipeline
+    python -m collm_bench frontier --resume RUNS/results.json   # live, the same flags: the missing points
     python -m collm_bench frontier --render bench/results/frontier/sim-conv-64r.json   # table and figure
     python -m collm_bench frontier --agree bench/results/frontier/live-conv-2r.json    # sim vs live
 
@@ -98,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--runs-dir", type=Path, default=None, help="per-point run directories (logs)")
     g.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, run nothing")
+    g.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="keep the points of an earlier run of the same plan (its result file, or the results.json "
+        "of its runs directory) and run only the knobs it lacks",
+    )
     return p
 
 

@@ -53,6 +53,7 @@ class LiveFrontierConfig:
     runs_dir: Path | None = None
     data_dirs: Mapping[str, Path] = dataclasses.field(default_factory=dict)
     dry_run: bool = False  # the plan and the time estimate only
+    resume: Path | None = None  # an earlier run's results (`resume_from`): its points are kept
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, policies: tuple[str, ...]) -> LiveFrontierConfig:
@@ -87,6 +88,7 @@ class LiveFrontierConfig:
             runs_dir=args.runs_dir,
             data_dirs=data,
             dry_run=args.dry_run,
+            resume=args.resume,
         )
 
     def apply(self, cfg: HeadlineConfig) -> HeadlineConfig:
@@ -160,6 +162,53 @@ def sized_plan(
     return cfg
 
 
+# What must be equal for an earlier run's points to stand beside this run's: the same plan and stack.
+SAME_PLAN = ("model", "replicas", "window_s", "drain_s", "rate_rps", "min_requests", "slo", "domains", "seed")
+
+
+def same_plan_config(cfg: HeadlineConfig, live: LiveFrontierConfig, rate: float, slo: Slo) -> dict[str, Any]:
+    """The result file's configuration entries that make its plan (`SAME_PLAN`)."""
+    return {
+        "model": cfg.model,
+        "replicas": cfg.replicas,
+        "window_s": cfg.duration_s,
+        "drain_s": cfg.drain_s,
+        "rate_rps": rate,
+        "min_requests": live.min_requests,
+        "slo": dataclasses.asdict(slo),
+        "domains": list(cfg.domains),
+        "seed": cfg.seed,
+    }
+
+
+def resume_from(prior: Mapping[str, Any], trace: str, config: Mapping[str, Any], knobs: Sequence[Knob]) -> (
+    tuple[dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any] | None]], dict[str, float] | None]
+):  # fmt: skip
+    """The points of an earlier live run (a result file, or the `results.json` a run keeps in its runs
+    directory after every point) that this run can keep: (policy, knob label) -> (point, its run entry)
+    for the knobs of this grid it holds, and its base losses. Raises ValueError when the earlier run
+    replayed another trace or plan (`SAME_PLAN`), or has points but no base losses to score against."""
+    if prior.get("mode") != "live":
+        raise ValueError("not a live frontier result")
+    if prior.get("trace", {}).get("name") != trace:
+        raise ValueError(f"it replayed trace {prior.get('trace', {}).get('name')!r}, this run {trace!r}")
+    theirs = prior.get("config", {})
+    for key in SAME_PLAN:
+        if theirs.get(key) != config.get(key):
+            raise ValueError(f"its {key} is {theirs.get(key)!r}, this run's {config.get(key)!r}")
+    wanted = {(k.policy, k.label) for k in knobs}
+    runs = {(r.get("policy"), r.get("knob")): r for r in prior.get("runs", []) if "error" not in r}
+    kept = {
+        (p["policy"], p["knob"]): (dict(p), runs.get((p["policy"], p["knob"])))
+        for p in prior.get("points", [])
+        if (p.get("policy"), p.get("knob")) in wanted
+    }
+    base = prior.get("base_losses")
+    if kept and not base:
+        raise ValueError("it has points but no base losses")
+    return kept, (dict(base) if base else None)
+
+
 def live_frontier(
     cfg: HeadlineConfig,
     live: LiveFrontierConfig,
@@ -177,15 +226,24 @@ def live_frontier(
     slo = setup.slo_for(cfg, source, cal, max_batch())
     rate, how = live_rate(cfg, live, source, slo, say)
     cfg = sized_plan(cfg, source, rate, live.min_requests)
+    kept: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any] | None]] = {}
+    base: dict[str, float] | None = None
+    if live.resume is not None:
+        prior = json.loads(Path(live.resume).read_text(encoding="utf-8"))
+        try:
+            kept, base = resume_from(prior, source.name, same_plan_config(cfg, live, rate, slo), knobs)
+        except ValueError as exc:
+            raise setup.SetupError(f"--resume {live.resume}: {exc}") from exc
+        say(f"kept {len(kept)} of {len(knobs)} points from {live.resume}")
     root = (live.runs_dir or Path(cfg.out_dir).parent / "frontier-runs") / time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     datasets = setup.prepare_data(cfg, root / "data")
     plan = setup.build_plan(cfg, source, rate, setup.prompt_builder(cfg, setup.token_counter(cfg.model)), slo)
-    total = estimate_s(len(knobs), cfg.duration_s, cfg.drain_s, time.monotonic() - t0)
+    total = estimate_s(len(knobs) - len(kept), cfg.duration_s, cfg.drain_s, time.monotonic() - t0)
     say(
         f"{source.label(cfg)}, model {cfg.model}, {cfg.replicas} replicas: {rate:.3f} req/s ({how}), "
         f"{len(plan)} requests in {cfg.duration_s:.0f} s windows, SLO TTFT {slo.ttft_ms:.0f} ms / TPOT "
-        f"{slo.tpot_ms:.0f} ms; {len(knobs)} points, estimated {total / 60:.1f} min "
+        f"{slo.tpot_ms:.0f} ms; {len(knobs) - len(kept)} points to run, estimated {total / 60:.1f} min "
         f"({POINT_OVERHEAD_S:.0f} s per stack + {cfg.duration_s:.0f} s window + {cfg.drain_s:.0f} s drain "
         f"each); runs in {root}"
     )
@@ -194,25 +252,23 @@ def live_frontier(
         "mode": "live",
         "trace": {"name": source.name, "label": source.label(cfg), "path": str(source.path)},
         "config": {
-            "model": cfg.model,
-            "replicas": cfg.replicas,
-            "window_s": cfg.duration_s,
-            "drain_s": cfg.drain_s,
-            "rate_rps": rate,
+            **same_plan_config(cfg, live, rate, slo),
             "rate_from": how,
-            "min_requests": live.min_requests,
-            "slo": dataclasses.asdict(slo),
-            "domains": list(cfg.domains),
-            "seed": cfg.seed,
             "estimated_s": round(total),
             "runs_dir": str(root),
         },
         "points": [],
         "runs": [],
     }
-    base: dict[str, float] | None = None
+    if live.resume is not None:
+        results["config"]["resumed_from"] = str(live.resume)
     failed = 0
     for i, knob in enumerate([] if live.dry_run else knobs):
+        if (knob.policy, knob.label) in kept:
+            point, run = kept[(knob.policy, knob.label)]
+            results["points"].append(point)
+            results["runs"].append({**(run or {"policy": knob.policy, "knob": knob.label}), "resumed": True})
+            continue
         run_dir = root / f"{i:02d}-{knob.policy}"
         say(f"{knob.policy} {knob.label} ...")
         t_point = time.monotonic()
@@ -238,7 +294,7 @@ def live_frontier(
             }
         )
         (root / "results.json").write_text(
-            json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8"
+            json.dumps({**results, "base_losses": base}, indent=1, default=str) + "\n", encoding="utf-8"
         )
         say(
             f"  attainment {p.slo_attainment or 0:.3f}, goodput {p.goodput_rps or 0:.3f} req/s, ft tokens "

@@ -289,8 +289,7 @@ class RequestView(NamedTuple):
     max_tokens: int
 
 
-@dataclass(frozen=True)
-class JobView:
+class JobView(NamedTuple):
     """An active training job as the decision sees it: past its round deadline (less the margin), and
     with a micro-step or evaluation batch half done."""
 
@@ -310,8 +309,7 @@ class BackgroundSettings:
     batch_tokens: int
 
 
-@dataclass(frozen=True)
-class BackgroundInput:
+class BackgroundInput(NamedTuple):
     """One iteration's state for the background decision.
 
     `plan_items`/`plan_tokens`: the inference step planned this iteration; `step_ms`: its predicted cost;
@@ -339,8 +337,7 @@ class BackgroundInput:
     job_rr: int
 
 
-@dataclass(frozen=True)
-class BackgroundDecision:
+class BackgroundDecision(NamedTuple):
     """What background work fits after this iteration's step.
 
     `step_ms`: the predicted inference step; `train_ms`/`eval_ms`: the windows of training and of
@@ -447,41 +444,47 @@ def decide_background(
     the slack (`cosched.background_budget_ms`). The job: a round job past its deadline first (it only
     wraps up and sends its update), then one with a micro-step or evaluation batch half done, else the
     next in turn (jobs yield to each other at those boundaries, so each gets its share)."""
-    running, waiting, model = timings(
-        inp.now_s,
-        inp.running,
-        inp.waiting,
-        inp.plan_items,
-        settings,
-        inp.decode_step_ms,
-        inp.prefill_ms_per_token,
-    )
     min_ttft_ms = inp.min_ttft_slo_ms
     guard_ms = settings.train_guard_frac * min_ttft_ms
-    if inp.running:
-        guard_ms = min(
-            guard_ms,
-            1e3
-            * arrival_guard_s(
-                running,
-                waiting,
-                model,
-                inp.step_ms / 1e3,
-                (1.0 - settings.train_slo_reserve_frac) * min_ttft_ms / 1e3,
-                inp.prompt_tokens_guess,
-                inp.arrivals_within_ttft,
-            ),
+    has_job = bool(inp.jobs) and not inp.training_paused
+    deadlines: tuple[float, ...] = ()
+    # Without background work to grant (no evaluation pending, and no job or a share of 0: no
+    # co-scheduler trains then) the requests' deadlines and the arrival guard are not needed.
+    if inp.evals_pending or (has_job and inp.share > 0):
+        running, waiting, model = timings(
+            inp.now_s,
+            inp.running,
+            inp.waiting,
+            inp.plan_items,
+            settings,
+            inp.decode_step_ms,
+            inp.prefill_ms_per_token,
         )
+        deadlines = request_deadlines(running, waiting, model)
+        if inp.running:
+            guard_ms = min(
+                guard_ms,
+                1e3
+                * arrival_guard_s(
+                    running,
+                    waiting,
+                    model,
+                    inp.step_ms / 1e3,
+                    (1.0 - settings.train_slo_reserve_frac) * min_ttft_ms / 1e3,
+                    inp.prompt_tokens_guess,
+                    inp.arrivals_within_ttft,
+                ),
+            )
     cin = CoSchedInput(
         now_s=inp.now_s,
         share=inp.share,
-        has_job=bool(inp.jobs) and not inp.training_paused,
+        has_job=has_job,
         running=len(inp.running),
         waiting=len(inp.waiting),
         inference_tokens=inp.plan_tokens,
         token_budget=settings.batch.max_batch_tokens,
         step_ms=inp.step_ms,
-        deadlines_s=request_deadlines(running, waiting, model),
+        deadlines_s=deadlines,
         train=inp.train,
         micro_tokens=settings.micro_tokens,
         batch_tokens=settings.batch_tokens,
