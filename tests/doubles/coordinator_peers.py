@@ -3,7 +3,8 @@
 * `TelemetryReplica`: publishes scripted `ReplicaTelemetry` on `subjects.telemetry(id)` every
   `interval_s` (its load is whatever the test sets in `load`), and answers control commands on
   `subjects.replica(id, "control")`, recording every `SetFineTuneShare` with its arrival time. A
-  `control_delay_s` makes it a slow replica. There is no engine behind it.
+  `control_delay_s` makes it a slow replica; a `hold` event makes it answer no command until the event is
+  set (`held` counts the commands it has received and not yet answered). There is no engine behind it.
 * `AggregatorDouble`: answers `open_round` with `RoundOutcome(state="opened")` and a fresh round id,
   recording every plan.
 
@@ -49,6 +50,8 @@ class TelemetryReplica:
     domain: str = "med"
     load: Load = field(default_factory=Load)
     control_delay_s: float = 0.0
+    hold: asyncio.Event | None = None
+    held: int = 0
     publishing: bool = True
     shares: list[ShareRecord] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
@@ -104,6 +107,12 @@ class TelemetryReplica:
             await asyncio.sleep(self.interval_s)
 
     async def _control(self, cmd: object, _headers: Mapping[str, str]) -> ControlReply:
+        if self.hold is not None:
+            self.held += 1
+            try:
+                await self.hold.wait()
+            finally:
+                self.held -= 1
         if self.control_delay_s:
             await asyncio.sleep(self.control_delay_s)
         if isinstance(cmd, SetFineTuneShare):

@@ -297,24 +297,29 @@ async def test_the_next_round_opens_as_soon_as_the_last_one_announced_its_end(
     from collm_aggregator.runner import RoundRunner
 
     cleaning = asyncio.Event()
+    cleaned = asyncio.Event()  # round 1's cleanup is held until the second round has opened
     drop = RoundRunner._drop_blobs
 
     async def slow_drop(self: RoundRunner) -> None:
         cleaning.set()
-        await asyncio.sleep(1.5)
+        await cleaned.wait()
         await drop(self)
 
     monkeypatch.setattr(RoundRunner, "_drop_blobs", slow_drop)
-    await cluster.seed_v1()
-    await cluster.start_aggregator()
-    await cluster.add("r0")
-    await cluster.open(["r0"], quorum=1, deadline_s=5.0)
-    out = await cluster.wait_final(1, timeout_s=10)
-    assert out.state == "published"
-    await asyncio.wait_for(cleaning.wait(), 5)
-    assert cluster.agg is not None and 1 in cluster.agg.runners  # still cleaning up
-    second = await cluster.open(["r0"], quorum=1, deadline_s=5.0)
-    assert second.round_id == 2 and second.state == "opened"
+    try:
+        await cluster.seed_v1()
+        await cluster.start_aggregator()
+        await cluster.add("r0")
+        await cluster.open(["r0"], quorum=1, deadline_s=5.0)
+        out = await cluster.wait_final(1, timeout_s=10)
+        assert out.state == "published"
+        await asyncio.wait_for(cleaning.wait(), 5)
+        assert cluster.agg is not None and 1 in cluster.agg.runners  # still cleaning up
+        second = await cluster.open(["r0"], quorum=1, deadline_s=5.0)
+        assert second.round_id == 2 and second.state == "opened"
+        assert 1 in cluster.agg.runners  # opened while round 1 was still cleaning up
+    finally:
+        cleaned.set()
     assert (await cluster.wait_final(2, timeout_s=10)).state == "published"
 
 

@@ -7,8 +7,10 @@ leaf's client certificate, both signed by the CA. The hub listens for leaf nodes
 a client certificate signed by the CA (`verify: true`); the leaf verifies the hub against the CA. Then
 a message published at the leaf reaches a subscriber on the hub, a request from the leaf gets the hub's
 reply, and a JetStream publish at the leaf (which runs no JetStream of its own) is stored in the hub's
-stream. A leaf without the CA (it cannot verify the hub) and a leaf without a client certificate (the
-hub refuses it) never join.
+stream. Interest crosses the leaf connection asynchronously, so each step first waits until the leaf's
+monitoring endpoint (`/leafz?subs=1`) lists the hub's interest in the subject it publishes on. A leaf
+without the CA (it cannot verify the hub) and a leaf without a client certificate (the hub refuses it)
+never join.
 """
 
 from __future__ import annotations
@@ -85,9 +87,11 @@ def hub_config(d: Path, leaf_port: int, http_port: int) -> Path:
     return conf
 
 
-def leaf_config(d: Path, name: str, leaf_port: int, drop: tuple[str, ...] = ()) -> Path:
+def leaf_config(
+    d: Path, name: str, leaf_port: int, drop: tuple[str, ...] = (), http_port: int | None = None
+) -> Path:
     """The shipped site leaf (site-leaf.conf) without its users (the test's clients log in as nobody)
-    and without the `drop`ped TLS settings; its own log file, no monitoring port."""
+    and without the `drop`ped TLS settings; its own log file, a monitoring port only on `http_port`."""
     text = shipped("site-leaf.conf", d, leaf_port).replace("$NATS_SERVER_NAME", name)
     lines = [
         ln
@@ -95,7 +99,8 @@ def leaf_config(d: Path, name: str, leaf_port: int, drop: tuple[str, ...] = ()) 
         if not ln.startswith(("include ", "http:")) and not any(ln.strip().startswith(k) for k in drop)
     ]
     conf = d / f"{name}.conf"
-    conf.write_text("\n".join(lines) + f'\nlog_file: "{d}/{name}.log"\n')
+    http = f"http: 127.0.0.1:{http_port}\n" if http_port is not None else ""
+    conf.write_text("\n".join(lines) + f'\nlog_file: "{d}/{name}.log"\n' + http)
     return conf
 
 
@@ -111,6 +116,32 @@ async def wait_leafs(http_port: int, want: int, timeout_s: float = 10.0) -> None
     while await leaf_count(http_port) != want:
         assert loop.time() < end, f"the hub did not reach {want} leaf connection(s) in {timeout_s:.0f}s"
         await asyncio.sleep(0.1)
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, a final `>` one or more."""
+    pat, sub = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(pat):
+        if tok == ">":
+            return len(sub) > i
+        if i >= len(sub) or (tok != "*" and tok != sub[i]):
+            return False
+    return len(pat) == len(sub)
+
+
+async def wait_hub_interest(leaf_http_port: int, subject: str, timeout_s: float = 10.0) -> None:
+    """Wait until the leaf knows that the hub has interest in `subject`: its leaf connection to the hub
+    lists a matching subscription (`/leafz?subs=1` on the leaf's monitoring port)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        while True:
+            leafs = (await http.get(f"http://127.0.0.1:{leaf_http_port}/leafz", params={"subs": 1})).json()
+            subs = [s for leaf in leafs.get("leafs") or [] for s in leaf.get("subscriptions_list") or []]
+            if any(subject_matches(s, subject) for s in subs):
+                return
+            assert loop.time() < end, f"the hub's interest in {subject} never reached the leaf: {subs}"
+            await asyncio.sleep(0.05)
 
 
 @pytest.fixture
@@ -131,7 +162,9 @@ async def test_a_leaf_with_the_ca_joins_over_tls_and_carries_messages_requests_a
     hub: tuple[ServerProcess, int, int, Path], tmp_path: Path
 ) -> None:
     srv, leaf_port, http_port, d = hub
-    leaf = start_nats(workdir=tmp_path / "leaf", config=leaf_config(d, "site1", leaf_port), jetstream=False)
+    leaf_http = free_port()
+    conf = leaf_config(d, "site1", leaf_port, http_port=leaf_http)
+    leaf = start_nats(workdir=tmp_path / "leaf", config=conf, jetstream=False)
     hub_nc = await nats.connect(srv.url)
     leaf_nc = await nats.connect(leaf.url)
     try:
@@ -147,20 +180,18 @@ async def test_a_leaf_with_the_ca_joins_over_tls_and_carries_messages_requests_a
         await hub_nc.subscribe(SUBJECT, cb=on_msg)
         await hub_nc.subscribe(f"{SUBJECT}.rpc", cb=on_request)
         await hub_nc.flush()
-        # Interest crosses the leaf connection asynchronously: publish until the hub's subscriber sees one.
-        for _ in range(50):
-            await leaf_nc.publish(SUBJECT, b"from the site")
-            try:
-                assert await asyncio.wait_for(got.get(), 0.2) == b"from the site"
-                break
-            except TimeoutError:
-                continue
-        else:
-            pytest.fail("a message published at the leaf never reached the hub's subscriber")
+        await wait_hub_interest(leaf_http, SUBJECT)
+        await leaf_nc.publish(SUBJECT, b"from the site")
+        assert await asyncio.wait_for(got.get(), 5) == b"from the site"
+        await wait_hub_interest(leaf_http, f"{SUBJECT}.rpc")
         reply = await leaf_nc.request(f"{SUBJECT}.rpc", b"ping", timeout=5)
         assert reply.data == b"hub:ping"
-        # A replica at the site publishes samples to the hub's stream through the leaf.
+        # A replica at the site publishes samples to the hub's stream through the leaf: once the leaf
+        # knows of the stream's subjects and of the JetStream API (the stream's own subscription is
+        # made on the hub when the stream is created).
         await ensure_streams(hub_nc.jetstream(), replicas=1)
+        await wait_hub_interest(leaf_http, subjects.samples("r9"))
+        await wait_hub_interest(leaf_http, f"$JS.API.STREAM.INFO.{subjects.STREAM_SAMPLES}")
         ack = await leaf_nc.jetstream().publish(subjects.samples("r9"), b"{}", timeout=5)
         assert ack.stream == subjects.STREAM_SAMPLES
         stored = await hub_nc.jetstream().get_msg(subjects.STREAM_SAMPLES, ack.seq)

@@ -212,20 +212,36 @@ async def test_by_default_weights_are_decided_but_left_to_the_gateway(nats_serve
 
 
 async def test_a_slow_replica_never_blocks_the_tick(nats_server, tmp_path: Path) -> None:
+    # r0 answers no command until the test lets it, and the coordinator would wait a minute for its
+    # answer: a tick that waited for r0 would publish nothing more while r0 holds its command.
+    r0_answers = asyncio.Event()
     async with Harness(
-        nats_server.url, tmp_path, coordinator_warmup_s=0.5, coordinator_publish_weights=True
+        nats_server.url,
+        tmp_path,
+        coordinator_warmup_s=0.5,
+        coordinator_publish_weights=True,
+        coordinator_control_timeout_s=60.0,
     ) as h:
-        h.replicas["r0"].control_delay_s = 5.0
-        await wait_for(lambda: h.aggregator.plans, what="a round plan")
-        t0 = time.monotonic()
-        n0 = len(h.weights)
-        await asyncio.sleep(2.0)
-        ticks = len(h.weights) - n0
-        # r0 answers nothing for 5 s, yet weights keep coming every fast tick and the others get commands.
-        assert ticks >= int(2.0 / FAST_S) - 3, ticks
-        others = [r for r in IDS if r != "r0"]
-        # Shares are refreshed every half TTL (1 s): the others got a command during the 2 s.
-        assert all(any(s.t_s > t0 for s in h.replicas[r].shares) for r in others)
+        r0 = h.replicas["r0"]
+        r0.hold = r0_answers
+        try:
+            await wait_for(lambda: h.aggregator.plans, what="a round plan")
+            await wait_for(lambda: r0.held > 0, what="a command to r0 that it does not answer")
+            t0 = time.monotonic()
+            n0 = len(h.weights)
+            others = [r for r in IDS if r != "r0"]
+
+            # While r0 holds its command, weights keep coming every fast tick and the others get
+            # commands (shares are refreshed every half TTL, 1 s).
+            def ticking() -> bool:
+                return len(h.weights) - n0 >= int(2.0 / FAST_S) - 3 and all(
+                    any(s.t_s > t0 for s in h.replicas[r].shares) for r in others
+                )
+
+            await wait_for(ticking, timeout_s=30.0, what="weights and the others' commands")
+            assert r0.held > 0 and not r0.shares, "r0 still holds its command, unanswered"
+        finally:
+            r0_answers.set()
 
 
 async def test_without_aggregator_the_fast_loop_runs_and_rounds_cannot_open(
@@ -238,8 +254,8 @@ async def test_without_aggregator_the_fast_loop_runs_and_rounds_cannot_open(
             lambda: h.coord.aggregator_available is False, timeout_s=5.0, what="open_round to fail"
         )
         n = len(h.weights)
-        await asyncio.sleep(3 * FAST_S)
-        assert len(h.weights) > n, "weights keep being published"
+        # Weights keep being published: three more fast ticks.
+        await wait_for(lambda: len(h.weights) >= n + 3, what="weights to keep being published")
         assert all((h.last_share(r) or 0.0) == 0.0 for r in IDS), "no round, no training share"
         status = await h.peers.request(
             subjects.coordinator("status"), CoordinatorStatusRequest(), CoordinatorStatus

@@ -14,6 +14,7 @@ import httpx
 
 from collm_common import subjects
 from collm_common.wire import decode
+from collm_common.wire.control import ControlReply, PauseTraining, ResumeTraining
 from collm_common.wire.rounds import EvaluateCandidate, RoundOutcome
 
 from .harness import FaultStack, background_load, replica_status, wait_for
@@ -137,11 +138,14 @@ async def redis_restart(
 
 # --- 4. the aggregator is SIGKILLed mid-round ------------------------------------------------------------
 async def aggregator_kill(fs: FaultStack, adapter: str = "aggfault") -> FaultReport:
-    """A round of two real participants under light request traffic; the aggregator is SIGKILLed as soon
-    as the first update is on JetStream (collecting), restarted, SIGKILLed again the moment the round
-    enters evaluation (from the event's callback), and restarted. The round must resume from its
-    durable updates and publish exactly once (or abort cleanly): never a half-aggregated version, every
-    version complete with a verifying digest; requests are served throughout."""
+    """A round of two real participants under light request traffic, driven through the two states the
+    kills need. The second participant's training is paused (`PauseTraining`, an operator command) before
+    the round opens, so once the first update is on JetStream the round is held in collecting: the
+    aggregator is SIGKILLed there and restarted, then the second participant resumes. The moment the
+    resumed round announces evaluating, the aggregator is SIGKILLed again (from the event's callback) and
+    restarted. The round must resume from its durable updates and publish exactly once (or abort
+    cleanly): never a half-aggregated version, every version complete with a verifying digest; requests
+    are served throughout."""
     report = FaultReport("aggregator_kill")
     await fs.ensure_healthy()
     kills: list[dict[str, Any]] = []
@@ -149,8 +153,8 @@ async def aggregator_kill(fs: FaultStack, adapter: str = "aggfault") -> FaultRep
         base = await ensure_adapter(fs, bus, store, adapter)
         before = await verify_versions(store, adapter)
         watch = await RoundWatch().attach(bus)
-        # The second participant trains longer, so the first kill lands between the two updates.
-        budgets = {r: 64 * (1 + 4 * i) for i, r in enumerate(fs.replicas)}
+        budgets = dict.fromkeys(fs.replicas, 64)
+        held = fs.replicas[-1]  # sends its update only after the first kill
         killed_at_evaluating: list[float] = []
         round_ids: list[int] = []
 
@@ -164,24 +168,35 @@ async def aggregator_kill(fs: FaultStack, adapter: str = "aggfault") -> FaultRep
             code = await asyncio.to_thread(fs.s.kill, "aggregator")  # SIGKILL (or reaps a killed one)
             kills.append({"when": why, "state": watch.last_state(round_ids[0]), "exit_code": code,
                           "updates_on_jetstream": len(watch.updates_of(round_ids[0]))})  # fmt: skip
-            await asyncio.sleep(0.3)
             await asyncio.to_thread(fs.s.restart, "aggregator")
 
-        async with background_load(fs) as served:
-            opened = await open_round(bus, adapter, base, budgets, len(fs.replicas), 90)
-            round_id = opened.round_id
-            round_ids.append(round_id)
-            await wait_for(
-                lambda: watch.updates_of(round_id) or watch.final(round_id), 60, "the first update"
-            )
-            await restart("first update on JetStream")
-            t_restart = time.monotonic()
-            watch.hooks.append(kill_when_evaluating)
-            await wait_for(lambda: killed_at_evaluating or watch.final(round_id), 90, "the evaluation")
-            if killed_at_evaluating:
-                await restart("the round entered evaluation")
+        async def control(cmd: PauseTraining | ResumeTraining) -> None:
+            reply = await bus.request(subjects.replica(held, "control"), cmd, ControlReply, timeout_s=30)
+            assert reply.ok, reply.message
+
+        await control(PauseTraining())
+        try:
+            async with background_load(fs) as served:
+                opened = await open_round(bus, adapter, base, budgets, len(fs.replicas), 90)
+                round_id = opened.round_id
+                round_ids.append(round_id)
+                await wait_for(
+                    lambda: watch.updates_of(round_id) or watch.final(round_id), 60, "the first update"
+                )
+                await restart("first update on JetStream")
                 t_restart = time.monotonic()
-            t_final, out = await wait_for(lambda: watch.final(round_id), 90, f"round {round_id} to end")
+                watch.hooks.append(kill_when_evaluating)
+                await control(ResumeTraining())
+                await wait_for(lambda: killed_at_evaluating or watch.final(round_id), 90, "the evaluation")
+                if killed_at_evaluating:
+                    await restart("the round entered evaluation")
+                    t_restart = time.monotonic()
+                t_final, out = await wait_for(lambda: watch.final(round_id), 90, f"round {round_id} to end")
+        finally:
+            # Whatever happened, the held participant trains again (a failed scenario leaves no paused
+            # replica to the next one).
+            with contextlib.suppress(Exception):
+                await control(ResumeTraining())
         report.add_outcomes(served)
         after = await verify_versions(store, adapter)
         round_versions = [
@@ -206,6 +221,8 @@ async def aggregator_kill(fs: FaultStack, adapter: str = "aggfault") -> FaultRep
     )
     report.check("the aggregator was killed twice mid-round", len(kills) == 2 and all(
         k["exit_code"] == -9 for k in kills))  # fmt: skip
+    report.check("the kills found the round collecting, then evaluating",
+                 [k["state"] for k in kills] == ["collecting", "evaluating"])  # fmt: skip
     report.check("the round resumed and published, or aborted cleanly", out.state in ("published", "aborted"))
     report.check("not aborted by an error of the aggregator itself", "aggregator error" not in out.reason)
     if out.state == "published":

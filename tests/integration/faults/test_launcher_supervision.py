@@ -122,5 +122,6 @@ def test_unsupervised_stack_leaves_exited_children_down(stack: tuple[Stack, io.S
     s, log = stack
     pid = s.pids()["sleeper"]
     os.kill(pid, signal.SIGKILL)
+    until(lambda: "sleeper" not in s.pids(), what="sleeper to exit")
     time.sleep(0.6)
     assert "sleeper" not in s.pids() and "restarted sleeper" not in log.getvalue()

@@ -153,9 +153,18 @@ class NatsCli:
         async def on_msg(msg: Any) -> None:
             got.append(json.loads(msg.data))
 
+        def answered() -> bool:
+            if name is None:
+                return {r["name"] for r in got} >= set(subjects.SERVICE_NAMES)
+            return bool(got)
+
         sub = await self.nc.subscribe(inbox, cb=on_msg)
         await self.nc.publish(subject, b"", reply=inbox)
+        # Collect for at least 0.5 s (every instance that answers), and until the answers it needs came.
         await asyncio.sleep(0.5)
+        end = time.monotonic() + 30
+        while not answered() and time.monotonic() < end:
+            await asyncio.sleep(0.1)
         await sub.unsubscribe()
         assert got, f"nobody answered {subject}"
         if name is None:

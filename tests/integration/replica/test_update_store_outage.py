@@ -76,8 +76,10 @@ async def test_an_update_finished_while_redis_is_down_is_sent_once_redis_is_back
     retries0, sent0 = sample(RETRIES), sample(UPDATES, outcome="sent")
     await round_finishing_while_redis_is_down(replica, redis_server, 21, deadline_in_s=60.0)
     await eventually(lambda: sample(RETRIES) > retries0, 30, "an upload attempt while Redis is down")
-    # The store client's own reconnects are long spent when Redis comes back 3 s later.
+    # The store client's own reconnects are long spent when Redis comes back 3 s later, after at
+    # least three upload retries.
     await asyncio.sleep(3.0)
+    await eventually(lambda: sample(RETRIES) - retries0 >= 3, 30, "three upload retries while Redis is down")
     assert not updates, "an update was announced without its blob"
     await asyncio.to_thread(redis_server.restart)
     back_s = time.monotonic()
