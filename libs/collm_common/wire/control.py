@@ -144,6 +144,8 @@ class CoordinatorStatus(WireModel):
     live: list[str] = Field(default_factory=list)
     stale: list[str] = Field(default_factory=list)
     virtual_queue: float = 0.0
+    # 0..1: grows while attainment stays above the target; a share counts (1 - h) against capacity.
+    headroom: float = 0.0
     attainment: float | None = None
     demand: float = 0.0
     fast: CoordinatorDecisions | None = None

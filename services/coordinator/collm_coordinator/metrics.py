@@ -47,7 +47,12 @@ VIRTUAL_QUEUE = Gauge(
     "collm_coordinator_virtual_queue_ratio",
     "Virtual queue Z of the attainment target: the accumulated shortfall of SLO attainment (a ratio) "
     "times virtual_queue_gain; grows while attainment is below the target, shrinks to 0 while above it "
-    "(not bounded by 1)",
+    "(then the headroom grows; not bounded by 1)",
+)
+HEADROOM = Gauge(
+    "collm_coordinator_headroom_ratio",
+    "Headroom h of the attainment target (0..1): grows while attainment stays above the target; a "
+    "training share counts (1 - h) of itself against serving capacity",
 )
 ATTAINMENT = Gauge(
     "collm_coordinator_attainment_ratio", "SLO attainment measured over the last fast tick (0..1)"

@@ -203,6 +203,7 @@ class Coordinator:
     def _act(self, d: Decisions) -> None:
         diag = d.diagnostics
         metrics.VIRTUAL_QUEUE.set(diag.virtual_queue)
+        metrics.HEADROOM.set(diag.headroom)
         metrics.DEMAND.set(diag.demand)
         metrics.LIVE.set(len(diag.live))
         metrics.STALE.set(len(diag.stale))
@@ -348,6 +349,7 @@ class Coordinator:
             live=list(d.diagnostics.live) if d else [],
             stale=list(d.diagnostics.stale) if d else [],
             virtual_queue=core.state.virtual_queue,
+            headroom=core.state.headroom,
             attainment=core.state.last_attainment,
             demand=d.diagnostics.demand if d else 0.0,
             fast=fast,

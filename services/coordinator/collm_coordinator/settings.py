@@ -62,7 +62,11 @@ class CoordinatorSettings(CommonSettings):
     )
     # --- objective ---------------------------------------------------------------------------------
     coordinator_attainment_target: float = Field(
-        0.95, gt=0, le=1, description="Long-term SLO attainment target (drives the virtual queue Z)."
+        0.95,
+        gt=0,
+        le=1,
+        description="Long-term SLO attainment target: the knob users set. Below it Z prices SLO risk; "
+        "above it the headroom lets training shares grow until attainment comes down to it.",
     )
     coordinator_util_cap: float = Field(
         0.9, gt=0, le=1, description="Serving utilisation that forecast load plus training may not exceed."
@@ -71,7 +75,17 @@ class CoordinatorSettings(CommonSettings):
         20.0, ge=0, description="V: weight of expected quality gain (nats) against SLO risk."
     )
     coordinator_virtual_queue_gain: float = Field(
-        10.0, ge=0, description="How fast Z grows per round of attainment shortfall."
+        10.0,
+        ge=0,
+        description="How fast the signed virtual queue moves per round of attainment off the target: Z "
+        "(its positive part) while short of it, headroom (its negative part) while above it.",
+    )
+    coordinator_headroom_gain: float = Field(
+        1.0,
+        ge=0,
+        description="Headroom h (0..1) per unit of the virtual queue below 0: while attainment stays above "
+        "the target, a training share counts (1 - h) of itself against serving capacity, so shares grow "
+        "until attainment comes down to the target; 0: shares always count whole.",
     )
     # --- fast loop -----------------------------------------------------------------------------------
     coordinator_max_share: float = Field(1.0, ge=0, le=1, description="Largest fine-tuning share granted.")

@@ -94,10 +94,11 @@ def test_collm_cuts_in_the_same_burst_that_leftover_ignores() -> None:
     assert {s.reason_code for s in d.fast.shares} == {"slo_risk"}
 
 
-def test_baselines_do_not_use_the_virtual_queue() -> None:
+@pytest.mark.parametrize("signed_queue", [1e9, -1e9])  # Z huge; headroom 1
+def test_baselines_do_not_use_the_virtual_queue(signed_queue: float) -> None:
     for policy in ("separate", "fixed_ratio", "leftover"):
         core = CoordinatorCore(config(), policy)
-        core.state.virtual_queue = 1e9
+        core.state.signed_queue = signed_queue
         t = 0.0
         while True:
             d = tick(

@@ -21,8 +21,9 @@ def codes(d) -> dict[str, str]:
 
 
 def trained_cluster() -> tuple[CoordinatorCore, object]:
-    """Four lightly loaded replicas, a round planned at t=3 and shares recovered to plan by t=12."""
-    core = CoordinatorCore(config(), "collm")
+    """Four lightly loaded replicas, a round planned at t=3 and shares recovered to plan by t=12. Shares
+    count whole against serving capacity (`headroom_gain=0`; with headroom: test_headroom.py)."""
+    core = CoordinatorCore(config(headroom_gain=0.0), "collm")
     d = steady(core, 0.0, 12.0, dict.fromkeys(IDS, 0.2))
     assert d is not None and d.fast is not None
     assert core.state.rounds, "a round should be in flight"

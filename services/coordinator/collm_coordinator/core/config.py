@@ -49,6 +49,11 @@ class CoreConfig:
     util_cap: float = 0.9
     quality_weight_v: float = 20.0
     virtual_queue_gain: float = 10.0
+    # Headroom h in [0, 1] per unit of the signed virtual queue below 0 (state.py): while attainment stays
+    # above the target the queue goes negative and h grows, so a share counts (1 - h) of itself against
+    # serving capacity in both loops (the SLO-aware co-scheduler trains only in the requests' slack, so a
+    # share is an upper bound on training, not time taken from serving); 0: shares always count whole.
+    headroom_gain: float = 1.0
     # --- fast loop -----------------------------------------------------------------------------------
     max_share: float = 1.0
     share_step: float = 0.05
@@ -137,6 +142,7 @@ class CoreConfig:
             ("util_cap must be in (0, 1]", 0 < self.util_cap <= 1),
             ("quality_weight_v must be >= 0", self.quality_weight_v >= 0),
             ("virtual_queue_gain must be >= 0", self.virtual_queue_gain >= 0),
+            ("headroom_gain must be >= 0", self.headroom_gain >= 0),
             ("max_share must be in [0, 1]", 0 <= self.max_share <= 1),
             ("share_step must be in (0, 1]", 0 < self.share_step <= 1),
             ("share_recover_per_tick must be > 0", self.share_recover_per_tick > 0),

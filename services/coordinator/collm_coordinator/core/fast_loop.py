@@ -87,15 +87,16 @@ def collm_shares(view: ClusterView) -> tuple[list[ShareDecision], str]:
     target = {r: view.plan_shares.get(r, 0.0) or extra.get(r, 0.0) for r in live}
     # Replicas at risk train nothing this tick, so their whole capacity counts toward the burst check.
     plan = {r: (0.0 if r in view.at_risk else target[r]) for r in live}
-    planned_total = sum(plan.values())
-    free = sum(1.0 - p for p in plan.values())
+    # What the planned shares take from serving: (1 - h) of each with headroom h (ClusterView.displaced).
+    displaced = sum(view.displaced(p) for p in plan.values())
+    free = len(plan) - displaced
     capacity = cfg.burst_util * free
     factor = 1.0
     demand = max(view.demand_short, view.demand_now / cfg.burst_spike_factor)
     why = f"demand {demand:.2f} within capacity {capacity:.2f} at planned shares"
-    if planned_total > 0 and demand > capacity:
+    if sum(plan.values()) > 0 and demand > capacity:
         needed = demand / cfg.burst_util - free
-        factor = max(0.0, 1.0 - needed / planned_total)
+        factor = max(0.0, 1.0 - needed / displaced) if displaced > 0 else 0.0
         why = f"burst: demand {demand:.2f} > capacity {capacity:.2f} at planned shares; shares x{factor:.2f}"
     out: list[ShareDecision] = []
     for rid in live:

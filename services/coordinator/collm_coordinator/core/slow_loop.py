@@ -17,21 +17,27 @@ Objective, once per round (drift-plus-penalty):
                gain_a                           expected eval-loss decrease (quality.py: concave, learned
                                                 from the loss history)
                d_a                              the adapter's share of requests (served quality counts)
-               u(s) = D / sum_i (1 - s_i)       the cluster's forecast serving utilisation: D is the
+               u(s) = D / sum_i (1 - (1-h) s_i) the cluster's forecast serving utilisation: D is the
                                                 forecast demand of the next round (replica units; the
                                                 recent mean or the window mean plus `burst_headroom_sigmas`
                                                 standard deviations, whichever is larger), spread by
-                                                routing over the capacity training leaves
+                                                routing over the capacity training leaves; h is the
+                                                headroom (below)
                phi(u) = u / (1 - u)             SLO risk: queueing delay grows without bound as u -> 1
     subject to u(s) <= util_cap                 forecast load plus training keeps every replica at or
                                                 below the utilisation at which SLOs hold
                replicas whose SLOs are at risk now, stale replicas and replicas without local data
                for the adapter do not take part; budgets under `min_budget_tokens` are dropped.
 
-Z is the virtual queue of the long-term attainment target (state.py): Z <- max(0, Z + gain *
-(target - attainment)), so training yields to serving exactly while attainment falls short, and V sets
-how much quality one unit of SLO risk is worth. With Z = 0 training fills the capacity up to
-`util_cap` wherever it still buys quality.
+Z and h come from the signed virtual queue of the long-term attainment target (state.py): q <- q +
+gain * (target - attainment). Z = max(0, q), so training yields to serving exactly while attainment falls
+short, and V sets how much quality one unit of SLO risk is worth. While attainment stays above the target
+q goes negative and the headroom h = min(1, headroom_gain * -q) grows: a share then counts only (1 - h)
+of itself against serving capacity (here, in `usable_share` and in the fast loop's burst check), because
+the SLO-aware co-scheduler trains only in the requests' slack and a share is an upper bound on training,
+not time taken from serving. So the target binds from both sides: below it Z prices SLO risk, above it h
+lets shares grow toward `max_share` until attainment comes down to the target or every replica trains
+all its slack.
 
 Solution: greedy in steps of `share_step`: take the (adapter, replica) step with the largest marginal
 gain while its gain exceeds the marginal penalty and the cap holds. The gain is concave in each x_a
@@ -78,13 +84,17 @@ class _Candidate:
 
 def usable_share(view: ClusterView, replica_id: str) -> float:
     """The largest share replica `replica_id` can spend: the SLO-aware co-scheduler trains only in the
-    time serving leaves, so a share above 1 - load / util_cap (its serving load kept at or under the
-    cap) is never spent there. At least one `share_step` (a replica is never shut out of a plan by its
-    load alone: the fast loop's risk checks guard it) and at most `max_share`."""
+    time serving leaves, so a share that displaces more than 1 - load / util_cap (its serving load kept
+    at or under the cap) is never spent there; with headroom h a share displaces (1 - h) of itself
+    (`ClusterView.displaced`), so the room grows to `max_share` as h -> 1. At least one `share_step` (a
+    replica is never shut out of a plan by its load alone: the fast loop's risk checks guard it) and at
+    most `max_share`."""
     cfg = view.config
     load = view.infer_load.get(replica_id, 0.0)
     free = 1.0 - load / cfg.util_cap
-    steps = math.floor(max(0.0, free) / cfg.share_step + 1e-9)
+    per = view.displaced(1.0)
+    room = max(0.0, free) / per if per > 0 else cfg.max_share
+    steps = math.floor(min(room, cfg.max_share) / cfg.share_step + 1e-9)
     return min(cfg.max_share, max(1, steps) * cfg.share_step)
 
 
@@ -150,12 +160,13 @@ def collm_slow(view: ClusterView) -> SlowDecision:
     def util(extra: float = 0.0) -> float:
         nonlocal free_sum
         if free_sum is None:
-            free_sum = sum(1.0 - share[r] for r in share)
-        cap = free_sum - extra
+            free_sum = sum(1.0 - view.displaced(share[r]) for r in share)
+        cap = free_sum - view.displaced(extra)
         return math.inf if cap <= 0 else demand / cap
 
     head = (
-        f"forecast demand {demand:.2f} replicas, {len(view.live)} live, Z={Z:.3f}, V={V:g}, "
+        f"forecast demand {demand:.2f} replicas, {len(view.live)} live, Z={Z:.3f}, "
+        f"headroom {view.headroom:.2f}, V={V:g}, "
         f"utilisation {util():.2f} (cap {cfg.util_cap:.2f})"
     )
     if not ready:

@@ -102,6 +102,12 @@ class ClusterView:
     adapter_demand: Mapping[str, float]
     adapter_domains: Mapping[str, tuple[str, ...]]
     data_tokens: Mapping[tuple[str, str], float]
+    # h in [0, 1]: how little a share counts against serving capacity (ClusterState.headroom).
+    headroom: float = 0.0
+
+    def displaced(self, share: float) -> float:
+        """The serving capacity a training share takes in the loops' utilisation model: (1 - h) x share."""
+        return (1.0 - self.headroom) * share
 
     def replicas_for(self, adapter: str) -> list[str]:
         """Live replicas that hold local data for `adapter`, sorted by id."""
@@ -135,7 +141,8 @@ class ClusterState:
         self.demand_history: deque[tuple[float, float, float]] = deque()
         # (received, serving load) of each replica's snapshots over the last `burst_window_s`.
         self.load_history: dict[str, deque[tuple[float, float]]] = {}
-        self.virtual_queue = 0.0
+        # The signed virtual queue: Z = max(0, q), headroom from max(0, -q) (update_virtual_queue).
+        self.signed_queue = 0.0
         self.last_attainment: float | None = None
         self._window_good = 0
         self._window_finished = 0
@@ -328,20 +335,40 @@ class ClusterState:
         return None
 
     def update_virtual_queue(self, dt_s: float) -> None:
-        """Z <- max(0, Z + gain * (target - attainment) * dt / slow_interval): Z grows while the
-        attainment falls short of the target, and drains otherwise. The attainment is that of the reports
+        """q <- q + gain * (target - attainment) * dt / slow_interval, the signed virtual queue of the
+        attainment target: it grows while the attainment falls short of the target and falls while it is
+        above. Its positive part is Z (`virtual_queue`, the price of SLO risk in the slow loop); its
+        negative part is headroom (`headroom`, h = min(1, headroom_gain * -q)): the SLO budget left
+        unspent, which lets shares grow. q is bounded below where h reaches 1 (no wind-up: a drop under
+        the target takes shares back within a tick or two). The attainment is that of the reports
         received since the last fast tick: their `good` and `finished` counts summed, each report's over
         its replica's SLO window (`slo_window_s`), so with one report per replica per tick it is the
         cluster's windowed attainment, and a request counts in every tick while it is in a window; below
-        `min_finished_for_attainment` finished in those reports Z holds and the counts carry over."""
+        `min_finished_for_attainment` finished in those reports q holds and the counts carry over."""
         cfg = self.config
         if self._window_finished >= cfg.min_finished_for_attainment:
             att = self._window_good / self._window_finished
             self.last_attainment = att
             step = cfg.virtual_queue_gain * (cfg.attainment_target - att) * dt_s / cfg.slow_interval_s
-            self.virtual_queue = max(0.0, self.virtual_queue + step)
+            floor = -1.0 / cfg.headroom_gain if cfg.headroom_gain > 0 else 0.0
+            self.signed_queue = max(floor, self.signed_queue + step)
             self._window_good = 0
             self._window_finished = 0
+
+    @property
+    def virtual_queue(self) -> float:
+        """Z: the positive part of the signed queue (0 while attainment has been above the target)."""
+        return max(0.0, self.signed_queue)
+
+    @virtual_queue.setter
+    def virtual_queue(self, z: float) -> None:
+        """Set Z (>= 0): the signed queue becomes `z` (no headroom)."""
+        self.signed_queue = max(0.0, z)
+
+    @property
+    def headroom(self) -> float:
+        """h in [0, 1]: the negative part of the signed queue times `headroom_gain`."""
+        return min(1.0, max(0.0, -self.signed_queue) * self.config.headroom_gain)
 
     def expire(self, now_s: float) -> None:
         """Rounds whose outcome never came are forgotten a grace period after their deadline (a longer
@@ -469,6 +496,7 @@ class ClusterState:
             attainment=self.last_attainment,
             at_risk=risks,
             virtual_queue=self.virtual_queue,
+            headroom=self.headroom,
             rounds=dict(self.rounds),
             plan_shares=plan,
             unplanned=self.unplanned_training(live, plan),

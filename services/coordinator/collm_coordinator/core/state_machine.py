@@ -156,6 +156,7 @@ class CoordinatorCore:
             attainment=view.attainment,
             virtual_queue=view.virtual_queue,
             active_rounds=tuple(sorted(st.rounds)),
+            headroom=view.headroom,
             notes=tuple(st.notes),
         )
         decisions = Decisions(

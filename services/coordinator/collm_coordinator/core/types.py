@@ -217,6 +217,8 @@ class Diagnostics:
     attainment: float | None
     virtual_queue: float
     active_rounds: tuple[str, ...]
+    # The headroom h in [0, 1] (state.ClusterState.headroom): how little a share counts against capacity.
+    headroom: float = 0.0
     notes: tuple[str, ...] = ()
 
 
