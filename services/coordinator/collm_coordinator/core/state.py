@@ -339,8 +339,9 @@ class ClusterState:
         attainment target: it grows while the attainment falls short of the target and falls while it is
         above. Its positive part is Z (`virtual_queue`, the price of SLO risk in the slow loop); its
         negative part is headroom (`headroom`, h = min(1, headroom_gain * -q)): the SLO budget left
-        unspent, which lets shares grow. q is bounded below where h reaches 1 (no wind-up: a drop under
-        the target takes shares back within a tick or two). The attainment is that of the reports
+        unspent, which lets shares grow. q is bounded below where h reaches 1 (no wind-up: under the
+        target the headroom goes at the rate it came, before Z grows; a replica whose own SLOs are at risk
+        still gets share 0 in the same tick, `risk_of`). The attainment is that of the reports
         received since the last fast tick: their `good` and `finished` counts summed, each report's over
         its replica's SLO window (`slo_window_s`), so with one report per replica per tick it is the
         cluster's windowed attainment, and a request counts in every tick while it is in a window; below
