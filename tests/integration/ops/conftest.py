@@ -287,7 +287,9 @@ async def seed_v1(redis_url: str, prefix: str) -> None:
 
 
 async def _wait_round(ops: OpsStack) -> RoundOutcome:
-    """The first round the coordinator planned, once final (published, held back or aborted)."""
+    """The first round the coordinator planned with both replicas, once final (published, held back or
+    aborted). Its first plan comes a warm-up after the first replica reports: on a busy machine the other
+    may not have reported by then, and that round has one participant; the next one has both."""
     from collm_common.wire.admin import ListRounds, RoundList
 
     bus = await Bus.connect(ops.settings(), "ops-test")
@@ -297,11 +299,14 @@ async def _wait_round(ops: OpsStack) -> RoundOutcome:
             got = await bus.request(
                 subjects.aggregator("rounds"), ListRounds(limit=50), RoundList, timeout_s=10
             )
-            final = sorted((o for o in got.rounds if o.state in FINAL_STATES), key=lambda o: o.round_id)
+            final = sorted(
+                (o for o in got.rounds if o.state in FINAL_STATES and sorted(o.participants) == ["r0", "r1"]),
+                key=lambda o: o.round_id,
+            )
             if final:
                 return final[0]
             await asyncio.sleep(0.5)
-        raise AssertionError("no round planned by the coordinator finished")
+        raise AssertionError("no round the coordinator planned with both replicas finished")
     finally:
         await bus.close()
 
