@@ -284,10 +284,9 @@ class Replica:
         version: str | None = None
         while True:
             ev = await events.get()
-            yield ev
-            if ev.kind == "accepted":
-                version = ev.adapter_version_id
-            elif ev.kind == "finished":
+            if ev.kind == "finished":
+                # Counted and logged before the last event goes out: whoever has the response sees the
+                # request in the metrics and the log.
                 observe.record_finished(self.rid, model, ev)
                 # Written in the span's context: the line carries the request's trace id (the span has
                 # ended in the engine by now; its context still names the trace).
@@ -296,7 +295,11 @@ class Replica:
                         "request %s %s", gr.request_id, ev.finish_reason,
                         extra=observe.finished_fields(ev, model),
                     )  # fmt: skip
+                yield ev
                 return
+            yield ev
+            if ev.kind == "accepted":
+                version = ev.adapter_version_id
             elif ev.kind == "error":
                 observe.record_failed(self.rid, model, version, "error")
                 with trace.use_span(span, end_on_exit=False):
