@@ -96,7 +96,7 @@ def test_every_service_serves_its_metrics_after_traffic(ops: OpsStack, traffic: 
     assert sample(gw, "collm_gateway_in_flight_requests") == 0
 
     served_by = {h["x-collm-replica"] for h in traffic}
-    # The coordinator plans the first round from the telemetry it has then: one replica or both.
+    # The replicas whose update the round accepted trained in it (an update may also come late).
     trained = set(ops_round_outcome(ops).accepted)
     assert trained, "the round accepted an update"
     total_requests = 0.0
