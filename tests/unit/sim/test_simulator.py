@@ -156,6 +156,23 @@ def test_rounds_train_and_publish_and_quality_follows_the_curve() -> None:
     assert res.summary["quality"]["available"] is not False
 
 
+def test_job_time_counts_each_round_jobs_span_by_how_it_ended() -> None:
+    """`job_s` sums, over replicas, the time from each round job's start to its end; no job outlives its
+    round (20 s from its opening), so the total is at most 20 s per participant of each round."""
+    cal = calibration_for_tests()
+    cfg = SimConfig(replicas=4, policy="leftover", workload=synthetic(rate=2.0, duration=100.0),
+                    core={"slow_interval_s": 30.0, "round_deadline_s": 20.0})  # fmt: skip
+    sim = Simulation(cfg, cal)
+    res = sim.run()
+    job_s = res.sim["job_s"]
+    assert set(job_s) == {"budget", "stop", "replaced"}
+    total = sum(job_s.values())
+    assert total > 0
+    spans = sum(len(r.participants) * 20.0 for r in sim.rounds.values())  # each job within its round
+    assert total <= spans + 1e-6
+    assert res.sim["job_time_frac"] == pytest.approx(total / (4 * sim.now), rel=1e-4)
+
+
 def test_participants_send_the_aggregators_publish_lead_before_the_round_deadline() -> None:
     """As the aggregator (`collm_aggregator.lead`): a round's participants train until its deadline less
     the publish lead: 5 s before any round published, then 1.25x the longest close-to-publication time

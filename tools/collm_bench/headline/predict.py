@@ -187,6 +187,8 @@ def simulate_run(
         "quality_gain_by_domain",
         "quality_gain_mix",
         "trained_tokens_by_domain",
+        "job_time_frac",
+        "job_s",
         "tokens_past_measured_by_domain",
         "mean_total_share",
         "busy_s_by_replica",
