@@ -96,16 +96,22 @@ def redact_url(url: str) -> str:
 
 class BusError(Exception):
     """An error reply, a missing responder (503) or a timeout (504), with an HTTP-like code; `param` is
-    the request field at fault when the reply's body names one."""
+    the request field at fault and `error_code` the OpenAI error code, when the reply's body names them."""
 
     def __init__(
-        self, code: int, message: str, type_: str = "server_error", param: str | None = None
+        self,
+        code: int,
+        message: str,
+        type_: str = "server_error",
+        param: str | None = None,
+        error_code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.type = type_
         self.param = param
+        self.error_code = error_code
 
 
 class PayloadTooLarge(BusError):
@@ -142,17 +148,23 @@ class NoResponders(BusError):
 
 class ServiceFailure(Exception):
     """Raise inside an endpoint handler to answer with an error reply of `code` (HTTP-like), `type_` (an
-    OpenAI error type) and `message`; `param` names the request field at fault, for error bodies that
-    carry it."""
+    OpenAI error type) and `message`; `param` names the request field at fault and `error_code` the
+    OpenAI error code, for error bodies that carry them."""
 
     def __init__(
-        self, code: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+        self,
+        code: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        error_code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.type = type_
         self.param = param
+        self.error_code = error_code
 
 
 def error_of(msg: Msg, subject: str) -> BusError | None:
@@ -164,12 +176,12 @@ def error_of(msg: Msg, subject: str) -> BusError | None:
         code_s = headers.get(ERROR_CODE_HEADER, "500")
         code = int(code_s) if code_s.isdigit() else 500
         text = headers.get(ERROR_HEADER, "error")
-        type_, param = "server_error", None
+        type_, param, error_code = "server_error", None, None
         if msg.data:
             with contextlib.suppress(WireError):
                 body = decode_payload(ErrorReply, msg.data, headers)
-                text, type_, param = body.message, body.type, body.param
-        return BusError(code, text, type_, param)
+                text, type_, param, error_code = body.message, body.type, body.param, body.error_code
+        return BusError(code, text, type_, param, error_code)
     return None
 
 

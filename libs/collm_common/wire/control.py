@@ -176,3 +176,6 @@ class ErrorReply(WireModel):
     message: str
     # Additive (v1): the request field at fault, when one is.
     param: str | None = None
+    # Additive (v1): the OpenAI error code the gateway sends (e.g. "context_length_exceeded"), when one
+    # says more than the status.
+    error_code: str | None = None

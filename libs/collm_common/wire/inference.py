@@ -155,6 +155,10 @@ class Finished(WireModel):
     choices: list[ChoiceFinish] | None = None
 
 
+# `GenerateError.error_code` of a request whose prompt plus max_tokens does not fit the model's context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 class GenerateError(WireModel):
     kind: Literal["error"] = "error"
     request_id: str
@@ -163,6 +167,9 @@ class GenerateError(WireModel):
     type: str = "server_error"
     message: str
     param: str | None = None
+    # The OpenAI error code the gateway sends (e.g. "context_length_exceeded"), when one says more than
+    # the status.
+    error_code: str | None = None
 
 
 GenerateEvent = Annotated[Accepted | TokenChunk | Finished | GenerateError, Field(discriminator="kind")]

@@ -54,7 +54,7 @@ from collm_gateway.serving import CompletionServing
 from collm_gateway.settings import GatewaySettings
 from collm_gateway.shapes import model_card
 from collm_gateway.tokenization import Tokenization
-from collm_gateway.traceid import TRACE_ID_HEADER, TraceIdMiddleware, TraceIdProvider
+from collm_gateway.traceid import TRACE_ID_HEADER, GatewayApp, TraceIdMiddleware, TraceIdProvider
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def build_app(
         finally:
             await state.stop()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="CoLLM gateway",
         version=__version__,
         description="OpenAI-compatible API of CoLLM",

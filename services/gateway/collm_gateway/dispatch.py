@@ -195,7 +195,9 @@ class Generation:
                 continue
             except BusError as exc:
                 self._replica_done = True
-                raise self._fail(errors.from_replica(exc.code, exc.message, exc.type)) from None
+                raise self._fail(
+                    errors.from_replica(exc.code, exc.message, exc.type, exc.param, error_code=exc.error_code)
+                ) from None
             try:
                 event = decode(GENERATE_EVENT, raw.data)
             except WireError as exc:
@@ -234,7 +236,9 @@ class Generation:
                     )
                     continue
                 raise self._fail(
-                    errors.from_replica(event.code, event.message, event.type, event.param, s.retry_after_s)
+                    errors.from_replica(
+                        event.code, event.message, event.type, event.param, s.retry_after_s, event.error_code
+                    )
                 )
             else:
                 raise self._fail(errors.protocol_error(f"replica {self.replica_id} sent a second Accepted"))
@@ -482,7 +486,7 @@ class Dispatcher:
                 )
             except BusError as exc:
                 err = errors.from_replica(
-                    exc.code, exc.message, exc.type, retry_after_s=self.settings.retry_after_s
+                    exc.code, exc.message, exc.type, exc.param, self.settings.retry_after_s, exc.error_code
                 )
                 if exc.code in errors.RETRYABLE_REFUSALS:
                     return await self._refused(stack, span, f"refused_{exc.code}", err)
@@ -494,7 +498,12 @@ class Dispatcher:
                 raise errors.protocol_error(f"replica {rid} sent a bad first event: {exc}") from None
             if isinstance(event, GenerateError):
                 err = errors.from_replica(
-                    event.code, event.message, event.type, event.param, self.settings.retry_after_s
+                    event.code,
+                    event.message,
+                    event.type,
+                    event.param,
+                    self.settings.retry_after_s,
+                    event.error_code,
                 )
                 if event.code in errors.RETRYABLE_REFUSALS:
                     return await self._refused(stack, span, f"refused_{event.code}", err)

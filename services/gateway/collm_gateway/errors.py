@@ -132,12 +132,14 @@ def from_replica(
     type_: str | None = None,
     param: str | None = None,
     retry_after_s: int = 1,
+    error_code: str | None = None,
 ) -> APIError:
     """A replica's refusal (`GenerateError` or an error reply) as the client should see it.
 
-    4xx pass through with the replica's message (it carries the limits of a too-long prompt); 429 and
-    503 get `Retry-After`; 504 stays a timeout; any other failure inside the replica is its fault, not
-    the client's, and becomes 502 so it can never read as bad input.
+    4xx pass through with the replica's message, `param` and OpenAI `error_code` (a too-long prompt is
+    `context_length_exceeded`, its message OpenAI's and vLLM's "This model's maximum context length is
+    ..."); 429 and 503 get `Retry-After`; 504 stays a timeout; any other failure inside the replica is
+    its fault, not the client's, and becomes 502 so it can never read as bad input.
     """
     headers: dict[str, str] = {}
     if code in (429, 503):
@@ -147,7 +149,7 @@ def from_replica(
     else:
         status = 502
         message = f"replica failed: {message}"
-    errcode = {
+    errcode = (error_code if status < 500 else None) or {
         404: "model_not_found",
         413: "request_too_large",
         429: "queue_full",

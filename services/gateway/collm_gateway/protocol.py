@@ -23,7 +23,16 @@ import logging
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from collm_common.structured import render_tool_calls, tool_system_prompt
 from collm_common.wire.inference import (
@@ -63,6 +72,13 @@ SLO_TPOT_HEADER = "x-collm-slo-tpot-ms"
 Int = Annotated[int, Strict()]
 Number = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
+# A boolean flag that OpenAI also takes as null, meaning its default (false): `"stream": null`.
+FlagOrNull = Annotated[
+    bool,
+    Strict(),
+    BeforeValidator(lambda v: False if v is None else v),
+    WithJsonSchema({"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": False}),
+]
 
 
 def lone_surrogate_at(value: Any, path: str = "") -> str | None:
@@ -121,7 +137,7 @@ class OpenAIModel(EdgeModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: Bool = False
+    include_usage: FlagOrNull = False
 
 
 class SloIn(BaseModel):
@@ -256,10 +272,10 @@ class SamplingIn(OpenAIModel):
     seed: Int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     n: Int | None = Field(None, ge=1)
-    stream: Bool = False
+    stream: FlagOrNull = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
-    ignore_eos: Bool = False  # vLLM's extension, useful for fixed-length benchmarks
+    ignore_eos: FlagOrNull = False  # vLLM's extension, useful for fixed-length benchmarks
     slo: SloIn | None = None
 
     @field_validator("stop")
@@ -412,7 +428,7 @@ def wire_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
 
 class CompletionRequest(SamplingIn):
     prompt: str | list[str] | list[Int] | list[list[Int]]
-    echo: Bool = False
+    echo: FlagOrNull = False
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Int | None = None
     suffix: str | None = None
@@ -429,6 +445,24 @@ class CompletionRequest(SamplingIn):
     def wire_logprobs(self) -> int | None:
         return self.logprobs
 
+    def split_prompts(self, max_prompts: int) -> list[CompletionRequest]:
+        """One request per prompt of a list of prompts (strings or token-id lists; at most
+        `max_prompts`), else `[self]`; a request with prompt lists streams nothing (400)."""
+        p = self.prompt
+        if isinstance(p, str) or len(p) <= 1 or all(isinstance(x, int) for x in p):
+            return [self]
+        if len(p) > max_prompts:
+            raise bad_request(
+                f"{len(p)} prompts exceed this gateway's limit of {max_prompts} per request", "prompt"
+            )
+        if self.stream:
+            raise bad_request(
+                "stream=true takes one prompt per request (a list of prompts is answered unstreamed)",
+                "stream",
+                "unsupported_value",
+            )
+        return [self.model_copy(update={"prompt": [x]}) for x in p]
+
     def wire_prompt(self) -> tuple[str | None, list[int] | None]:
         """(prompt text, prompt token ids): exactly one is set."""
         p = self.prompt
@@ -437,11 +471,7 @@ class CompletionRequest(SamplingIn):
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
         if len(p) != 1 and not all(isinstance(x, int) for x in p):
-            raise bad_request(
-                f"prompt lists of {len(p)} prompts are not supported: send one prompt per request",
-                "prompt",
-                "unsupported_value",
-            )
+            raise bad_request(f"a list of {len(p)} prompts is served by split_prompts, one by one", "prompt")
         first = p[0]
         if isinstance(first, str):
             return first, None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -103,7 +104,24 @@ class CompletionServing:
         return await self._serve(body, self.chat_shape, "chat", request, principal)
 
     async def completion(self, body: CompletionRequest, request: Request, principal: Principal) -> Response:
-        return await self._serve(body, self.text_shape, "completions", request, principal)
+        parts = body.split_prompts(self.settings.max_prompts)
+        if len(parts) == 1:
+            return await self._serve(parts[0], self.text_shape, "completions", request, principal)
+        # A list of prompts: each is its own request (routed, recorded and traced alone), served at once;
+        # the answer holds prompt i's choice j at index i * n + j, and the summed usage (OpenAI's shape).
+        served = await asyncio.gather(
+            *(self._serve(p, self.text_shape, "completions", request, principal) for p in parts),
+            return_exceptions=True,
+        )
+        for r in served:
+            if isinstance(r, BaseException):
+                raise r
+        responses = [r for r in served if isinstance(r, Response)]
+        if any(not isinstance(r, JSONResponse) for r in responses):
+            return Response(status_code=CLIENT_CLOSED)  # the client went away
+        payloads = [json.loads(bytes(r.body)) for r in responses]
+        first = {k: v for k, v in responses[0].headers.items() if k.startswith("x-")}
+        return JSONResponse(merge_completions(payloads, body.n or 1), headers=first)
 
     def _wire_request(
         self,
@@ -340,6 +358,20 @@ class CompletionServing:
             lps = logprobs[i] if want_logprobs else None
             choices.append(Choice(i, text, "tool_calls" if calls else reason, lps, calls))
         return shape.complete(_identity(ident, gen), choices, fin.prompt_tokens, fin.completion_tokens)
+
+
+def merge_completions(payloads: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One text completion from the answers to each prompt of a list, in order: prompt i's choice j at
+    index i * n + j, usage summed, the rest (id, model, fingerprint) the first answer's."""
+    choices = []
+    for i, p in enumerate(payloads):
+        for c in p["choices"]:
+            choices.append({**c, "index": i * n + int(c["index"])})
+    usage = {
+        k: sum(int((p.get("usage") or {}).get(k, 0)) for p in payloads)
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
+    return {**payloads[0], "choices": choices, "usage": usage}
 
 
 def _held_choice(

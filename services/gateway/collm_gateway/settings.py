@@ -87,6 +87,12 @@ class GatewaySettings(CommonSettings):
         description="Largest `n` (choices per request, decoded from one prefill of the prompt); more gets "
         "400. A replica also refuses an `n` whose choices do not fit its batch or KV cache at once.",
     )
+    max_prompts: int = Field(
+        64,
+        ge=1,
+        description="Largest list of prompts one `/v1/completions` request may send (each answered by its "
+        "own choices, as OpenAI and vLLM do; LangChain's batch sends 20); more gets 400.",
+    )
     # --- API keys, tenants, rate limits (see collm_gateway/keys.py and README "Keys, tenants, admin") ----
     api_keys: dict[str, ApiKeySpec] = Field(
         default_factory=dict,

@@ -6,7 +6,8 @@ without an exporter, whose spans get real ids and go nowhere. Either way every t
 trace id (32 hex digits): in its response's `x-collm-trace-id`, in its log lines (`trace_id`), and in
 the trace context sent to the replica, so a replica that exports traces files its spans under it.
 
-`TraceIdMiddleware` writes the header on every response that passes through the app's middleware:
+`GatewayApp` starts every HTTP request from an empty OpenTelemetry context, so each request on a kept-alive
+connection is its own trace (or its `traceparent`'s). `TraceIdMiddleware` writes the header on every response that passes through the app's middleware:
 answers, streams (their headers go out before the first event) and the error envelopes of API keys,
 rate limits, body limits, validation and routes. The handler of unexpected errors answers outside the
 middleware and writes it itself (`app.install_error_handlers`). The routes left untraced (`/healthz`,
@@ -19,6 +20,8 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from fastapi import FastAPI
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider as SDKTracerProvider
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -78,6 +81,25 @@ def with_trace_id(headers: Sequence[tuple[bytes, bytes]], trace_id: str) -> list
     """ASGI response headers with `x-collm-trace-id` set to `trace_id` (replacing any already there)."""
     name = TRACE_ID_HEADER.encode()
     return [(k, v) for k, v in headers if k.lower() != name] + [(name, trace_id.encode())]
+
+
+class GatewayApp(FastAPI):
+    """The gateway's FastAPI app: every HTTP request starts from an empty OpenTelemetry context, so its
+    server span is the root of its own trace (or a child of its `traceparent`), never a child of whatever
+    was current where the server created the request's task. That can be another request's span: when a
+    request body outgrows uvicorn's read buffer (64 KiB), the request pauses and later resumes the
+    socket's reading from inside its own span, and asyncio runs every later read callback of that
+    connection (which starts the next requests' tasks) in the context current at that moment."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        token = otel_context.attach(otel_context.Context())
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            otel_context.detach(token)
 
 
 class TraceIdMiddleware:

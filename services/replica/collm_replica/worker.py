@@ -65,7 +65,7 @@ from collm_common.wire.control import (
     StopTraining,
     SyncAdapter,
 )
-from collm_common.wire.inference import CancelRequest, GenerateError, GenerateRequest
+from collm_common.wire.inference import CONTEXT_LENGTH_EXCEEDED, CancelRequest, GenerateError, GenerateRequest
 from collm_common.wire.rounds import EvalReport, EvaluateCandidate
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_common.wire.tokenize import (
@@ -230,6 +230,7 @@ class Replica:
             type=err.type,
             message=err.message,
             param=err.param,
+            error_code=err.error_code,
         )
 
     async def _admit(self, gr: GenerateRequest, span: Span, sink: Any) -> None:
@@ -251,6 +252,10 @@ class Replica:
                     ) from None
                 assert gr.adapter is not None
                 await self.adapters.ensure(gr.adapter, gr.adapter_version)
+            except ReplicaError as err:
+                if err.error_code == CONTEXT_LENGTH_EXCEEDED and err.param is None:
+                    err.param = "messages" if gr.messages else "prompt"  # the field as the client sent it
+                raise
 
     async def _generate(self, gr: GenerateRequest, headers: Mapping[str, str]) -> AsyncIterator[Any]:
         span = self.tracer.start_span(
@@ -406,7 +411,9 @@ class Replica:
 
 def _error_reply(_req: Any, err: ServiceFailure) -> ErrorReply:
     """The body of an error reply of `evaluate` and `tokenize`."""
-    return ErrorReply(code=err.code, type=err.type, message=err.message, param=err.param)
+    return ErrorReply(
+        code=err.code, type=err.type, message=err.message, param=err.param, error_code=err.error_code
+    )
 
 
 async def serve(ctx: ServiceContext[ReplicaSettings]) -> None:

@@ -134,6 +134,38 @@ async def test_stream_through_a_real_replica_on_the_tiny_model(
                     logit_bias={"99999999": 5},
                 )
             assert "logit_bias" in str(err.value)
+            # A prompt over the context: OpenAI's code, the field as sent, vLLM's words (clients match them).
+            long_text = "hello " * 1000
+            with pytest.raises(openai.BadRequestError) as err:
+                await gw.openai.chat.completions.create(
+                    model=BASE_MODEL, messages=[{"role": "user", "content": long_text}], max_tokens=5
+                )
+            assert (err.value.code, err.value.param) == ("context_length_exceeded", "messages")
+            assert err.value.body["message"].startswith("This model's maximum context length is ")  # type: ignore[index]
+            with pytest.raises(openai.BadRequestError) as err:
+                await gw.openai.completions.create(model=BASE_MODEL, prompt=long_text, max_tokens=5)
+            assert (err.value.code, err.value.param) == ("context_length_exceeded", "prompt")
+            # A list of prompts: each prompt's n choices in order (LangChain's batch sends such lists).
+            listed = await gw.openai.completions.create(
+                model=BASE_MODEL, prompt=["hello", "good morning", "hello"], max_tokens=3, temperature=0, n=2
+            )
+            assert [c.index for c in listed.choices] == [0, 1, 2, 3, 4, 5]
+            texts = [c.text for c in listed.choices]
+            assert texts[0] == texts[1] == texts[4] == texts[5]  # greedy: the same prompt, the same text
+            alone = await gw.openai.completions.create(
+                model=BASE_MODEL, prompt="good morning", max_tokens=3, temperature=0
+            )
+            assert texts[2] == texts[3] == alone.choices[0].text
+            hello = await gw.openai.completions.create(model=BASE_MODEL, prompt="hello", max_tokens=1)
+            assert listed.usage is not None and alone.usage is not None and hello.usage is not None
+            assert listed.usage.prompt_tokens == 2 * hello.usage.prompt_tokens + alone.usage.prompt_tokens
+            assert 6 <= listed.usage.completion_tokens <= 6 * 3
+            # null where OpenAI allows it: the default.
+            nulls = await gw.http.post(
+                "/v1/completions",
+                json={"model": BASE_MODEL, "prompt": "hello", "max_tokens": 2, "stream": None, "echo": None},
+            )
+            assert nulls.status_code == 200, nulls.text
             # n choices from one prefill: greedy choices agree, seeded ones are each their own draw.
             three = await gw.openai.chat.completions.create(
                 model=BASE_MODEL,

@@ -53,6 +53,23 @@ def test_replica_prompt_too_long_keeps_its_message_and_param() -> None:
     assert err.param == "messages"
 
 
+def test_a_replicas_openai_error_code_reaches_the_envelope_of_a_4xx_only() -> None:
+    msg = "This model's maximum context length is 2048 tokens. However, you requested 9005 tokens"
+    err = errors.from_replica(
+        400, msg, "invalid_request_error", "prompt", error_code="context_length_exceeded"
+    )
+    assert err.body() == {
+        "error": {
+            "message": msg,
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "context_length_exceeded",
+        }
+    }
+    assert errors.from_replica(429, "full", error_code="odd").code == "odd"
+    assert errors.from_replica(500, "boom", error_code="odd").code is None  # a 502: the replica's fault
+
+
 def test_no_replica_and_queue_full_carry_retry_after() -> None:
     assert errors.no_replica(2).headers == {"Retry-After": "2"}
     assert errors.no_replica(2).status == 503

@@ -292,3 +292,32 @@ def test_top_logprobs_needs_logprobs() -> None:
     with pytest.raises(APIError) as err:
         chat(top_logprobs=2).check_supported()
     assert err.value.status == 400 and err.value.param == "top_logprobs"
+
+
+def test_null_flags_mean_their_default_and_other_values_stay_refused() -> None:
+    assert chat(stream=None).stream is False
+    c = CompletionRequest.model_validate({"model": "m", "prompt": "p", "echo": None, "stream": None})
+    assert (c.echo, c.stream) == (False, False)
+    c.check_supported()
+    with pytest.raises(ValidationError):
+        chat(stream="true")
+    with pytest.raises(ValidationError):
+        chat(stream=1)
+
+
+def test_a_list_of_prompts_is_one_request_per_prompt() -> None:
+    def comp(prompt, **kw) -> CompletionRequest:
+        return CompletionRequest.model_validate({"model": "m", "prompt": prompt, **kw})
+
+    assert [p.wire_prompt() for p in comp(["a", "b"], n=2).split_prompts(8)] == [("a", None), ("b", None)]
+    assert [p.n for p in comp(["a", "b"], n=2).split_prompts(8)] == [2, 2]
+    assert [p.wire_prompt() for p in comp([[1, 2], [3]]).split_prompts(8)] == [(None, [1, 2]), (None, [3])]
+    for one in ("a", ["a"], [1, 2, 3], [[1, 2]]):
+        req = comp(one)
+        assert req.split_prompts(8) == [req]
+    with pytest.raises(APIError) as err:
+        comp(["a"] * 9).split_prompts(8)
+    assert err.value.status == 400 and err.value.param == "prompt" and "8" in err.value.message
+    with pytest.raises(APIError) as err:
+        comp(["a", "b"], stream=True).split_prompts(8)
+    assert err.value.status == 400 and err.value.param == "stream"

@@ -160,3 +160,20 @@ def test_several_choices_in_openai_shapes() -> None:
     two = [Choice(0, "a", "stop"), Choice(1, "b", "stop")]
     text = Completion.model_validate(TextShape().complete(ID, two, 5, 2))
     assert [c.text for c in text.choices] == ["a", "b"]
+
+
+def test_answers_to_a_list_of_prompts_merge_in_prompt_order() -> None:
+    from collm_gateway.serving import merge_completions
+
+    def answer(ident: str, texts: list[str], pt: int, ct: int) -> dict:
+        return {
+            "id": ident,
+            "object": "text_completion",
+            "choices": [{"index": i, "text": t, "finish_reason": "length"} for i, t in enumerate(texts)],
+            "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
+        }
+
+    merged = merge_completions([answer("a", ["x", "y"], 3, 4), answer("b", ["z", "w"], 5, 6)], n=2)
+    assert merged["id"] == "a" and merged["object"] == "text_completion"
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "x"), (1, "y"), (2, "z"), (3, "w")]
+    assert merged["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18}

@@ -160,18 +160,18 @@ def test_eviction_is_lru_and_never_evicts_in_use(tiny: LoadedModel) -> None:
 
 
 def test_context_limit_refusal(tiny: LoadedModel) -> None:
+    """A prompt that, with max_tokens, does not fit the context is OpenAI's `context_length_exceeded` in
+    vLLM's words (clients such as litellm and LangChain match them); the caller names the field."""
     eng = Engine(tiny, EngineConfig(), NoTraining())
     limit = tiny.max_model_len
-    with pytest.raises(EngineRefusal) as exc:
-        eng.submit(greedy("x", [5] * limit, 1), Collector())
-    assert (
-        exc.value.code == 400 and str(limit) in exc.value.message and f"{limit} tokens" in exc.value.message
-    )
-    with pytest.raises(EngineRefusal) as exc:
-        eng.submit(greedy("y", [5] * (limit - 10), 20), Collector())
-    assert (
-        exc.value.code == 400 and "max_tokens (20)" in exc.value.message and str(limit) in exc.value.message
-    )
+    for prompt, max_tokens in ((limit, 1), (limit - 10, 20)):
+        with pytest.raises(EngineRefusal) as exc:
+            eng.submit(greedy("x", [5] * prompt, max_tokens), Collector())
+        err = exc.value
+        assert err.code == 400 and err.error_code == "context_length_exceeded" and err.param is None
+        assert err.message.startswith(f"This model's maximum context length is {limit} tokens. ")
+        assert f"you requested {prompt + max_tokens} tokens ({prompt} in the prompt" in err.message
+    eng.submit(greedy("fits", [5] * (limit - 20), 20), Collector())
 
 
 def test_queue_full_refusal(tiny: LoadedModel) -> None:

@@ -49,6 +49,7 @@ from collm_common.data import Example, LocalDataset
 from collm_common.lora import AdapterWeights
 from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.inference import (
+    CONTEXT_LENGTH_EXCEEDED,
     Accepted,
     ChoiceFinish,
     Finished,
@@ -251,19 +252,15 @@ class _Serving:
             raise EngineRefusal(400, "the prompt is empty", param="prompt")
         if req.max_tokens < 1:
             raise EngineRefusal(400, "max_tokens must be >= 1", param="max_tokens")
-        if n >= limit:
-            raise EngineRefusal(
-                400,
-                f"the prompt has {n} tokens but this model's context is {limit} tokens "
-                f"(prompt + max_tokens must be <= {limit})",
-                param="messages",
-            )
         if n + req.max_tokens > limit:
+            # OpenAI's code and vLLM's wording, which clients match to tell a context overflow from
+            # other bad input; `param` (messages or prompt) is the caller's to name.
             raise EngineRefusal(
                 400,
-                f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) = {n + req.max_tokens} exceeds this "
-                f"model's context of {limit} tokens",
-                param="max_tokens",
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + req.max_tokens} tokens ({n} in the prompt, {req.max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.",
+                error_code=CONTEXT_LENGTH_EXCEEDED,
             )
         pool_tokens = self.cfg.batch.num_blocks * self.cfg.batch.block_size
         if self.cfg.batch.reserve_tokens(n + req.max_tokens) > pool_tokens:
