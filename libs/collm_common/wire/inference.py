@@ -109,6 +109,8 @@ class TopLogprob(WireModel):
     token_id: int
     token: str  # the token decoded on its own (a partial UTF-8 character decodes as U+FFFD)
     logprob: float
+    # Additive (v1): the token's raw bytes (a partial UTF-8 character's own bytes); None: unknown.
+    token_bytes: bytes | None = None
 
 
 class TokenLogprob(WireModel):
@@ -118,6 +120,8 @@ class TokenLogprob(WireModel):
     token: str
     logprob: float
     top: list[TopLogprob] = Field(default_factory=list)
+    # Additive (v1): the token's raw bytes (a partial UTF-8 character's own bytes); None: unknown.
+    token_bytes: bytes | None = None
 
 
 class TokenChunk(WireModel):

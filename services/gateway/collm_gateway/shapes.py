@@ -11,7 +11,8 @@ Log probabilities, when asked, come in OpenAI's shapes: chat `logprobs.content` 
 bytes, top_logprobs}` per token; completions use the legacy `{tokens, token_logprobs, top_logprobs,
 text_offset}`, where each `top_logprobs` dict holds the chosen token and the most likely ones, and
 `text_offset` is the position of each token's text in the completion (the sum of the lengths of the
-tokens before it, as vLLM counts it). A token is its text decoded alone (UTF-8 `bytes` of that text).
+tokens before it, as vLLM counts it). A token is its text decoded alone; its `bytes` are its raw bytes
+(a byte of a multi-byte character is that byte, as OpenAI sends it).
 """
 
 from __future__ import annotations
@@ -64,16 +65,22 @@ def _with_usage_key(ident: StreamIdentity, chunk: dict[str, Any]) -> dict[str, A
     return chunk
 
 
-def _top_entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+def _top_entry(token: str, logprob: float, raw: bytes | None = None) -> dict[str, Any]:
+    """OpenAI's entry; `bytes` are the token's raw bytes when the replica sent them (a partial UTF-8
+    character's own byte), else the UTF-8 of its text."""
+    return {
+        "token": token,
+        "logprob": logprob,
+        "bytes": list(raw if raw is not None else token.encode("utf-8")),
+    }
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     """A chat choice's `logprobs`: one entry per token."""
     content = []
     for e in entries:
-        item = _top_entry(e.token, e.logprob)
-        item["top_logprobs"] = [_top_entry(t.token, t.logprob) for t in e.top]
+        item = _top_entry(e.token, e.logprob, e.token_bytes)
+        item["top_logprobs"] = [_top_entry(t.token, t.logprob, t.token_bytes) for t in e.top]
         content.append(item)
     return {"content": content, "refusal": None}
 

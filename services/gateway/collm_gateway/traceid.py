@@ -6,12 +6,13 @@ without an exporter, whose spans get real ids and go nowhere. Either way every t
 trace id (32 hex digits): in its response's `x-collm-trace-id`, in its log lines (`trace_id`), and in
 the trace context sent to the replica, so a replica that exports traces files its spans under it.
 
-`GatewayApp` starts every HTTP request from an empty OpenTelemetry context, so each request on a kept-alive
-connection is its own trace (or its `traceparent`'s). `TraceIdMiddleware` writes the header on every response that passes through the app's middleware:
-answers, streams (their headers go out before the first event) and the error envelopes of API keys,
-rate limits, body limits, validation and routes. The handler of unexpected errors answers outside the
-middleware and writes it itself (`app.install_error_handlers`). The routes left untraced (`/healthz`,
-`/readyz`, `/metrics`, `/dashboard`) have no span and no header.
+`GatewayApp` starts every HTTP request from an empty OpenTelemetry context, so each request on a
+kept-alive connection is its own trace (or its `traceparent`'s). `TraceIdMiddleware` writes the header on
+every response that passes through the app's middleware: answers, streams (their headers go out before the
+first event) and the error envelopes of API keys, rate limits, body limits, validation and routes. The
+handler of unexpected errors answers outside the middleware and writes it itself
+(`app.install_error_handlers`). The routes left untraced (`/healthz`, `/readyz`, `/metrics`, `/dashboard`)
+have no span and no header.
 """
 
 from __future__ import annotations

@@ -6,15 +6,17 @@ outlines-core on the default tokenizer and the 22-schema suite of `collm_bench.s
 grammars compile in well under a millisecond (so each sequence compiles its own, with no cache), and it
 reads JSON schemas and Lark grammars alike.
 
-`Grammars` holds llguidance's view of the model's tokenizer (built on first use: about half a second)
-and checks a request's grammar at admission (an invalid one is a 400 naming the request field it came
-from). `Constraint` is one sequence's matcher: `mask` sets every token the grammar does not allow next
-to -inf (end-of-sequence is allowed only where the grammar may end), `advance` consumes the chosen
-token, and `complete` says the grammar admits nothing more, so the sequence ends with "stop".
+`Grammars` holds llguidance's view of the model's tokenizer (built on first use: about half a second),
+which also gives each token's raw bytes (logprobs' `bytes`), and checks a request's grammar at admission
+(an invalid one is a 400 naming the request field it came from). `Constraint` is one sequence's matcher:
+`mask` sets every token the grammar does not allow next to -inf (end-of-sequence is allowed only where the
+grammar may end), `advance` consumes the chosen token, and `complete` says the grammar admits nothing
+more, so the sequence ends with "stop".
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -70,6 +72,10 @@ class Grammars:
                 self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
             return self._tok
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes (a byte-level token of a multi-byte character is that one byte)."""
+        return bytes(self._tokenizer().decode_bytes([token_id]))
+
     def check(self, lark: str, param: str) -> None:
         """400 (naming `param`) unless `lark` is a grammar llguidance can run."""
         try:
@@ -78,7 +84,7 @@ class Grammars:
             msg = f"{param}: the grammar could not be compiled: {exc}"
             raise ReplicaError(400, msg, param=param) from None
         if is_error:
-            detail = messages[0] if messages else "invalid grammar"
+            detail = grammar_error_text(messages[0]) if messages else "invalid grammar"
             raise ReplicaError(400, f"{param}: unsupported or invalid schema: {detail}", param=param)
 
     def constraint(self, lark: str) -> Constraint:
@@ -86,3 +92,10 @@ class Grammars:
         if m.is_error():
             raise RuntimeError(m.get_error())
         return Constraint(m, self.vocab_size)
+
+
+def grammar_error_text(message: str) -> str:
+    """llguidance's error without what is internal to CoLLM: its first line, less the position in the
+    grammar CoLLM wrote (`at 1(8): `); the lines after it quote that grammar."""
+    first = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    return re.sub(r"^at \d+\(\d+\):\s*", "", first)

@@ -105,7 +105,11 @@ async def test_stream_through_a_real_replica_on_the_tiny_model(
             content = lp.choices[0].logprobs.content  # type: ignore[union-attr]
             assert content is not None and len(content) == lp.usage.completion_tokens  # type: ignore[union-attr]
             assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
-            assert all(c.bytes == list(c.token.encode()) for c in content)
+            # Raw bytes: a whole character's token is its UTF-8, a byte of one is that byte alone.
+            assert all(
+                c.bytes == list(c.token.encode()) or (c.token == "\ufffd" and c.bytes and len(c.bytes) < 3)
+                for c in content
+            )
             streamed = await gw.openai.completions.create(
                 model=BASE_MODEL, prompt="hello", max_tokens=5, temperature=0, logprobs=2, stream=True
             )
@@ -271,4 +275,5 @@ async def test_stream_through_a_real_replica_on_the_tiny_model(
                         },
                     },
                 )
-            assert "response_format" in str(bad.value)
+            assert bad.value.param == "response_format" and "propertyNames" in bad.value.message
+            assert "x-guidance" not in bad.value.message and "%json" not in bad.value.message

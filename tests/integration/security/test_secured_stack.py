@@ -269,6 +269,12 @@ async def test_the_stack_serves_and_runs_a_round_with_least_privilege(
         assert reply.ok, reply.message
         refused = ("replica-r0", "Publish", subjects.adapter_published(FRESH))
         await eventually(lambda: refused in secure_nats.violations(), 10, "the refused announcement")
+
+        def violation_lines() -> list[str]:
+            return [ln for ln in stack.logs.getvalue().splitlines() if "violation" in ln.lower()]  # type: ignore[attr-defined]
+
+        # The replica hears of its refused publish from the server asynchronously, after the server logs it.
+        await eventually(violation_lines, 10, "the replica's warning about its refused announcement")
         elapsed_s = time.monotonic() - t0
         print(f"secured stack: request, shares, sample and a {final.state} round in {elapsed_s:.1f}s")
     finally:
@@ -277,7 +283,7 @@ async def test_the_stack_serves_and_runs_a_round_with_least_privilege(
     # Everything above ran without a single refused publish or subscription, but that one by design: the
     # server logged it, and so did the replica (a warning), and nothing else did.
     assert set(secure_nats.violations()) == {("replica-r0", "Publish", subjects.adapter_published(FRESH))}
-    lines = [ln for ln in stack.logs.getvalue().splitlines() if "violation" in ln.lower()]  # type: ignore[attr-defined]
+    lines = violation_lines()
     assert lines and all(
         ln.strip().startswith("replica-r0") and subjects.adapter_published(FRESH) in ln for ln in lines
     ), lines

@@ -11,6 +11,7 @@ import pytest
 
 from collm_bench.schemas import SCHEMAS
 from collm_common.structured import Tool, json_schema_grammar, parse_tool_calls, tool_grammar
+from collm_replica.constrain import grammar_error_text
 from collm_replica.cosched import NoTraining
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
 from collm_replica.engine.types import EngineRefusal
@@ -65,6 +66,12 @@ def test_an_unsupported_schema_is_refused_naming_the_field(tiny: LoadedModel) ->
             with pytest.raises(EngineRefusal) as err:
                 eng.submit(req, Collector())
             assert err.value.code == 400 and err.value.param == param
+            # One line that names the field and the library's reason, none of the grammar CoLLM wrote.
+            assert err.value.message.startswith(f"{param}: unsupported or invalid schema: ")
+            assert "\n" not in err.value.message and "x-guidance" not in err.value.message
+        assert grammar_error_text(
+            'at 1(8): failed: Unimplemented keys: ["propertyNames"]\n 1 | start: %json {}'
+        ) == ('failed: Unimplemented keys: ["propertyNames"]')
 
 
 TOOLS = [

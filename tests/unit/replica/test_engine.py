@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -477,11 +478,16 @@ def test_jobs_never_stall_on_adapter_slots(tiny: LoadedModel) -> None:
         if eng.snapshot().ft_tokens_total > trained:
             break
     assert eng.snapshot().ft_tokens_total > trained
+    assert eng.current_version("c") is None  # every refresh so far was blocked
     assert eng.cancel("pa")
-    while not ca.done.is_set():
+    # The pending refresh is retried after each piece of work: it goes through once pa's slot is free.
+    # (How many refreshes follow it depends on how fast training improves on this machine: a periodic
+    # evaluation that improves offers another.)
+    for _ in range(200):
         eng._iteration()
-    eng._iteration()  # the pending refresh is retried after the next piece of work
-    assert eng.current_version("c") == "c@v1+rs.1"
+        if ca.done.is_set() and eng.current_version("c") is not None:
+            break
+    assert re.fullmatch(r"c@v1\+rs\.\d+", eng.current_version("c") or "")
     assert not eng.is_resident("a@v1") and eng.is_resident("b@v1")  # idle a evicted, pinned b kept
     assert eng.snapshot().jobs[0].message == ""
     assert eng.cancel("pb")
@@ -847,6 +853,26 @@ def test_logprobs_per_token_in_a_mixed_batch(tiny: LoadedModel) -> None:
         assert lp.top[0].token_id == lp.token_id and lp.top[0].logprob == lp.logprob
         assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
         assert lp.token == tiny.tokenizer.decode([lp.token_id], clean_up_tokenization_spaces=False)
+
+
+def test_logprobs_carry_each_tokens_raw_bytes(tiny: LoadedModel) -> None:
+    """A byte-level token of a multi-byte character decodes alone as U+FFFD; its bytes are its own byte."""
+    tok = tiny.tokenizer
+    ids = tok.encode("\u2603", add_special_tokens=False)  # a snowman: three one-byte tokens here
+    partial = next(i for i in ids if tok.decode([i]) == "\ufffd")
+    with Engine(tiny, EngineConfig(), NoTraining()) as eng:
+        res = submit_all(eng, [greedy("b", P1, 2, logprobs=2, logit_bias={partial: 100.0})])
+    lps = [lp for e in res["b"].events if e.kind == "token" for lp in e.logprobs or []]
+    assert [lp.token_id for lp in lps] == [partial, partial]
+    assert all(lp.token == "\ufffd" and lp.token_bytes is not None and len(lp.token_bytes) == 1 for lp in lps)
+    assert lps[0].token_bytes in "\u2603".encode()
+    for lp in lps:
+        for t in lp.top:
+            assert (
+                t.token_bytes is not None
+                and t.token_bytes.decode("utf-8", "replace") == t.token
+                or (len(t.token_bytes) < len(t.token.encode()))
+            )
 
 
 def test_penalties_change_greedy_output_only_for_their_request(tiny: LoadedModel) -> None:

@@ -532,11 +532,16 @@ class _Serving:
         return str(self.tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def _wire_logprob(self, lp: TokenLogprobs) -> TokenLogprob:
+        tb = self.grammars.token_bytes
         return TokenLogprob(
             token_id=lp.token_id,
             token=self._token_text(lp.token_id),
             logprob=lp.logprob,
-            top=[TopLogprob(token_id=t, token=self._token_text(t), logprob=v) for t, v in lp.top],
+            top=[
+                TopLogprob(token_id=t, token=self._token_text(t), logprob=v, token_bytes=tb(t))
+                for t, v in lp.top
+            ],
+            token_bytes=tb(lp.token_id),
         )
 
     def _completion_tokens(self, seq: _Seq) -> int:
