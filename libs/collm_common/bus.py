@@ -36,6 +36,7 @@ import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -357,6 +358,31 @@ async def respond_error(req: Request | Msg, code: int, message: str, type_: str 
         await req._client.publish(req.reply, body, headers=headers)
 
 
+@dataclass
+class _Shared:
+    """The handlers of one NATS subscription (`Bus.subscribe`)."""
+
+    handlers: list[Any]
+    sub: Any = None
+
+
+class Subscription:
+    """One handler's part of a shared NATS subscription (`Bus.subscribe`): `unsubscribe()` removes the
+    handler, and the NATS subscription with its last handler."""
+
+    def __init__(self, bus: Bus, key: tuple[str, str, Any], handler: Any) -> None:
+        self._bus = bus
+        self._key = key
+        self._handler = handler
+
+    @property
+    def subject(self) -> str:
+        return self._key[0]
+
+    async def unsubscribe(self) -> None:
+        await self._bus._drop_handler(self._key, self._handler)
+
+
 class Bus:
     """One NATS connection with CoLLM's conventions (see module docstring)."""
 
@@ -366,6 +392,8 @@ class Bus:
         self._js: JetStreamContext | None = None
         self._services: list[MicroService] = []
         self._subs: list[Any] = []
+        # One NATS subscription per (subject, queue group, message type), shared by its handlers.
+        self._shared: dict[tuple[str, str, Any], _Shared] = {}
 
     @classmethod
     async def connect(cls, settings: CommonSettings, name: str) -> Bus:
@@ -484,9 +512,17 @@ class Bus:
         message_type: type[T] | TypeAdapter[T],
         handler: Callable[[T, Msg], Awaitable[None]],
         queue: str = "",
-    ) -> Any:
+    ) -> Subscription:
         """Subscribe; malformed messages, and messages on a subject their sender may not use
-        (`WireModel.subject_error`), are counted (wire metrics) and dropped, never raised."""
+        (`WireModel.subject_error`), are counted (wire metrics) and dropped, never raised. Handlers of the
+        same subject, queue group and message type share one NATS subscription: each message is decoded,
+        checked and (when refused) counted once per connection, then handed to each handler in turn."""
+        key = (subject, queue, message_type)
+        shared = self._shared.get(key)
+        if shared is not None:
+            shared.handlers.append(handler)
+            return Subscription(self, key, handler)
+        shared = _Shared([handler])
 
         async def on_msg(raw: Msg) -> None:
             try:
@@ -501,17 +537,30 @@ class Bus:
                 WIRE_REJECTED.labels(parsed.schema_name, "subject").inc()
                 log.warning("dropped message on %s: %s", raw.subject, wrong_subject)
                 return
-            token = otel_context.attach(tracing.extract(raw.headers))
-            try:
-                await handler(parsed, raw)
-            except Exception:
-                log.exception("handler failed for %s", raw.subject)
-            finally:
-                otel_context.detach(token)
+            for each in list(shared.handlers):
+                token = otel_context.attach(tracing.extract(raw.headers))
+                try:
+                    await each(parsed, raw)
+                except Exception:
+                    log.exception("handler failed for %s", raw.subject)
+                finally:
+                    otel_context.detach(token)
 
-        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
-        self._subs.append(sub)
-        return sub
+        shared.sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        self._shared[key] = shared
+        self._subs.append(shared.sub)
+        return Subscription(self, key, handler)
+
+    async def _drop_handler(self, key: tuple[str, str, Any], handler: Any) -> None:
+        shared = self._shared.get(key)
+        if shared is None or handler not in shared.handlers:
+            return
+        shared.handlers.remove(handler)
+        if not shared.handlers:
+            del self._shared[key]
+            with contextlib.suppress(ValueError):
+                self._subs.remove(shared.sub)
+            await shared.sub.unsubscribe()
 
     # --- request / reply ---------------------------------------------------------------------------
     async def request(

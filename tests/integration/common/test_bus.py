@@ -5,6 +5,7 @@ import json
 
 import pytest
 from opentelemetry import trace
+from prometheus_client import REGISTRY
 
 from collm_common import subjects
 from collm_common.bus import Bus, BusError, NoResponders, PayloadTooLarge, ServiceFailure, message_size
@@ -12,6 +13,7 @@ from collm_common.settings import CommonSettings
 from collm_common.wire import decode, encode
 from collm_common.wire.control import CONTROL_COMMAND, ControlReply, ErrorReply, SetFineTuneShare
 from collm_common.wire.inference import CancelRequest
+from collm_common.wire.telemetry import ReplicaTelemetry
 
 pytestmark = pytest.mark.integration
 
@@ -257,3 +259,46 @@ async def test_a_stream_endpoint_streams_in_order_and_refuses_with_its_error_bod
         await bus.close()
         for task in tasks:
             task.cancel()
+
+
+async def test_handlers_of_one_subject_share_a_subscription_and_a_refusal_counts_once(nats_server) -> None:
+    """Two readers of every replica's telemetry in one process (the gateway's routing and its dashboard):
+    a good message reaches both, a forged one (another replica's telemetry on r2's subject) is refused
+    and counted once, and each reader leaves on its own."""
+    bus = await Bus.connect(settings(nats_server.url), "t")
+    first: list[str] = []
+    second: list[str] = []
+
+    async def one(msg, _raw):
+        first.append(msg.replica_id)
+
+    async def two(msg, _raw):
+        second.append(msg.replica_id)
+
+    def refused() -> float:
+        labels = {"schema": ReplicaTelemetry.schema_name, "reason": "subject"}
+        return REGISTRY.get_sample_value("collm_wire_rejected_messages_total", labels) or 0.0
+
+    async def until(cond) -> None:
+        for _ in range(250):
+            if cond():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("condition not met")
+
+    try:
+        sub_one = await bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, one)
+        await bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, two)
+        before = refused()
+        forged = ReplicaTelemetry(replica_id="r1", ts_unix_s=1.0, interval_s=1.0, model="m")
+        await bus.nc.publish(subjects.telemetry("r2"), encode(forged))
+        await bus.nc.publish(subjects.telemetry("r1"), encode(forged))
+        await until(lambda: first == ["r1"] and second == ["r1"])
+        assert refused() == before + 1
+        await sub_one.unsubscribe()
+        own = ReplicaTelemetry(replica_id="r3", ts_unix_s=2.0, interval_s=1.0, model="m")
+        await bus.nc.publish(subjects.telemetry("r3"), encode(own))
+        await until(lambda: second == ["r1", "r3"])
+        assert first == ["r1"]
+    finally:
+        await bus.close()
