@@ -122,6 +122,59 @@ def parse_tool_calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
+_CUT_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_CUT_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
+
+
+def parse_cut_tool_calls(text: str, name: str | None = None) -> list[ToolCall] | None:
+    """The calls of an output of tool calls that `max_tokens` cut short: the complete ones, then the cut
+    one with its arguments as far as they got (not JSON yet), named as the output names it, else `name`
+    (the function a named `tool_choice` forces); a cut call whose name is not known yet is left out. None
+    when the output is not calls (plain text: it does not start with `<`, which only a call may)."""
+    stripped = text.lstrip()
+    if not stripped.startswith("<"):
+        return None
+    calls: list[ToolCall] = []
+    end = 0
+    for m in _CALL.finditer(stripped):
+        if stripped[end : m.start()].strip():
+            break
+        try:
+            body = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            break
+        if isinstance(body, dict) and isinstance(body.get("name"), str):
+            calls.append(ToolCall(body["name"], json.dumps(body.get("arguments", {}), ensure_ascii=False)))
+        end = m.end()
+    rest = stripped[end:].lstrip()
+    if not rest:
+        return calls
+    if rest.startswith(TOOL_CALL_OPEN):
+        body_text = rest[len(TOOL_CALL_OPEN) :]
+    elif TOOL_CALL_OPEN.startswith(rest):
+        body_text = ""
+    else:
+        return calls
+    cut_name = name
+    m_name = _CUT_NAME.match(body_text)
+    if m_name is not None:
+        cut_name = json.loads(m_name.group(1))
+    if cut_name is None:
+        return calls
+    m_args = _CUT_ARGUMENTS.search(body_text)
+    arguments = body_text[m_args.end() :] if m_args is not None else ""
+    if arguments.endswith("}") or TOOL_CALL_CLOSE[:2] in arguments:
+        # Cut in the closing tag: the object is whole, and its arguments are JSON.
+        whole = body_text.split(TOOL_CALL_CLOSE[:2])[0]
+        try:
+            body = json.loads(whole)
+            arguments = json.dumps(body.get("arguments", {}), ensure_ascii=False)
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    calls.append(ToolCall(cut_name, arguments))
+    return calls
+
+
 def render_tool_calls(calls: list[ToolCall]) -> str:
     """An assistant turn that made `calls`, as the model wrote it."""
     return "".join(

@@ -58,7 +58,7 @@ from collm_gateway.shapes import (
     fingerprint,
     sse,
 )
-from collm_gateway.tools import openai_tool_calls
+from collm_gateway.tools import openai_cut_tool_calls, openai_tool_calls
 
 REPLICA_HEADER = "x-collm-replica"
 ADAPTER_VERSION_HEADER = "x-collm-adapter-version"
@@ -204,14 +204,14 @@ class CompletionServing:
             )
             if body.stream:
                 response = GenerationEventStream(
-                    self._stream(gen, shape, ident, rec, span, _tools_on(body)),
+                    self._stream(gen, shape, ident, rec, span, _tool_choice(body)),
                     headers=_headers(gen, request_id),
                     on_close=lambda: self._finish(gen, rec, span),
                 )
                 handed_over = True
                 return response
             try:
-                payload = await self._complete(gen, shape, ident, rec, request, _tools_on(body))
+                payload = await self._complete(gen, shape, ident, rec, request, _tool_choice(body))
             finally:
                 await self._finish(gen, rec, span)
                 handed_over = True
@@ -263,13 +263,16 @@ class CompletionServing:
         ident: StreamIdentity,
         rec: RequestRecord,
         span: trace.Span | None = None,
-        tools_on: bool = False,
+        tool_choice: str | None = None,
     ) -> AsyncIterator[bytes]:
-        """SSE chunks as tokens arrive; with active tools each choice's text is held until it ends, then
-        sent as its tool calls or as text (module `collm_gateway.tools`)."""
+        """SSE chunks as tokens arrive. With active tools (`tool_choice` not None) a choice is held until
+        its output commits: text that starts with anything but `<` (only a call may) streams from there
+        on; a call is held until the choice ends and goes out as one tool-call delta (module
+        `collm_gateway.tools`)."""
         opened = False
         offsets: dict[int, int] = {}  # per choice: text length of its tokens so far (legacy text_offset)
         held: dict[int, list[TokenChunk]] = {}
+        texting: set[int] = set()  # choices whose output committed to text: streamed as it comes
         try:
             async for event in gen.events(heartbeat_s=self.settings.sse_ping_s):
                 if event is None:
@@ -281,8 +284,17 @@ class CompletionServing:
                     opening = shape.opening(ident, gen.request.sampling.n)
                     if opening is not None:
                         yield sse(opening)
-                if isinstance(event, TokenChunk) and tools_on:
-                    held.setdefault(event.index, []).append(event)
+                if isinstance(event, TokenChunk) and tool_choice is not None and event.index not in texting:
+                    chunks = held.setdefault(event.index, [])
+                    chunks.append(event)
+                    start = "".join(c.text for c in chunks).lstrip()
+                    if start and not start.startswith("<"):
+                        texting.add(event.index)
+                        chunk, _ = _held_choice(
+                            shape, ident, held.pop(event.index), event.index, "stop", None
+                        )
+                        if chunk is not None:
+                            yield sse(chunk)
                 elif isinstance(event, TokenChunk):
                     i = event.index
                     if event.text or event.logprobs:
@@ -290,8 +302,10 @@ class CompletionServing:
                     offsets[i] = offsets.get(i, 0) + sum(len(e.token) for e in event.logprobs or [])
                 elif isinstance(event, Finished):
                     for index, reason in _choice_ends(event):
-                        if tools_on:
-                            chunk, reason = _held_choice(shape, ident, held.pop(index, []), index, reason)
+                        if tool_choice is not None and index not in texting:
+                            chunk, reason = _held_choice(
+                                shape, ident, held.pop(index, []), index, reason, tool_choice
+                            )
                             if chunk is not None:
                                 yield sse(chunk)
                         yield sse(shape.closing(ident, reason, index))
@@ -312,7 +326,7 @@ class CompletionServing:
         ident: StreamIdentity,
         rec: RequestRecord,
         request: Request,
-        tools_on: bool = False,
+        tool_choice: str | None = None,
     ) -> dict[str, Any] | None:
         """The whole answer, or None if the client disconnected first (the generation is then cancelled)."""
 
@@ -354,9 +368,16 @@ class CompletionServing:
         choices = []
         for i, reason in _choice_ends(fin):
             text = "".join(parts[i])
-            calls = openai_tool_calls(text) if tools_on and reason == "stop" else None
+            calls = None
+            if tool_choice is not None and reason == "stop":
+                calls = openai_tool_calls(text)
+            elif tool_choice is not None and reason == "length":
+                calls = openai_cut_tool_calls(text, tool_choice)
+                if calls is not None:
+                    text = ""  # a call cut short: its calls so far, never the markup
             lps = logprobs[i] if want_logprobs else None
-            choices.append(Choice(i, text, "tool_calls" if calls else reason, lps, calls))
+            finish: OpenAIFinish = "tool_calls" if calls and reason == "stop" else reason
+            choices.append(Choice(i, text, finish, lps, calls))
         return shape.complete(_identity(ident, gen), choices, fin.prompt_tokens, fin.completion_tokens)
 
 
@@ -375,22 +396,38 @@ def merge_completions(payloads: list[dict[str, Any]], n: int) -> dict[str, Any]:
 
 
 def _held_choice(
-    shape: Shape, ident: StreamIdentity, chunks: list[TokenChunk], index: int, reason: OpenAIFinish
+    shape: Shape,
+    ident: StreamIdentity,
+    chunks: list[TokenChunk],
+    index: int,
+    reason: OpenAIFinish,
+    tool_choice: str | None,
 ) -> tuple[dict[str, Any] | None, OpenAIFinish]:
-    """A held choice's one chunk (its tool calls, or its text) and its finish reason."""
+    """A held choice's one chunk (its tool calls, or its text) and its finish reason; `tool_choice` None:
+    it is text."""
     text = "".join(c.text for c in chunks)
-    calls = openai_tool_calls(text) if reason == "stop" else None
+    calls = None
+    if tool_choice is not None and reason == "stop":
+        calls = openai_tool_calls(text)
+    elif tool_choice is not None and reason == "length":
+        calls = openai_cut_tool_calls(text, tool_choice)
     if calls is not None:
         assert isinstance(shape, ChatShape)  # tools exist in chat completions only
-        return shape.tool_calls_delta(ident, calls, index), "tool_calls"
+        if not calls:
+            return None, reason  # cut before the first call's name: nothing to send
+        return shape.tool_calls_delta(ident, calls, index), "tool_calls" if reason == "stop" else reason
     if not chunks:
         return None, reason
     lps = [lp for c in chunks for lp in c.logprobs or []] if chunks[0].logprobs is not None else None
     return shape.delta(ident, text, lps, 0, index), reason
 
 
-def _tools_on(body: SamplingIn) -> bool:
-    return isinstance(body, ChatCompletionRequest) and body.tool_choice_name != "none"
+def _tool_choice(body: SamplingIn) -> str | None:
+    """The request's tool choice ("auto", "required" or a function's name); None without active tools."""
+    if not isinstance(body, ChatCompletionRequest):
+        return None
+    choice = body.tool_choice_name
+    return None if choice == "none" else choice
 
 
 def _choice_ends(fin: Finished) -> list[tuple[int, OpenAIFinish]]:

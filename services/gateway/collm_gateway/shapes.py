@@ -107,7 +107,8 @@ class Choice:
     text: str
     finish_reason: OpenAIFinish
     logprobs: list[TokenLogprob] | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool_calls (then finish_reason "tool_calls")
+    # OpenAI's tool_calls (finish_reason "tool_calls", or "length" for calls cut short).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def _message(c: Choice) -> dict[str, Any]:

@@ -8,7 +8,9 @@ valid against the schema (`strict` or not: the schema is always enforced); with 
 `tool_choice` other than `none` (the default is `auto`), a choice that ends with `stop` and made calls has
 `message.tool_calls` (ids `call_...`, arguments as JSON text valid against the tool's parameters) and
 `finish_reason: "tool_calls"`; `auto` may answer in text instead. A choice cut by `max_tokens` ends
-with `length` and its partial text, as OpenAI does. `response_format` together with active tools is a
+with `length`: its partial text, or, when it was calling tools, its calls so far (the last with its
+arguments as far as they got, as vLLM returns it; one whose name was not reached is left out) and no
+content, so the call markup never reaches the client. `response_format` together with active tools is a
 400. A schema the grammar library cannot run is a 400 from the replica naming the field.
 """
 
@@ -25,6 +27,7 @@ from collm_common.structured import (
     Tool,
     ToolCall,
     json_schema_grammar,
+    parse_cut_tool_calls,
     parse_tool_calls,
     tool_grammar,
 )
@@ -149,8 +152,19 @@ def calls_of(tool_calls: list[ToolCallIn]) -> list[ToolCall]:
 def openai_tool_calls(text: str) -> list[dict[str, Any]] | None:
     """OpenAI's `tool_calls` for an output made of calls; None for plain text."""
     calls = parse_tool_calls(text)
-    if calls is None:
-        return None
+    return None if calls is None else _openai_calls(calls)
+
+
+def openai_cut_tool_calls(text: str, choice: str) -> list[dict[str, Any]] | None:
+    """OpenAI's `tool_calls` for an output of calls that `max_tokens` cut (the last with its arguments as
+    far as they got, as vLLM returns it); None for plain text. `choice`: the request's tool choice (a
+    function's name forces that function)."""
+    named = None if choice in ("auto", "required", "none") else choice
+    calls = parse_cut_tool_calls(text, named)
+    return None if calls is None else _openai_calls(calls)
+
+
+def _openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [
         {
             "id": "call_" + uuid.uuid4().hex[:24],

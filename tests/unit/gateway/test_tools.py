@@ -13,6 +13,7 @@ from collm_common.structured import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     ToolCall,
+    parse_cut_tool_calls,
     parse_tool_calls,
     render_tool_calls,
 )
@@ -163,3 +164,24 @@ def test_an_earlier_call_with_arguments_that_are_not_json_is_400() -> None:
         ChatCompletionRequest.model_validate(body)
     api = from_validation(err.value.errors())
     assert api.status == 400 and api.param is not None and api.param.startswith("messages.1.tool_calls.0")
+
+
+@pytest.mark.parametrize(
+    ("text", "named", "want"),
+    [
+        ("plain text", None, None),
+        ('<tool_call>{"name":"', None, []),
+        ('<tool_call>{"name":"', "add", [("add", "")]),
+        ("<tool_c", "add", [("add", "")]),
+        ('<tool_call>{"name":"add","arguments":{"a":', None, [("add", '{"a":')]),
+        (
+            '<tool_call>{"name":"add","arguments":{"a":1}}</tool_call><tool_call>{"name":"mul","argu',
+            None,
+            [("add", '{"a": 1}'), ("mul", "")],
+        ),
+        ('<tool_call>{"name":"add","arguments":{"a":1}}</to', None, [("add", '{"a": 1}')]),
+    ],
+)
+def test_calls_cut_by_max_tokens(text: str, named: str | None, want: list[tuple[str, str]] | None) -> None:
+    got = parse_cut_tool_calls(text, named)
+    assert (None if got is None else [(c.name, c.arguments) for c in got]) == want
