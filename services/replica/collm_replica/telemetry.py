@@ -2,8 +2,8 @@
 
 `TelemetryBuilder.build(snapshot, round_role, round_id)` turns cumulative counters into per-second rates
 over the time since the previous call (the first call: over one `interval_s`) and sets the replica's
-gauges (`collm_replica.metrics`); it is what the worker publishes every `telemetry_interval_s` on
-`subjects.telemetry(id)` and answers on its `status` endpoint.
+gauges (`collm_replica.metrics`, and vLLM's in `collm_replica.vllm_metrics`); it is what the worker
+publishes every `telemetry_interval_s` on `subjects.telemetry(id)` and answers on its `status` endpoint.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from collm_common.wire.telemetry import ReplicaTelemetry
-from collm_replica import metrics
+from collm_replica import metrics, vllm_metrics
 from collm_replica.engine import EngineSnapshot
 
 _RATES = ("gen", "pre", "arr", "ft", "infer_ms", "train_ms")
@@ -20,10 +20,11 @@ _RATES = ("gen", "pre", "arr", "ft", "infer_ms", "train_ms")
 class TelemetryBuilder:
     """See module docstring."""
 
-    def __init__(self, replica_id: str, model: str, interval_s: float) -> None:
+    def __init__(self, replica_id: str, model: str, interval_s: float, max_lora: int = 0) -> None:
         self.rid = replica_id
         self.model = model
         self.interval_s = interval_s
+        self.max_lora = max_lora  # adapter slots, for vLLM's `vllm:lora_requests_info`
         self._last: dict[str, float] | None = None
 
     def build(self, snap: EngineSnapshot, round_role: str, round_id: int | None) -> ReplicaTelemetry:
@@ -47,6 +48,10 @@ class TelemetryBuilder:
         metrics.KV_USED.labels(self.rid).set(snap.kv_used_frac)
         metrics.FT_SHARE.labels(self.rid).set(snap.ft_share)
         metrics.ADAPTERS.labels(self.rid).set(len(snap.adapters))
+        vllm_metrics.record_state(
+            self.model, self.rid, snap.running, snap.queue_len, snap.kv_used_frac, snap.adapters,
+            self.max_lora, time.time(),
+        )  # fmt: skip
         return ReplicaTelemetry(
             replica_id=self.rid,
             ts_unix_s=time.time(),

@@ -75,7 +75,7 @@ from collm_common.wire.tokenize import (
     TokenizeReply,
     TokenizeRequest,
 )
-from collm_replica import __version__, metrics, observe
+from collm_replica import __version__, metrics, observe, vllm_metrics
 from collm_replica.adapters import AdapterManager
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
 from collm_replica.errors import NotResident, ReplicaError
@@ -172,7 +172,9 @@ class Replica:
         self.step_log = StepLog(settings.step_log_path) if settings.step_log_path is not None else None
         if self.step_log is not None:
             self.engine.step_log = self.step_log.write
-        self.telemetry_builder = TelemetryBuilder(self.rid, loaded.name, settings.telemetry_interval_s)
+        self.telemetry_builder = TelemetryBuilder(
+            self.rid, loaded.name, settings.telemetry_interval_s, settings.max_resident_adapters
+        )
         self.tracer = tracing.tracer("collm.replica")
 
     # ================================================================================== lifecycle
@@ -293,6 +295,7 @@ class Replica:
                 # Counted and logged before the last event goes out: whoever has the response sees the
                 # request in the metrics and the log.
                 observe.record_finished(self.rid, model, ev)
+                vllm_metrics.record_finished(self.loaded.name, self.rid, ev, gr.sampling.max_tokens)
                 # Written in the span's context: the line carries the request's trace id (the span has
                 # ended in the engine by now; its context still names the trace).
                 with trace.use_span(span, end_on_exit=False):

@@ -270,3 +270,32 @@ def test_a_requests_log_lines_in_gateway_and_replica_carry_the_same_trace_id(
     )
     assert line["completion_tokens"] >= 1 and line["prompt_tokens"] > 0 and line["ttft_ms"] > 0
     assert {"tpot_ms", "queue_ms", "e2e_ms", "finish_reason", "model"} <= set(line)
+
+
+def test_replicas_expose_vllms_serving_metrics(ops: OpsStack, traffic: list[dict[str, str]]) -> None:
+    """vLLM's names, types and labels beside CoLLM's own: a board written for vLLM reads the replicas."""
+    urls = ops.stack.metrics_urls()
+    served = {h["x-collm-replica"] for h in traffic}
+    for rid in ("r0", "r1"):
+        text = scrape(urls[f"replica-{rid}"])
+        engine = {"model_name": "tiny", "engine": rid}
+        assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+        assert "# TYPE vllm:request_success_total counter" in text
+        # Telemetry sets the engine's state on every tick, busy or not.
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            assert sample(text, gauge, **engine) is not None, gauge
+        usage = sample(text, "vllm:kv_cache_usage_perc", **engine)
+        assert usage is not None and 0.0 <= usage <= 1.0
+        if rid not in served:
+            continue
+        # The same finished requests as CoLLM's own counters (both are recorded before the response ends).
+        finished = sum(
+            total(text, "collm_replica_requests_total", replica=rid, outcome=o) for o in ("length", "stop")
+        )
+        assert total(text, "vllm:request_success_total", **engine) == finished > 0
+        assert total(text, "vllm:time_to_first_token_seconds_count", **engine) == total(
+            text, "collm_replica_ttft_seconds_count", replica=rid
+        )
+        assert sample(text, "vllm:time_to_first_token_seconds_bucket", le="0.001", **engine) is not None
+        assert total(text, "vllm:generation_tokens_total", **engine) > 0
+        assert total(text, "vllm:e2e_request_latency_seconds_count", **engine) == finished
