@@ -154,13 +154,14 @@ def _micro(args: argparse.Namespace) -> int:
 # --- status ---------------------------------------------------------------------------------------------
 async def _status_loop(args: argparse.Namespace) -> int:
     from collm_common.bus import Bus
-    from collm_ops.status import gather_status, render_status, status_document
+    from collm_ops.status import gather_status, read_supervision, render_status, status_document
 
     bus = await Bus.connect(_settings(args), "collm-status")
     tty = sys.stdout.isatty()
     try:
         while True:
             snapshot = await gather_status(bus, args.timeout)
+            snapshot.supervision = read_supervision(Path(args.run_dir))
             if args.json:
                 doc = json.dumps(status_document(snapshot), indent=2 if args.once else None)
                 print(doc, flush=True)
@@ -185,6 +186,11 @@ def _status(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     except ConnectionError as exc:
+        from collm_ops.status import read_supervision, supervision_lines
+
+        # NATS down: what the local launcher knows of its processes (NATS's own restarts included).
+        for line in supervision_lines(read_supervision(Path(args.run_dir))):
+            print(line)
         return _fail(str(exc))
 
 
@@ -397,6 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", parents=[common], help="live table of the cluster (Ctrl-C quits)")
     status.add_argument("--once", action="store_true", help="print one frame and exit")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    status.add_argument(
+        "--run-dir",
+        default=".collm/run",
+        help="the run directory of a local `collm up`: its supervision.json (processes, restarts) is shown",
+    )
     status.set_defaults(func=_status)
 
     adapters = sub.add_parser("adapters", help="adapter versions (store) and rollback (aggregator)")

@@ -14,15 +14,17 @@ until every replica answers `$SRV.PING` and the gateway's `/readyz` says ready; 
 `stop()`) terminates everything it started, in reverse order.
 
 Supervision (`Stack.supervise`; on in `run_forever`, i.e. `collm up`; off by default in `Stack`, which
-tests and benchmarks drive by hand): a service child that exits while the stack is not stopping is
-started again with the same module and environment, after an exponential backoff (1 s doubling to 30 s,
-back to 1 s after a run of 60 s), and the launcher's log names the service, how it exited, the restart
-number and the delay. A service with 5 exits within 300 s is crash-looping: one log line says so with
-its last exit, it stays listed as such in `<run_dir>/supervision.json` (every service's state, pid,
-restarts and last exit, rewritten on every change), and it keeps being retried every 30 s while the
-others keep running. The decisions are the pure `collm_ops.supervise.Supervisor`; this module only
-polls the processes (every `SUPERVISE_POLL_S`) and starts them. `Stack.kill` holds the child it kills
-(supervision leaves it down until `Stack.restart`), unless told otherwise.
+tests and benchmarks drive by hand): a service child, or the nats-server or redis-server the launcher
+started itself (`nats`, `redis`: same command, port and data directory, so JetStream's streams and Redis's
+append-only file carry over), that exits while the stack is not stopping is started again, after an
+exponential backoff (1 s doubling to 30 s, back to 1 s after a run of 60 s), and the launcher's log names
+the service, how it exited, the restart number and the delay. A service with 5 exits within 300 s is
+crash-looping: one log line says so with its last exit, it stays listed as such in
+`<run_dir>/supervision.json` (every service's state, pid, restarts and last exit, rewritten on every
+change), and it keeps being retried every 30 s while the others keep running. The decisions are the pure
+`collm_ops.supervise.Supervisor`; this module only polls the processes (every `SUPERVISE_POLL_S`) and
+starts them. `Stack.kill` holds the child it kills (supervision leaves it down until `Stack.restart`),
+unless told otherwise.
 
 Environment of each child (`Stack.child_envs`): the launcher's own environment, `COLLM_*` included (so
 `COLLM_API_KEYS=... make up` configures the gateway, `COLLM_STRATEGY=fedavg` the aggregator), except the
@@ -500,7 +502,7 @@ class Stack:
         sup = Supervisor(policy or self.config.supervision)
         now_s = self.clock.monotonic()
         with self._children_lock:
-            for c in self.children:
+            for c in self._supervised():
                 sup.started(c.name, now_s)
             self.supervisor = sup
         self._supervise_stop.clear()
@@ -512,7 +514,7 @@ class Stack:
         p = sup.policy
         self.log(
             "launcher",
-            f"supervising {len(self.children)} services: an exit is restarted after "
+            f"supervising {len(self._supervised())} processes: an exit is restarted after "
             f"{p.first_backoff_s:g}s doubling to {p.max_backoff_s:g}s; {p.crash_loop_exits} exits within "
             f"{p.crash_loop_window_s:g}s is a crash loop (status: {self.supervision_path})",
         )
@@ -550,7 +552,7 @@ class Stack:
             if sup is None or self._supervise_stop.is_set():
                 return
             now_s = self.clock.monotonic()
-            for c in list(self.children):
+            for c in self._supervised():
                 code = c.proc.poll()
                 if code is None or not sup.is_running(c.name):
                     continue
@@ -570,26 +572,39 @@ class Stack:
                 changed = True
                 self.log("launcher", f"{name} has run {sup.policy.stable_s:g}s: no longer crash-looping")
             for name in sup.due(now_s):
-                old = self.child(name)
                 changed = True
                 try:
-                    new = self._spawn(name, old.module, old.env, replace=old)
+                    pid = self._start_again(name)
                 except OSError as exc:
                     # Counted as a run that ended at once: the next look sees the old exit and backs off.
                     sup.started(name, now_s)
                     self.log("launcher", f"cannot start {name} again: {exc}")
                     continue
                 sup.started(name, self.clock.monotonic())
-                self.log("launcher", f"restarted {name} (restart #{sup.restarts(name)}, pid {new.proc.pid})")
+                self.log("launcher", f"restarted {name} (restart #{sup.restarts(name)}, pid {pid})")
         if changed:
             self._write_supervision()
+
+    def _supervised(self) -> list[Child | ServerProcess]:
+        """The service children and the NATS and Redis servers this launcher started (a server it found
+        running is not its to restart)."""
+        return [*self.children, *self.servers]
+
+    def _start_again(self, name: str) -> int:
+        """Start child or server `name` again as it was started; its new pid."""
+        server = next((s for s in self.servers if s.name == name), None)
+        if server is not None:
+            server.respawn()
+            return server.proc.pid
+        old = self.child(name)
+        return self._spawn(name, old.module, old.env, replace=old).proc.pid
 
     def supervision_status(self) -> dict[str, Any]:
         """What `<run_dir>/supervision.json` holds: each service's supervision state and pid."""
         with self._children_lock:
             sup = self.supervisor
             services = sup.snapshot(self.clock.monotonic()) if sup is not None else {}
-            for c in self.children:
+            for c in self._supervised():
                 entry = services.setdefault(c.name, {})
                 entry["pid"] = c.proc.pid if c.proc.poll() is None else None
             return {

@@ -101,6 +101,13 @@ class ServerProcess:
         )
         _wait_port(self.port, wait_s, self.proc, self.name)
 
+    def respawn(self) -> None:
+        """Start the same command again (same port, data directory and environment) after the process
+        exited; does not wait for the port (the launcher's supervision polls, never blocks)."""
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_with_env(self.env)
+        )
+
     def stop_keep_dir(self) -> None:
         own, self._own_dir = self._own_dir, False
         self.stop()

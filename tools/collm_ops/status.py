@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from collm_common import subjects
@@ -33,6 +34,34 @@ class ClusterStatus:
     aggregator: AggregatorStatus | None = None
     gateway: GatewayStatus | None = None
     errors: dict[str, str] = field(default_factory=dict)  # service -> why it gave no status
+    # A local `collm up`'s supervision.json (its processes, NATS and Redis included), when there is one.
+    supervision: dict[str, Any] | None = None
+
+
+def read_supervision(run_dir: Path) -> dict[str, Any] | None:
+    """`<run_dir>/supervision.json` as the launcher wrote it; None when absent or unreadable."""
+    try:
+        doc = json.loads((run_dir / "supervision.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def supervision_lines(doc: dict[str, Any] | None) -> list[str]:
+    """One line per supervised process: pid, restarts and last exit; crash loops first."""
+    if not doc:
+        return []
+    services = doc.get("services") or {}
+    looping = set(doc.get("crash_looping") or [])
+    out = [
+        f"processes (launcher pid {doc.get('launcher_pid')}, supervising: {bool(doc.get('supervising'))}):"
+    ]
+    for name in sorted(services, key=lambda n: (n not in looping, n)):
+        e = services[name] or {}
+        state = "CRASH LOOP" if name in looping else ("running" if e.get("pid") else "down")
+        last = f", last exit {e['last_exit']}" if e.get("last_exit") else ""
+        out.append(f"  {name}: {state}, pid {e.get('pid') or '-'}, restarts {e.get('restarts', 0)}{last}")
+    return out
 
 
 async def discover(bus: Bus, service: str, timeout_s: float) -> list[dict[str, Any]]:
@@ -103,6 +132,7 @@ def status_document(s: ClusterStatus) -> dict[str, Any]:
         "aggregator": dump(s.aggregator),
         "gateway": dump(s.gateway),
         "errors": s.errors,
+        "supervision": s.supervision,
     }
 
 
@@ -230,4 +260,5 @@ def render_status(s: ClusterStatus) -> str:
             )
         for note in c.notes:
             out.append(f"  note: {note}")
+    out += supervision_lines(s.supervision)
     return "\n".join(out)

@@ -125,3 +125,42 @@ def test_unsupervised_stack_leaves_exited_children_down(stack: tuple[Stack, io.S
     until(lambda: "sleeper" not in s.pids(), what="sleeper to exit")
     time.sleep(0.6)
     assert "sleeper" not in s.pids() and "restarted sleeper" not in log.getvalue()
+
+
+def test_the_nats_and_redis_it_started_are_supervised_and_keep_their_data(tmp_path: Path) -> None:
+    """SIGKILL the redis-server and the nats-server the launcher started: each is started again on its
+    port and data directory (Redis's append-only file keeps a key written before), logged and listed."""
+    import redis
+
+    from collm_ops.servers import free_port, port_open
+
+    log = io.StringIO()
+    nats_port, redis_port = free_port(), free_port()
+    s = Stack(
+        StackConfig(
+            replicas=[],
+            run_dir=tmp_path / "run",
+            log_dir=tmp_path / "logs",
+            nats_url=f"nats://127.0.0.1:{nats_port}",
+            redis_url=f"redis://127.0.0.1:{redis_port}/0",
+        ),
+        log_sink=log,
+    )
+    try:
+        s._ensure_servers()
+        assert {srv.name for srv in s.servers} == {"nats", "redis"}
+        client = redis.Redis(port=redis_port)
+        client.set("kept", "1")
+        client.execute_command("CONFIG", "SET", "appendfsync", "always")
+        client.set("kept", "2")  # written through to the append-only file
+        s.supervise(FAST)
+        for name, port in (("redis", redis_port), ("nats", nats_port)):
+            server = next(srv for srv in s.servers if srv.name == name)
+            os.kill(server.proc.pid, signal.SIGKILL)
+            until(lambda name=name: status(s)["services"][name]["restarts"] == 1, what=f"{name} restarted")
+            until(lambda port=port: port_open("127.0.0.1", port), what=f"{name} listening again")
+            assert f"{name} exited (killed by SIGKILL)" in log.getvalue()
+            assert status(s)["services"][name]["pid"] == server.proc.pid
+        assert redis.Redis(port=redis_port).get("kept") == b"2"
+    finally:
+        s.stop(timeout_s=5)
