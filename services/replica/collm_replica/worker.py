@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -104,10 +105,36 @@ def prompt_ids(gr: GenerateRequest, loaded: LoadedModel) -> list[int]:
         )
     if gr.prompt_token_ids is not None:
         return check_token_ids(gr.prompt_token_ids, vocab_size(loaded), "prompt")
+    refuse_surely_too_long(gr, loaded)
     if gr.messages is not None:
         return chat_ids(loaded.tokenizer, gr.messages)
     assert gr.prompt is not None
     return list(loaded.tokenizer.encode(gr.prompt))
+
+
+@functools.cache
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry: a byte-level
+    entry has one character per byte, and a character is at least one byte)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def refuse_surely_too_long(gr: GenerateRequest, loaded: LoadedModel) -> None:
+    """400 `context_length_exceeded` for a prompt whose characters alone are more tokens than the context
+    holds (each token stands for at most `longest_token_chars`), before spending time tokenizing it."""
+    chars = len(gr.prompt or "") + sum(len(m.content) for m in gr.messages or [])
+    at_least = -(-chars // longest_token_chars(loaded.tokenizer))
+    limit = loaded.max_model_len
+    if at_least + gr.sampling.max_tokens > limit:
+        raise ReplicaError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested at least "
+            f"{at_least + gr.sampling.max_tokens} tokens (at least {at_least} in the prompt of {chars} "
+            f"characters, {gr.sampling.max_tokens} in the completion). Please reduce the length of the "
+            "prompt or completion.",
+            param="messages" if gr.messages is not None else "prompt",
+            error_code=CONTEXT_LENGTH_EXCEEDED,
+        )
 
 
 def engine_request(gr: GenerateRequest, ids: list[int], span: Span, vocab_size: int) -> EngineRequest:

@@ -3,6 +3,8 @@ generate request takes."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from collm_common.wire import decode_json, encode_json
@@ -18,7 +20,7 @@ from collm_common.wire.tokenize import (
 from collm_replica.errors import ReplicaError
 from collm_replica.models import LoadedModel
 from collm_replica.tokenization import answer
-from collm_replica.worker import prompt_ids
+from collm_replica.worker import longest_token_chars, prompt_ids
 
 MESSAGES = [
     ChatMessage(role="system", content="be brief"),
@@ -81,3 +83,33 @@ def test_refusals_name_the_field(tiny: LoadedModel) -> None:
 def test_requests_travel_as_json_too() -> None:
     for msg in (TokenizeText(prompt="x"), TokenizeChat(messages=MESSAGES), Detokenize(tokens=[1, 2])):
         assert decode_json(TOKENIZE_REQUEST, encode_json(msg)) == msg
+
+
+def test_a_prompt_surely_over_the_context_is_refused_before_tokenizing(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1 MiB prompt is more tokens than the context holds whatever its text: refused at once, never
+    tokenized; a prompt that may fit is tokenized and judged by the engine."""
+    longest = longest_token_chars(tiny.tokenizer)
+    assert longest >= 1
+    calls: list[str] = []
+    real_encode = tiny.tokenizer.encode
+    monkeypatch.setattr(
+        tiny.tokenizer, "encode", lambda text, **kw: calls.append(text) or real_encode(text, **kw)
+    )
+    big = GenerateRequest(request_id="big", prompt="x" * (1 << 20))
+    t0 = time.perf_counter()
+    with pytest.raises(ReplicaError) as err:
+        prompt_ids(big, tiny)
+    assert time.perf_counter() - t0 < 0.5 and calls == []
+    e = err.value
+    assert (e.code, e.param, e.error_code) == (400, "prompt", "context_length_exceeded")
+    assert e.message.startswith(f"This model's maximum context length is {tiny.max_model_len} tokens.")
+    chat = GenerateRequest(request_id="chat", messages=[ChatMessage(role="user", content="y" * (1 << 20))])
+    with pytest.raises(ReplicaError) as err:
+        prompt_ids(chat, tiny)
+    assert err.value.param == "messages"
+    # Near the bound (fewer characters than context x longest token): tokenized, as before.
+    room = tiny.max_model_len - big.sampling.max_tokens - 1
+    near = GenerateRequest(request_id="near", prompt="x" * (room * longest))
+    assert len(prompt_ids(near, tiny)) > 0 and calls
