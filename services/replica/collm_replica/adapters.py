@@ -62,6 +62,8 @@ class AdapterManager:
         self.store = store
         self.bus = bus
         self.known: set[str] = set()  # adapter names this replica serves or trains (kept in sync)
+        # Adapters whose store pointer was last seen behind the served version: that pointer value.
+        self.behind: dict[str, int] = {}
         self._loads: dict[str, asyncio.Future[str]] = {}
         self.tasks = tasks
 
@@ -159,7 +161,9 @@ class AdapterManager:
     async def sync(self) -> None:
         """Re-read the store's current pointer of every known adapter; load any newer version. An adapter
         whose pointer is gone (unloaded through the gateway) has no current version here any more, so a
-        request that still reaches this replica for it, naming no version, is refused with 404."""
+        request that still reaches this replica for it, naming no version, is refused with 404. A pointer
+        behind the newest version served here (moved outside a publication) is logged and counted
+        (`collm_replica_catalog_behind_total`) once per pointer value, and the newer version kept."""
         for name in sorted(self.known):
             try:
                 cur = await self.store.current(name)
@@ -173,8 +177,21 @@ class AdapterManager:
                 continue
             newest = self.engine.global_version(name)
             if newest is None or cur > newest:
+                self.behind.pop(name, None)
                 with contextlib.suppress(ReplicaError):
                     await self.load(name, cur, make_current=True, source="sync")
+            elif cur < newest and self.behind.get(name) != cur:
+                # Versions only grow (a rollback publishes a new version), so a pointer behind what this
+                # replica serves was moved outside a publication: keep serving, and say so once.
+                self.behind[name] = cur
+                metrics.CATALOG_BEHIND.labels(self.rid, name).inc()
+                log.warning(
+                    "adapter %s: the store's current pointer says v%d, behind v%d that this replica serves; "
+                    "versions only grow, so the pointer was moved outside a publication: still serving v%d",
+                    name, cur, newest, newest,
+                )  # fmt: skip
+            elif cur == newest:
+                self.behind.pop(name, None)
 
     async def run_sync(self, interval_s: float) -> None:
         """`sync` now and every `interval_s` until cancelled."""

@@ -59,6 +59,13 @@ ROUND_UPDATES = Counter(
     "(not_sent_store_error) or JetStream refused the reference (not_sent_bus)",
     [*LABELS, "outcome"],
 )
+CATALOG_BEHIND = Counter(
+    "collm_replica_catalog_behind_total",
+    "Times the adapter store's current pointer of an adapter was seen behind the newest version this "
+    "replica serves (versions only grow; a rollback publishes a new one): the catalogue and the served "
+    "version disagree, logged once per pointer value",
+    [*LABELS, "adapter"],
+)
 UPDATE_UPLOAD_RETRIES = Counter(
     "collm_replica_update_upload_retries_total",
     "Uploads of a round update to the adapter store retried because the store was unreachable",

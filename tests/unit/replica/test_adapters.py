@@ -85,3 +85,41 @@ async def test_the_manager_fetches_once_loads_and_offloads(tiny: LoadedModel) ->
             await mgr.ensure("a")
         assert (exc.value.code, exc.value.type) == (422, "invalid_adapter")
         await tasks.cancel_all()
+
+
+async def test_a_store_pointer_behind_the_served_version_is_logged_and_counted_once(
+    tiny: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Versions only grow: a current pointer moved back (by hand, around the aggregator) is a catalogue
+    that disagrees with what the replica serves. Sync keeps serving the newer version, logs and counts it
+    once per pointer value, and picks up the next real publication as usual."""
+    from prometheus_client import REGISTRY
+
+    store = MemoryStore({("a", 1): encode_adapter(random_adapter(tiny, 1))})
+    store.blobs[("a", 2)] = encode_adapter(random_adapter(tiny, 2))
+    pointer: dict[str, int] = {"a": 2}
+
+    async def current(name: str) -> int | None:
+        return pointer.get(name)
+
+    store.current = current  # type: ignore[method-assign]
+    labels = {"replica": "cat", "adapter": "a"}
+
+    def behind() -> float:
+        return REGISTRY.get_sample_value("collm_replica_catalog_behind_total", labels) or 0.0
+
+    with Engine(tiny, EngineConfig(max_resident_adapters=2), NoTraining()) as eng:
+        tasks = Tasks()
+        mgr = AdapterManager(ReplicaSettings(replica_id="cat"), tiny, eng, store, None, tasks)  # type: ignore[arg-type]
+        assert await mgr.load("a", 2, make_current=True) == "a@v2"
+        before = behind()
+        pointer["a"] = 1  # SET <prefix>:adapter:{a}:current 1
+        await mgr.sync()
+        await mgr.sync()
+        assert eng.current_version("a") == "a@v2" and behind() == before + 1
+        assert sum("behind v2 that this replica serves" in r.getMessage() for r in caplog.records) == 1
+        store.blobs[("a", 3)] = encode_adapter(random_adapter(tiny, 3))
+        pointer["a"] = 3  # the next publication
+        await mgr.sync()
+        assert eng.current_version("a") == "a@v3" and behind() == before + 1
+        await tasks.cancel_all()
