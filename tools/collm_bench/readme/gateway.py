@@ -1,4 +1,5 @@
-"""The gateway's added latency (bench/gateway_overhead.py, results in bench/results/gateway/)."""
+"""The gateway's added latency (bench/gateway_overhead.py) and overload (bench/gateway_overload.py); results
+in bench/results/gateway/."""
 
 from __future__ import annotations
 
@@ -25,5 +26,23 @@ def overhead_table(docs: Sequence[Mapping[str, Any]]) -> str:
             f"| {d['replica_model']} | {d['requests']} | {dn['median_ms']:.2f} / {dn['p99_ms']:.2f} "
             f"| {gw['median_ms']:.2f} / {gw['p99_ms']:.2f} | {add['median']:.2f} / {add['p99']:.2f} "
             f"| {pair['median']:.2f} / {pair['p99']:.2f} | {ratio['median']:.3f} / {ratio['p99']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def overload_table(doc: Mapping[str, Any]) -> str:
+    """One row per phase of bench/gateway_overload.py: what came back, and the 200s' latency."""
+    lines = [
+        "| phase | sent | 200 | 429 (with Retry-After) | 503 | other 5xx | other | 200 latency p50 / p99 s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, p in doc["phases"].items():
+        lat = p["ok_latency_s"]
+        latency = f"{lat['median']} / {lat['p99']}" if lat else "-"
+        refused = f"{p['refused_429']} ({p['refused_429_with_retry_after']})"
+        other = p["other_4xx"] + p["no_response"]
+        lines.append(
+            f"| {name} | {p['sent']} | {p['ok_200']} | {refused} | {p['unavailable_503']} | "
+            f"{p['other_5xx']} | {other} | {latency} |"
         )
     return "\n".join(lines)

@@ -53,6 +53,7 @@ KINDS: dict[str, Kind] = {
     "adaptation": Kind(_one(adaptation.table), plots=_one_plot(adaptation.plot)),
     "gate-noise": Kind(_one(gate.table)),
     "gateway-overhead": Kind(gateway.overhead_table, files=None),
+    "gateway-overload": Kind(_one(gateway.overload_table)),
     "sim-sweep": Kind(_one(sim.sweep_table), plots=sim.sweep_plots),
     "sim-speed": Kind(_one(sim.speed_table)),
     "sim-routing": Kind(_one(sim.routing_table)),
