@@ -13,7 +13,7 @@ default settings; each child logs to a file), then sends chat completions (non-s
    requests still ahead of them).
 
 Every request's phase, send time, status, `Retry-After`, error code and latency is kept in memory; the
-stack's processes' resident memory (`VmRSS`) is sampled every second. The result (bench/results/gateway/
+stack's processes' resident memory (psutil's RSS) is sampled every second. The result (bench/results/gateway/
 overload_<model>.json) holds per phase: sent, answered 200, refused 429 (and how many carried
 `Retry-After`), 503, other 5xx, client errors and transport failures, the 200s' latency median / p99,
 the 429s' latency median; the queue bound (replicas x (max_queue + max_batch)); the largest RSS per
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from collm_bench.readme.gateway import overload_table
 from collm_gateway.settings import GatewaySettings
@@ -127,12 +128,9 @@ async def open_loop(
 
 def rss_mb(pid: int) -> float | None:
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
+        return float(psutil.Process(pid).memory_info().rss) / 2**20
+    except psutil.Error:
         return None
-    return None
 
 
 async def sample_rss(
