@@ -21,6 +21,7 @@ process before and during the overload; and the recovery time: from the end of t
 first second whose requests all answered 200 within the calm phase's p99 latency.
 
     flock /tmp/collm-heavy.lock .venv/bin/python bench/gateway_overload.py            # SmolLM2-135M
+    COLLM_ADMIT_WAIT_SLO_FACTOR=1 ... bench/gateway_overload.py --label admit-wait  # own result file
     .venv/bin/python bench/gateway_overload.py --report      # the table from the result file
 """
 
@@ -232,6 +233,8 @@ async def drive(args: argparse.Namespace, stack: Stack, model: str) -> dict[str,
             "retry_after_s": gs.retry_after_s,
         },
         "phases": {p: summarize(outs, p) for p in ("capacity", "calm", "overload", "recovery")},
+        # COLLM_* settings the stack inherited from this process (the launcher passes them on).
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("COLLM_")},
         "recovery_s": recovery_s(outs, overload_end_s, calm_p99),
         "rss_mb_peak": {p: {k: round(v, 1) for k, v in sorted(d.items())} for p, d in peaks.items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -249,9 +252,10 @@ def main() -> int:
     ap.add_argument("--overload-s", type=float, default=60.0)
     ap.add_argument("--recovery-s", type=float, default=40.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--label", default="", help="result file overload_<model>[_<label>].json")
     ap.add_argument("--report", action="store_true", help="print the table of the committed result")
     args = ap.parse_args()
-    path = RESULTS / f"overload_{args.model}.json"
+    path = RESULTS / f"overload_{args.model}{'_' + args.label if args.label else ''}.json"
     if args.report:
         print(overload_table(json.loads(path.read_text())))
         return 0

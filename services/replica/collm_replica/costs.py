@@ -159,6 +159,10 @@ class LatencyWindow:
         while self._items and self._items[0].t_s < now_s - self.window_s:
             self._items.popleft()
 
+    def finished_since(self, since_s: float) -> int:
+        """Requests finished at or after `since_s` (within the window)."""
+        return sum(1 for s in self._items if s.t_s >= since_s)
+
     def summary(self, now_s: float) -> dict[str, float | int | None]:
         self.prune(now_s)
         ttft = [s.ttft_ms for s in self._items if s.ttft_ms is not None]
@@ -174,3 +178,16 @@ class LatencyWindow:
             "good": good,
             "slo_attainment": (good / n) if n else None,
         }
+
+
+# Fewer completions than this in the window say too little about the pace to refuse anything on it.
+MIN_FINISHED_FOR_WAIT = 8
+
+
+def predicted_queue_wait_s(waiting: int, finished: int, span_s: float) -> float | None:
+    """How long a request joining a queue of `waiting` requests waits for a batch slot, at the pace the
+    replica finished requests lately (`finished` in the last `span_s` seconds: each completion frees a
+    slot for the next waiting request); None when that pace is not known yet."""
+    if finished < MIN_FINISHED_FOR_WAIT or span_s <= 0:
+        return None
+    return (waiting + 1) / (finished / span_s)

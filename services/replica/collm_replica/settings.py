@@ -56,6 +56,13 @@ class ReplicaSettings(CommonSettings):
     slo_window_s: float = Field(30.0, gt=0, description="Window of the latency percentiles in telemetry.")
     # --- continuous batching -------------------------------------------------------------------------
     max_queue: int = Field(64, ge=1, description="Waiting requests beyond this are refused with 429.")
+    admit_wait_slo_factor: float | None = Field(
+        None,
+        gt=0,
+        description="Refuse with 429 a request whose predicted queue wait (the requests waiting ahead of it "
+        "over the pace this replica finished requests in its latency window) is more than this many times "
+        "its TTFT SLO: overload is answered at once instead of queued past any SLO. Unset: only max_queue.",
+    )
     max_batch: int = Field(16, ge=1, description="Most sequences in the running batch.")
     max_batch_tokens: int = Field(
         256, ge=1, description="Token budget of one iteration (decode tokens plus prefill chunks)."

@@ -15,6 +15,7 @@ from collm_common.data import Example, LocalDataset
 from collm_common.lora import LoraSpec
 from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_replica.cosched import NoTraining, SloAwareCoScheduler
+from collm_replica.costs import FinishedSample, predicted_queue_wait_s
 from collm_replica.engine import Engine, EngineConfig, EngineRefusal, EngineRequest, NotResident
 from collm_replica.engine.scheduler import BatchConfig
 from collm_replica.lora_bank import LiveLora
@@ -182,6 +183,35 @@ def test_queue_full_refusal(tiny: LoadedModel) -> None:
     with pytest.raises(EngineRefusal) as exc:
         eng.submit(greedy("c", P1, 2), Collector())
     assert exc.value.code == 429
+
+
+def test_a_predicted_wait_past_the_slo_is_refused_when_asked(tiny: LoadedModel) -> None:
+    """`admit_wait_slo_factor`: the queue's wait is predicted from the pace of recent completions
+    (here 10 in 30 s: a slot frees every 3 s), and a request that would wait more than the factor times
+    its TTFT SLO is refused with 429; without the setting only `max_queue` bounds the queue."""
+    now = [100.0]
+    cfg = EngineConfig(admit_wait_slo_factor=2.0, default_ttft_slo_ms=2000.0, slo_window_s=30.0)
+    eng = Engine(tiny, cfg, NoTraining(), clock=lambda: now[0])  # not started: nothing leaves the queue
+    now[0] = 130.0
+    for i in range(10):
+        eng.window.add(FinishedSample(101.0 + 3 * i, 50.0, 10.0, True))
+    eng.submit(greedy("a", P1, 2), Collector())  # 1 x 3 s ahead of it: within 2 x 2 s
+    with pytest.raises(EngineRefusal) as exc:
+        eng.submit(greedy("b", P1, 2), Collector())  # 2 x 3 s
+    assert exc.value.code == 429 and "TTFT SLO" in exc.value.message
+    eng.submit(greedy("c", P1, 2, ttft_slo_ms=10_000.0), Collector())  # its own SLO leaves room
+    plain = Engine(tiny, EngineConfig(), NoTraining(), clock=lambda: now[0])
+    for i in range(10):
+        plain.window.add(FinishedSample(101.0 + 3 * i, 50.0, 10.0, True))
+    for rid in ("x", "y", "z"):
+        plain.submit(greedy(rid, P1, 2), Collector())
+
+
+def test_the_queue_wait_is_predicted_from_recent_completions() -> None:
+    assert predicted_queue_wait_s(0, 10, 30.0) == pytest.approx(3.0)
+    assert predicted_queue_wait_s(4, 10, 30.0) == pytest.approx(15.0)
+    assert predicted_queue_wait_s(4, 3, 30.0) is None  # too few completions to know the pace
+    assert predicted_queue_wait_s(4, 10, 0.0) is None
 
 
 def test_a_request_dropped_at_its_deadline_counts_as_a_miss(tiny: LoadedModel) -> None:

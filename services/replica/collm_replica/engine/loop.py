@@ -61,7 +61,7 @@ from collm_common.wire.inference import (
 from collm_common.wire.telemetry import TrainingJobStatus
 from collm_replica.constrain import Constraint, Grammars
 from collm_replica.cosched import CoScheduler, TrainCost, effective_share, make_coscheduler
-from collm_replica.costs import FinishedSample, LatencyWindow, PieceCosts, StepCosts
+from collm_replica.costs import FinishedSample, LatencyWindow, PieceCosts, StepCosts, predicted_queue_wait_s
 from collm_replica.engine.background import Evaluations, Examples, Training
 from collm_replica.engine.executor import Executor, ForwardItem, SeqKV
 from collm_replica.engine.kv import OutOfBlocks
@@ -239,6 +239,24 @@ class _Serving:
         self._command(run)
         return fut
 
+    def _refuse_a_wait_past_the_slo(self, req: EngineRequest) -> None:
+        """With `admit_wait_slo_factor`: 429 when the predicted queue wait exceeds that many times the
+        request's TTFT SLO (called under the lock, which guards the latency window)."""
+        factor = self.cfg.admit_wait_slo_factor
+        if factor is None:
+            return
+        now = self.clock()
+        span_s = min(self.cfg.slo_window_s, now - self._started_s)
+        wait_s = predicted_queue_wait_s(self._n_waiting, self.window.finished_since(now - span_s), span_s)
+        slo_s = (req.ttft_slo_ms or self.cfg.default_ttft_slo_ms) / 1e3
+        if wait_s is not None and wait_s > factor * slo_s:
+            raise EngineRefusal(
+                429,
+                f"the replica's queue ({self._n_waiting} waiting) is about {wait_s:.1f}s of work, more than "
+                f"{factor:g} x this request's TTFT SLO of {slo_s:.1f}s",
+                "rate_limit_exceeded",
+            )
+
     def _news(self) -> bool:
         """New requests or commands are waiting: background work yields to the next iteration."""
         return bool(self._inbox) or not self._cmds.empty()
@@ -289,6 +307,7 @@ class _Serving:
                 raise EngineRefusal(
                     429, f"the replica's queue is full ({self.cfg.max_queue} waiting)", "rate_limit_exceeded"
                 )
+            self._refuse_a_wait_past_the_slo(req)
             if req.request_id in self._active:
                 raise EngineRefusal(
                     400, f"request id {req.request_id!r} is already in flight", param="request_id"
@@ -694,6 +713,7 @@ class Engine(_Serving):
         )
         self.on_job_event = on_job_event
         self.clock = clock
+        self._started_s = clock()
         self.wall = wall
         self.step_log = step_log  # told every inference step and stretch of background work (`step_log`)
         # The training budget decided for the iteration in progress and what bounded it (for the step log).

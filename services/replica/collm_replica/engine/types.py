@@ -49,6 +49,8 @@ EngineRefusal = ReplicaError
 class EngineConfig:
     replica_id: str = "r0"
     max_queue: int = 64
+    # Refuse (429) a request whose predicted queue wait exceeds this many times its TTFT SLO (None: off).
+    admit_wait_slo_factor: float | None = None
     batch: BatchConfig = field(default_factory=BatchConfig)
     max_resident_adapters: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -79,6 +81,7 @@ class EngineConfig:
         return cls(
             replica_id=s.replica_id,
             max_queue=s.max_queue,
+            admit_wait_slo_factor=s.admit_wait_slo_factor,
             batch=BatchConfig(
                 s.max_batch,
                 s.max_batch_tokens,
