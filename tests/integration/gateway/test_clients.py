@@ -94,8 +94,8 @@ async def test_langchain(gw: Gateway) -> None:
     texts = await legacy.abatch(["hello", "good morning"])
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
     # OpenAI's code reaches LangChain's error. (langchain-openai 1.8 raises its ContextOverflowError when
-    # str(error) holds "context_length_exceeded": the openai 1.x package wrote the whole body there, the
-    # 3.x package pinned here writes only the message, so with 3.x it raises its BadRequestError subclass.)
+    # str(error) holds "context_length_exceeded"; the openai 3.x package pinned here writes only the
+    # message there, so it raises its BadRequestError subclass.)
     with pytest.raises(openai.BadRequestError) as overflow:
         await chat.ainvoke(LONG)
     assert overflow.value.code == "context_length_exceeded"
