@@ -368,15 +368,10 @@ class CompletionServing:
         choices = []
         for i, reason in _choice_ends(fin):
             text = "".join(parts[i])
-            calls = None
-            if tool_choice is not None and reason == "stop":
-                calls = openai_tool_calls(text)
-            elif tool_choice is not None and reason == "length":
-                calls = openai_cut_tool_calls(text, tool_choice)
-                if calls is not None:
-                    text = ""  # a call cut short: its calls so far, never the markup
+            calls, finish = _choice_calls(text, reason, tool_choice)
+            if calls is not None:
+                text = ""  # its calls, never the call markup
             lps = logprobs[i] if want_logprobs else None
-            finish: OpenAIFinish = "tool_calls" if calls and reason == "stop" else reason
             choices.append(Choice(i, text, finish, lps, calls))
         return shape.complete(_identity(ident, gen), choices, fin.prompt_tokens, fin.completion_tokens)
 
@@ -395,6 +390,19 @@ def merge_completions(payloads: list[dict[str, Any]], n: int) -> dict[str, Any]:
     return {**payloads[0], "choices": choices, "usage": usage}
 
 
+def _choice_calls(
+    text: str, reason: OpenAIFinish, tool_choice: str | None
+) -> tuple[list[dict[str, Any]] | None, OpenAIFinish]:
+    """A choice's OpenAI `tool_calls` (None: it is text) and finish reason: the calls of an output that
+    ended with `stop` ("tool_calls"), or those so far of one `max_tokens` cut ("length")."""
+    calls = None
+    if tool_choice is not None and reason == "stop":
+        calls = openai_tool_calls(text)
+    elif tool_choice is not None and reason == "length":
+        calls = openai_cut_tool_calls(text, tool_choice)
+    return calls, "tool_calls" if calls and reason == "stop" else reason
+
+
 def _held_choice(
     shape: Shape,
     ident: StreamIdentity,
@@ -406,16 +414,12 @@ def _held_choice(
     """A held choice's one chunk (its tool calls, or its text) and its finish reason; `tool_choice` None:
     it is text."""
     text = "".join(c.text for c in chunks)
-    calls = None
-    if tool_choice is not None and reason == "stop":
-        calls = openai_tool_calls(text)
-    elif tool_choice is not None and reason == "length":
-        calls = openai_cut_tool_calls(text, tool_choice)
+    calls, finish = _choice_calls(text, reason, tool_choice)
     if calls is not None:
         assert isinstance(shape, ChatShape)  # tools exist in chat completions only
         if not calls:
-            return None, reason  # cut before the first call's name: nothing to send
-        return shape.tool_calls_delta(ident, calls, index), "tool_calls" if reason == "stop" else reason
+            return None, finish  # cut before the first call's name: nothing to send
+        return shape.tool_calls_delta(ident, calls, index), finish
     if not chunks:
         return None, reason
     lps = [lp for c in chunks for lp in c.logprobs or []] if chunks[0].logprobs is not None else None

@@ -15,6 +15,7 @@ names is not in the engine's slots, and the adapter manager can make it resident
 from __future__ import annotations
 
 from collm_common.bus import ServiceFailure
+from collm_common.wire.inference import CONTEXT_LENGTH_EXCEEDED
 
 
 class ReplicaError(ServiceFailure):
@@ -28,3 +29,21 @@ class NotResident(ReplicaError):
     def __init__(self, version: str) -> None:
         super().__init__(503, f"{version} is not resident", "service_unavailable", param="model")
         self.version = version
+
+
+def context_length_exceeded(
+    limit: int, prompt_tokens: int, max_tokens: int, param: str | None = None, prompt_chars: int | None = None
+) -> ReplicaError:
+    """400 `context_length_exceeded` in vLLM's words, which clients match to tell a context overflow from
+    other bad input. `prompt_chars`: the prompt was not tokenized, `prompt_tokens` is a lower bound from
+    its characters."""
+    least = "at least " if prompt_chars is not None else ""
+    where = f"in the prompt of {prompt_chars} characters" if prompt_chars is not None else "in the prompt"
+    return ReplicaError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested {least}"
+        f"{prompt_tokens + max_tokens} tokens ({least}{prompt_tokens} {where}, {max_tokens} in the "
+        "completion). Please reduce the length of the prompt or completion.",
+        param=param,
+        error_code=CONTEXT_LENGTH_EXCEEDED,
+    )

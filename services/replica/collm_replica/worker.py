@@ -79,7 +79,7 @@ from collm_common.wire.tokenize import (
 from collm_replica import __version__, metrics, observe, vllm_metrics
 from collm_replica.adapters import AdapterManager
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
-from collm_replica.errors import NotResident, ReplicaError
+from collm_replica.errors import NotResident, ReplicaError, context_length_exceeded
 from collm_replica.models import LoadedModel, load_model
 from collm_replica.participant import Participant
 from collm_replica.samples import SamplesConsumer, load_local_dataset
@@ -126,15 +126,8 @@ def refuse_surely_too_long(gr: GenerateRequest, loaded: LoadedModel) -> None:
     at_least = -(-chars // longest_token_chars(loaded.tokenizer))
     limit = loaded.max_model_len
     if at_least + gr.sampling.max_tokens > limit:
-        raise ReplicaError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested at least "
-            f"{at_least + gr.sampling.max_tokens} tokens (at least {at_least} in the prompt of {chars} "
-            f"characters, {gr.sampling.max_tokens} in the completion). Please reduce the length of the "
-            "prompt or completion.",
-            param="messages" if gr.messages is not None else "prompt",
-            error_code=CONTEXT_LENGTH_EXCEEDED,
-        )
+        param = "messages" if gr.messages is not None else "prompt"
+        raise context_length_exceeded(limit, at_least, gr.sampling.max_tokens, param, prompt_chars=chars)
 
 
 def engine_request(gr: GenerateRequest, ids: list[int], span: Span, vocab_size: int) -> EngineRequest:

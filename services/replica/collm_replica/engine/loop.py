@@ -49,7 +49,6 @@ from collm_common.data import Example, LocalDataset
 from collm_common.lora import AdapterWeights
 from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.inference import (
-    CONTEXT_LENGTH_EXCEEDED,
     Accepted,
     ChoiceFinish,
     Finished,
@@ -89,6 +88,7 @@ from collm_replica.engine.types import (
     NotResident,
     eval_dtype,
 )
+from collm_replica.errors import context_length_exceeded
 from collm_replica.lora_bank import LoraBank
 from collm_replica.models import LoadedModel
 from collm_replica.sampling import IncrementalDetokenizer, Sampler, StopMatcher, TokenLogprobs, token_logprobs
@@ -273,13 +273,7 @@ class _Serving:
         if n + req.max_tokens > limit:
             # OpenAI's code and vLLM's wording, which clients match to tell a context overflow from
             # other bad input; `param` (messages or prompt) is the caller's to name.
-            raise EngineRefusal(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + req.max_tokens} tokens ({n} in the prompt, {req.max_tokens} in the completion). "
-                "Please reduce the length of the prompt or completion.",
-                error_code=CONTEXT_LENGTH_EXCEEDED,
-            )
+            raise context_length_exceeded(limit, n, req.max_tokens)
         pool_tokens = self.cfg.batch.num_blocks * self.cfg.batch.block_size
         if self.cfg.batch.reserve_tokens(n + req.max_tokens) > pool_tokens:
             raise EngineRefusal(
