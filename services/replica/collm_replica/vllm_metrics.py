@@ -7,8 +7,9 @@ a CoLLM replica unchanged:
 
 * gauges, set at each telemetry tick: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
   `vllm:kv_cache_usage_perc` (reserved KV over the pool, 0..1), and `vllm:lora_requests_info` (labels
-  `max_lora`, `running_lora_adapters`, `waiting_lora_adapters`; its value the time of the tick, as vLLM
-  sets it);
+  `max_lora`, `running_lora_adapters`: every adapter with requests in flight, queued or running, since
+  the telemetry does not tell them apart, and `waiting_lora_adapters` left empty; its value the time of
+  the tick, as vLLM sets it);
 * per finished request: `vllm:request_success_total{finished_reason}`, `vllm:prompt_tokens_total`,
   `vllm:generation_tokens_total`, and the histograms `vllm:time_to_first_token_seconds`,
   `vllm:time_per_output_token_seconds` and `vllm:inter_token_latency_seconds` (the request's mean time
