@@ -221,7 +221,8 @@ def render_status(s: ClusterStatus) -> str:
         out.append(
             f"coordinator: policy {c.policy}, live {','.join(c.live) or '-'}, "
             f"stale {','.join(c.stale) or '-'}, attainment {pct(c.attainment)}, "
-            f"virtual queue {num(c.virtual_queue)}, headroom {num(c.headroom)}, demand {num(c.demand)} "
+            f"virtual queue {num(c.virtual_queue)}, headroom {num(c.headroom)}, spend {num(c.spend)}, "
+            f"demand {num(c.demand)} "
             f"replicas, aggregator {agg}"
         )
     else:

@@ -69,6 +69,7 @@ from collm_coordinator.core import (
     AdapterVersionView,
     RoundEvent,
     RoundPlanDecision,
+    SentShare,
     TickInputs,
     share_command_due,
 )
@@ -220,7 +221,7 @@ class Simulation:
         )
         self.weights: WeightsSnapshot | None = None
         self._weights_at = 0.0
-        self._shares_sent: dict[str, tuple[float, float]] = {}  # replica -> (share, when) last sent
+        self._shares_sent: dict[str, SentShare] = {}  # replica -> the share command last sent
         # The gateway's view of each replica: when its telemetry arrived, and the snapshot it gives (age
         # and this gateway's in-flight count are set per request: `snapshots_at`).
         self._gw_view: dict[str, tuple[float, ReplicaSnapshot]] = {}
@@ -411,11 +412,12 @@ class Simulation:
                 # As the coordinator service: a share is sent when it changed or is half its TTL old
                 # (`share_command_due`); the command reaching a replica ends a stretch of training at
                 # the next piece, as on the engine, and an idle replica with a job starts training.
-                if not share_command_due(self._shares_sent.get(s.replica_id), s.share, t, fast.share_ttl_s):
+                last = self._shares_sent.get(s.replica_id)
+                if not share_command_due(last, s.share, s.spend, t, fast.share_ttl_s):
                     continue
-                self._shares_sent[s.replica_id] = (s.share, t)
+                self._shares_sent[s.replica_id] = SentShare(s.share, s.spend, t)
                 rep = self.replicas[s.replica_id]
-                rep.set_share(s.share, t + fast.share_ttl_s)
+                rep.set_share(s.share, t + fast.share_ttl_s, s.spend)
                 if not rep.idle or (s.share > 0 and rep.has_job):
                     self._wake(rep, t)
             self.share_samples.append(sum(s.share for s in fast.shares))

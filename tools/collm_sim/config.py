@@ -39,6 +39,7 @@ class EngineSpec:
     ft_share_default: float = _R["ft_share_default"]
     round_deadline_margin_s: float = _R["round_deadline_margin_s"]
     ft_guard_frac: float = _R["ft_guard_frac"]
+    ft_spend_stretch_frac: float = _R["ft_spend_stretch_frac"]
     default_ttft_slo_ms: float = _R["default_ttft_slo_ms"]
     # Training runs in pieces of about one decoder layer (forward, then backward) plus the LM head: for
     # SmolLM2-135M's 30 layers, 61 pieces per micro-step. A stretch of training ends at a piece boundary:

@@ -256,10 +256,12 @@ class SimReplica:
             train_slo_reserve_frac=engine.ft_slo_reserve_frac,
             micro_tokens=engine.train_micro_tokens,
             batch_tokens=engine.train_batch_tokens,
+            train_spend_stretch_frac=engine.ft_spend_stretch_frac,
         )
         self.iteration = 0
         self.share: float | None = None
         self.share_expires_s: float | None = None
+        self.spend = 0.0
         self.bg = Background(self, cost, engine, on_job_done)
         self.window = KeptSummaryWindow(engine.slo_window_s)
         # Counters of the current telemetry interval, and totals.
@@ -397,9 +399,10 @@ class SimReplica:
             self._finish(w.popleft(), now, "timeout")
 
     # --- control --------------------------------------------------------------------------------------
-    def set_share(self, share: float, expires_s: float) -> None:
+    def set_share(self, share: float, expires_s: float, spend: float = 0.0) -> None:
         self.share = share
         self.share_expires_s = expires_s
+        self.spend = spend
 
     def start_job(
         self, adapter: str, round_id: int, base_version: int, budget: int, deadline_s: float, now: float
@@ -569,7 +572,9 @@ class SimReplica:
         has_job = job is not None and job.active
         decision: tuple[float, str | None] = (0.0, None)  # the training budget and what bounded it
         if has_job or self.bg.evals:
-            share, _ = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
+            share, source = effective_share(
+                now, self.share, self.share_expires_s, self.engine.ft_share_default
+            )
             min_ttft_ms = min(
                 self.ttft_slo_ms or self.engine.default_ttft_slo_ms, self.engine.default_ttft_slo_ms
             )
@@ -593,6 +598,7 @@ class SimReplica:
                     evals_pending=bool(self.bg.evals),
                     iteration=self.iteration,
                     job_rr=0,
+                    spend=self.spend if source == "coordinator" else 0.0,
                 ),
                 self.settings,
                 self.cosched,
@@ -828,6 +834,7 @@ class SimReplica:
             train_busy_frac=min(1.0, self._train_ms / 1e3 / dt) if busy else None,
             ft_share=share,
             ft_share_source=source,  # type: ignore[arg-type]
+            ft_spend=self.spend if source == "coordinator" else 0.0,
             ft_tokens_per_s=self._ft_tokens / dt,
             training_jobs=jobs,
             adapters=[

@@ -18,6 +18,9 @@ class SetFineTuneShare(WireModel):
     share: float = Field(ge=0.0, le=1.0)
     ttl_s: float = Field(10.0, gt=0)
     reason: str = ""
+    # The part of the share training takes beyond the requests' slack, at their latency's cost: the SLO
+    # budget the coordinator's attainment target leaves unspent (0: training only in the slack).
+    spend: float = Field(0.0, ge=0.0, le=1.0)
 
 
 class StartTraining(WireModel):
@@ -146,6 +149,8 @@ class CoordinatorStatus(WireModel):
     virtual_queue: float = 0.0
     # 0..1: grows while attainment stays above the target; a share counts (1 - h) against capacity.
     headroom: float = 0.0
+    # 0..1: the part of a training share the replicas train beyond their requests' slack (SetFineTuneShare).
+    spend: float = 0.0
     attainment: float | None = None
     demand: float = 0.0
     fast: CoordinatorDecisions | None = None

@@ -72,6 +72,8 @@ class ReplicaTelemetry(WireModel):
     # Fine-tuning.
     ft_share: float = 0.0
     ft_share_source: Literal["coordinator", "local_default"] = "local_default"
+    # The part of the share in force trained beyond the requests' slack (SetFineTuneShare.spend).
+    ft_spend: float = 0.0
     ft_tokens_per_s: float = 0.0
     ft_loss: float | None = None
     training_jobs: list[TrainingJobStatus] = Field(default_factory=list)

@@ -54,6 +54,11 @@ HEADROOM = Gauge(
     "Headroom h of the attainment target (0..1): grows while attainment stays above the target; a "
     "training share counts (1 - h) of itself against serving capacity",
 )
+SPEND = Gauge(
+    "collm_coordinator_spend_ratio",
+    "Spend (0..1): the part of a training share the replicas train beyond their requests' slack, at their "
+    "latency's cost; follows spend_gain x headroom",
+)
 ATTAINMENT = Gauge(
     "collm_coordinator_attainment_ratio", "SLO attainment measured over the last fast tick (0..1)"
 )

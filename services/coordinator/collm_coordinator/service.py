@@ -51,7 +51,14 @@ from collm_common.wire.control import (
 from collm_common.wire.rounds import RoundOutcome
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_coordinator import convert, metrics
-from collm_coordinator.core import POLICIES, CoordinatorCore, Decisions, TickInputs, share_command_due
+from collm_coordinator.core import (
+    POLICIES,
+    CoordinatorCore,
+    Decisions,
+    SentShare,
+    TickInputs,
+    share_command_due,
+)
 from collm_coordinator.core.types import (
     AdapterCreation,
     AdapterVersionView,
@@ -107,7 +114,7 @@ class Coordinator:
         self._events: list[RoundEvent] = []
         self._versions: list[AdapterVersionView] = []
         self._share_tasks: dict[str, asyncio.Task[None]] = {}
-        self._last_sent: dict[str, tuple[float, float]] = {}
+        self._last_sent: dict[str, SentShare] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._bg: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
@@ -204,6 +211,7 @@ class Coordinator:
         diag = d.diagnostics
         metrics.VIRTUAL_QUEUE.set(diag.virtual_queue)
         metrics.HEADROOM.set(diag.headroom)
+        metrics.SPEND.set(diag.spend)
         metrics.DEMAND.set(diag.demand)
         metrics.LIVE.set(len(diag.live))
         metrics.STALE.set(len(diag.stale))
@@ -241,7 +249,7 @@ class Coordinator:
             metrics.SHARE.labels(s.replica_id).set(s.share)
             metrics.REASON.labels(s.replica_id).state(s.reason_code)
             metrics.DECISIONS.labels(s.reason_code).inc()
-            self._send_share(s.replica_id, s.share, fast.share_ttl_s, s.reason, d.now_s)
+            self._send_share(s.replica_id, s.share, s.spend, fast.share_ttl_s, s.reason, d.now_s)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -249,14 +257,16 @@ class Coordinator:
         task.add_done_callback(self._tasks.discard)
 
     # --- share commands -------------------------------------------------------------------------------
-    def _send_share(self, rid: str, share: float, ttl_s: float, reason: str, now_s: float) -> None:
-        if not share_command_due(self._last_sent.get(rid), share, now_s, ttl_s):
+    def _send_share(
+        self, rid: str, share: float, spend: float, ttl_s: float, reason: str, now_s: float
+    ) -> None:
+        if not share_command_due(self._last_sent.get(rid), share, spend, now_s, ttl_s):
             return
         running = self._share_tasks.get(rid)
         if running is not None and not running.done():
             metrics.CONTROL_SKIPPED.labels(rid).inc()
             return
-        cmd = SetFineTuneShare(share=share, ttl_s=ttl_s, reason=reason[:200])
+        cmd = SetFineTuneShare(share=share, ttl_s=ttl_s, reason=reason[:200], spend=spend)
         self._share_tasks[rid] = asyncio.create_task(self._share_request(rid, cmd, now_s))
 
     async def _share_request(self, rid: str, cmd: SetFineTuneShare, now_s: float) -> None:
@@ -272,7 +282,7 @@ class Coordinator:
             log.debug("share command to %s failed: %s", rid, exc.message)
             return
         if reply.ok:
-            self._last_sent[rid] = (cmd.share, now_s)
+            self._last_sent[rid] = SentShare(cmd.share, cmd.spend, now_s)
         else:
             metrics.CONTROL_FAILURES.labels(rid, "refused").inc()
             log.warning("replica %s refused its share: %s", rid, reply.message)
@@ -350,6 +360,7 @@ class Coordinator:
             stale=list(d.diagnostics.stale) if d else [],
             virtual_queue=core.state.virtual_queue,
             headroom=core.state.headroom,
+            spend=core.state.spend,
             attainment=core.state.last_attainment,
             demand=d.diagnostics.demand if d else 0.0,
             fast=fast,

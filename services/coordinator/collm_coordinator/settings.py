@@ -87,6 +87,20 @@ class CoordinatorSettings(CommonSettings):
         "the target, a training share counts (1 - h) of itself against serving capacity, so shares grow "
         "until attainment comes down to the target; 0: shares always count whole.",
     )
+    coordinator_spend_gain: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="A replica's spend is this x the headroom: the part of its share it trains beyond its "
+        "requests' slack, at their latency's cost, so the SLO budget above the target is spent and "
+        "attainment comes down to it; 0: training only in the slack.",
+    )
+    coordinator_spend_rise_per_s: float = Field(
+        0.005,
+        gt=0,
+        description="How fast the spend may rise per second (it falls at once): the attainment window "
+        "sees what a spend costs before it grows further.",
+    )
     # --- fast loop -----------------------------------------------------------------------------------
     coordinator_max_share: float = Field(1.0, ge=0, le=1, description="Largest fine-tuning share granted.")
     coordinator_share_step: float = Field(0.05, gt=0, le=1, description="Granularity of planned shares.")

@@ -16,6 +16,10 @@ policies share the interface:
   stretches back to back, i.e. at full speed, and always makes progress: `decide` never returns fewer
   than `min_tokens` when idle, so a micro-step that a cost model predicts longer than the guard cannot
   starve training forever. When load rises, slack vanishes and training stops at the next iteration.
+  With a *spend* s > 0 from the coordinator (the SLO budget its attainment target leaves unspent), training
+  also takes s x share of the wall time under load beyond the slack, in stretches of `spend_stretch_ms`
+  (time credit, as the share's): requests then pay for it in latency, and the coordinator's attainment
+  target, not each request's slack, bounds training.
 * `FixedRatioCoScheduler` (Loquetier-style naive co-location): one full training step (a whole
   accumulation batch) every K iterations, whatever the load.
 * `LeftoverCoScheduler` (FlexLLM-style): fills the token budget the running batch leaves spare.
@@ -32,8 +36,9 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 # What bounded the training time of an iteration: no job to train; the fine-tuning share (0, or its time
-# credit spent); an idle replica (the guard only); the requests' slack; the guard for the next arrival.
-Limit = Literal["no_job", "share", "idle", "slack", "guard"]
+# credit spent); an idle replica (the guard only); the requests' slack; the guard for the next arrival; a
+# stretch of the coordinator's spend beyond the slack.
+Limit = Literal["no_job", "share", "idle", "slack", "guard", "spend"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,10 @@ class CoSchedInput:
     # Longest training pause a request that has not arrived yet could absorb (a share of the TTFT SLO):
     # the slack of present requests says nothing about the next arrival.
     max_train_ms: float = float("inf")
+    # Fraction of the share that training takes under load whatever the slack (0..1, the coordinator's
+    # spend of the SLO budget), in stretches of `spend_stretch_ms`.
+    spend: float = 0.0
+    spend_stretch_ms: float = 0.0
 
     @property
     def idle(self) -> bool:
@@ -295,14 +304,21 @@ class SloAwareCoScheduler:
         # next iterations, which may be slower than the one predicted now.
         self.slack_frac = slack_frac
         self.credit_ms = 0.0
+        # Time credit of the spend (`CoSchedInput.spend`): training beyond the slack, paid by requests.
+        self.spend_credit_ms = 0.0
+        self._beyond_slack_ms = 0.0  # of the last budget, the part beyond the slack
         self._last_s: float | None = None
         self.limit: Limit = "no_job"
 
     def _accrue(self, inp: CoSchedInput) -> None:
         if self._last_s is not None and inp.now_s > self._last_s:
-            self.credit_ms = min(
-                self.max_credit_ms, self.credit_ms + inp.share * (inp.now_s - self._last_s) * 1e3
-            )
+            dt_ms = (inp.now_s - self._last_s) * 1e3
+            self.credit_ms = min(self.max_credit_ms, self.credit_ms + inp.share * dt_ms)
+            if inp.spend > 0 and not inp.idle:
+                cap = max(self.max_credit_ms, inp.spend_stretch_ms)
+                self.spend_credit_ms = min(cap, self.spend_credit_ms + inp.spend * inp.share * dt_ms)
+            elif inp.spend <= 0:
+                self.spend_credit_ms = 0.0
         self._last_s = inp.now_s
 
     def slack_ms(self, inp: CoSchedInput) -> float:
@@ -312,6 +328,7 @@ class SloAwareCoScheduler:
         """Training time (ms) that fits after this step (0: none); inf only when nothing bounds it.
         `limit` says what bounded it (`Limit`)."""
         self._accrue(inp)
+        self._beyond_slack_ms = 0.0
         if not inp.has_job or inp.share <= 0:
             self.limit = "no_job" if not inp.has_job else "share"
             return 0.0
@@ -325,7 +342,13 @@ class SloAwareCoScheduler:
         # stretch short, so a small share still trains in stretches long enough to be efficient.
         slack = self.slack_ms(inp) * self.slack_frac
         self.limit = "slack" if slack < inp.max_train_ms else "guard"
-        return max(0.0, min(slack, inp.max_train_ms))
+        budget = max(0.0, min(slack, inp.max_train_ms))
+        stretch = inp.spend_stretch_ms
+        if inp.spend > 0 and stretch > budget and self.spend_credit_ms >= stretch:
+            self.limit = "spend"
+            self._beyond_slack_ms = stretch - budget
+            return stretch
+        return budget
 
     def decide(self, inp: CoSchedInput) -> int:
         budget = self.budget_ms(inp)
@@ -340,6 +363,7 @@ class SloAwareCoScheduler:
 
     def charge(self, train_ms: float) -> None:
         self.credit_ms -= train_ms
+        self.spend_credit_ms -= min(train_ms, self._beyond_slack_ms)
 
 
 class FixedRatioCoScheduler:

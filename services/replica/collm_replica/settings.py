@@ -103,6 +103,13 @@ class ReplicaSettings(CommonSettings):
         description="Training co-scheduler: `slo` (SLO-aware slack), `fixed` (one full step every K "
         "iterations), `leftover` (train in spare token budget), `off`.",
     )
+    ft_spend_stretch_frac: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="Training beyond the requests' slack (the coordinator's spend of the SLO budget its "
+        "attainment target leaves unspent) runs in stretches of this share of the TTFT SLO.",
+    )
     ft_guard_frac: float = Field(
         0.4,
         gt=0,

@@ -78,6 +78,7 @@ class TelemetryBuilder:
             train_busy_frac=min(1.0, rate["train_ms"] / 1e3),
             ft_share=snap.ft_share,
             ft_share_source=snap.ft_share_source,  # type: ignore[arg-type]
+            ft_spend=snap.ft_spend,
             ft_tokens_per_s=rate["ft"],
             ft_loss=snap.ft_loss,
             training_jobs=snap.jobs,

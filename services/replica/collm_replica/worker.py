@@ -346,7 +346,7 @@ class Replica:
     async def _control(self, cmd: Any, _headers: Mapping[str, str]) -> ControlReply:
         e = self.engine
         if isinstance(cmd, SetFineTuneShare):
-            await asyncio.wrap_future(e.set_share(cmd.share, cmd.ttl_s))  # in force once we reply
+            await asyncio.wrap_future(e.set_share(cmd.share, cmd.ttl_s, cmd.spend))  # in force once we reply
             return ControlReply(ok=True, message=f"share {cmd.share:.2f} for {cmd.ttl_s:.0f}s")
         if isinstance(cmd, PauseTraining):
             await asyncio.wrap_future(e.pause_training())

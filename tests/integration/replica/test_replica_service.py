@@ -178,10 +178,10 @@ async def status(r: Running) -> ReplicaTelemetry:
 
 
 async def test_control_share_pause_resume_and_telemetry(replica: Running) -> None:
-    assert (await control(replica, SetFineTuneShare(share=0.8, ttl_s=30))).ok
+    assert (await control(replica, SetFineTuneShare(share=0.8, ttl_s=30, spend=0.4))).ok
     await eventually(lambda: True)
     tel = await status(replica)
-    assert tel.ft_share == 0.8 and tel.ft_share_source == "coordinator"
+    assert tel.ft_share == 0.8 and tel.ft_share_source == "coordinator" and tel.ft_spend == 0.4
     got: list[ReplicaTelemetry] = []
 
     async def on_tel(t: ReplicaTelemetry, _msg) -> None:  # noqa: ANN001
@@ -197,6 +197,7 @@ async def test_control_share_pause_resume_and_telemetry(replica: Running) -> Non
     await asyncio.sleep(0.4)
     tel = await status(replica)
     assert tel.ft_share == 0.5 and tel.ft_share_source == "local_default"  # the TTL expired
+    assert tel.ft_spend == 0.0  # a spend lasts only as long as the coordinator's share
     # Start a local job on a new adapter: the replica creates med@v1 itself, then pause/resume it.
     rep = await control(replica, StartTraining(adapter="med", token_budget=100_000))
     assert rep.ok and rep.detail["base_version_id"] == "med@v1"

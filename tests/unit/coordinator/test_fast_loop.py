@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collm_coordinator.core import CoordinatorCore, share_command_due
+from collm_coordinator.core import CoordinatorCore, SentShare, share_command_due
 from tests.unit.coordinator.cluster import config, obs, steady, tick
 
 pytestmark = pytest.mark.unit
@@ -187,11 +187,13 @@ def test_one_noisy_second_is_not_a_burst_but_a_sustained_rise_is() -> None:
 
 
 def test_a_share_is_sent_when_new_changed_or_half_its_ttl_old() -> None:
-    assert share_command_due(None, 0.3, 10.0, 5.0)
-    assert not share_command_due((0.3, 10.0), 0.3, 12.4, 5.0)  # unchanged, 2.4 s old of a 5-s TTL
-    assert not share_command_due((0.3, 10.0), 0.3005, 11.0, 5.0)  # a change under 1e-3 is no change
-    assert share_command_due((0.3, 10.0), 0.3, 12.5, 5.0)  # half the TTL: sent again before it expires
-    assert share_command_due((0.3, 10.0), 0.0, 10.5, 5.0)  # changed: sent at once
+    sent = SentShare(0.3, 0.2, 10.0)
+    assert share_command_due(None, 0.3, 0.0, 10.0, 5.0)
+    assert not share_command_due(sent, 0.3, 0.2, 12.4, 5.0)  # unchanged, 2.4 s old of a 5-s TTL
+    assert not share_command_due(sent, 0.3005, 0.2005, 11.0, 5.0)  # a change under 1e-3 is no change
+    assert share_command_due(sent, 0.3, 0.2, 12.5, 5.0)  # half the TTL: sent again before it expires
+    assert share_command_due(sent, 0.0, 0.2, 10.5, 5.0)  # changed: sent at once
+    assert share_command_due(sent, 0.3, 0.0, 10.5, 5.0)  # the spend changed: sent at once
 
 
 def test_a_load_swinging_about_capacity_keeps_the_replica_at_risk() -> None:

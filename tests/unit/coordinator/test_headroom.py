@@ -100,3 +100,47 @@ def test_with_headroom_a_burst_still_leaves_the_capacity_its_demand_needs() -> N
     left = cfg.burst_util * sum(1.0 - (1.0 - h) * s1[r] for r in IDS)
     assert left >= after.diagnostics.demand / cfg.burst_spike_factor - 1e-6
     assert all(s1[r] <= shares(before)[r] for r in IDS)
+
+
+def spends(d) -> dict[str, float]:
+    return {s.replica_id: s.spend for s in d.fast.shares}
+
+
+def test_the_spend_follows_the_headroom_and_is_withdrawn_under_the_target() -> None:
+    """While attainment stays above the target the replicas that train get a spend (training beyond their
+    requests' slack) of spend_gain x h, in share steps; under the target it goes with the headroom."""
+    core = CoordinatorCore(config(spend_gain=0.5), "collm")
+    cfg = core.config
+    d = steady(core, 0.0, 200.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
+    assert core.state.headroom == 1.0
+    training = [s for s in d.fast.shares if s.share > 0]
+    assert training and all(s.spend == pytest.approx(0.5) for s in training)
+    assert all(s.spend == 0.0 for s in d.fast.shares if s.reason_code in ("idle", "slo_risk", "burst"))
+    t = 201.0
+    while core.state.headroom > 0:
+        d = steady(core, t, t, dict.fromkeys(IDS, 0.3), attainment=0.5)
+        h = core.state.headroom
+        assert all(v <= cfg.spend_gain * h + 1e-9 for v in spends(d).values())
+        t += 1.0
+        assert t < 300.0
+    assert all(v == 0.0 for v in spends(d).values())
+
+
+def test_no_spend_without_spend_gain() -> None:
+    core = CoordinatorCore(config(spend_gain=0.0), "collm")
+    d = steady(core, 0.0, 200.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
+    assert core.state.headroom == 1.0 and all(v == 0.0 for v in spends(d).values())
+
+
+@pytest.mark.parametrize("spend_gain", [0.0, 1.0])
+def test_a_tail_past_the_slo_is_the_price_of_a_spend_not_a_risk(spend_gain: float) -> None:
+    """With headroom and a spend, a replica's TTFT p99 over the SLO does not stop its training (its
+    windowed attainment under the target still does); without a spend it does."""
+    core = CoordinatorCore(config(spend_gain=spend_gain, ttft_slo_ms=1000.0), "collm")
+    steady(core, 0.0, 200.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
+    assert core.state.headroom == 1.0
+    slow = obs("r0", 201.0, busy=0.3, ttft_ms_p99=1500.0)
+    risk = core.state.risk_of(slow, 0.3)
+    assert (risk is None) == (spend_gain > 0)
+    missing = obs("r0", 201.0, busy=0.3, ttft_ms_p99=1500.0, attainment=0.5, finished=40)
+    assert core.state.risk_of(missing, 0.3) is not None

@@ -116,6 +116,19 @@ def test_no_slack_no_training() -> None:
     assert d.limit == "slack"
 
 
+def test_a_spend_trains_past_the_slack_in_stretches_of_the_ttft_slo() -> None:
+    # The same late request: no slack, but the coordinator's spend has time credit for a stretch.
+    late = _request(arrived_s_ago=0.5, ttft_slo_s=0.1)
+    policy = _primed_policy()
+    policy.spend_credit_ms = 1000.0
+    inp = _input(waiting=[late], spend=0.5)
+    d = decide_background(inp, SETTINGS, policy)
+    assert d.train_ms == pytest.approx(SETTINGS.train_spend_stretch_frac * 2000.0)
+    assert d.limit == "spend" and d.job == 0
+    # Without a spend the same credit buys nothing: training stays in the slack.
+    assert decide_background(inp._replace(spend=0.0), SETTINGS, policy).train_ms == 0.0
+
+
 def test_slack_grants_training_to_the_job_within_the_guard() -> None:
     plan = [("a", 1)]
     inp = _input(running=[_decoding(tpot_slo_s=1.0)], plan_items=plan, plan_tokens=1, step_ms=10.0)

@@ -141,6 +141,37 @@ def test_slo_says_what_bounded_training() -> None:
     assert p.budget_ms(inp(now_s=100.01)) == 0.0 and p.limit == "share"
 
 
+def test_slo_spend_trains_beyond_the_slack_for_its_part_of_the_share() -> None:
+    # No slack at all (a deadline now), but a spend of 0.5 of a share of 0.4: training takes 0.2 of the
+    # wall time under load in stretches of 300 ms, once the spend's credit holds a whole stretch.
+    p = SloAwareCoScheduler(margin_ms=5.0, slack_frac=1.0)
+    busy = {"share": 0.4, "spend": 0.5, "spend_stretch_ms": 300.0, "max_train_ms": 50.0}
+    p.budget_ms(inp(now_s=0.0, deadlines_s=(0.0,), **busy))
+    trained_ms, t = 0.0, 0.0
+    while t < 60.0:
+        t = round(t + 0.05, 3)
+        ms = p.budget_ms(inp(now_s=t, deadlines_s=(t,), **busy))
+        assert ms in (0.0, 300.0)
+        if ms:
+            assert p.limit == "spend"
+            p.charge(ms)
+            trained_ms += ms
+    assert trained_ms / 60_000 == pytest.approx(0.2, abs=0.01)
+
+
+def test_slo_spend_only_adds_to_the_slack_and_stops_with_the_spend() -> None:
+    p = primed()
+    busy = {"spend": 1.0, "spend_stretch_ms": 300.0}
+    # slack 475 ms under a guard of 1 s: more than a stretch, so the slack decides, not the spend
+    assert p.budget_ms(inp(max_train_ms=1000.0, **busy)) == pytest.approx(475.0) and p.limit == "slack"
+    p.budget_ms(inp(now_s=101.0, deadlines_s=(101.0,), **busy))  # credit accrues while serving
+    assert p.budget_ms(inp(now_s=101.1, deadlines_s=(101.1,), **busy)) == 300.0
+    # The spend withdrawn (0): training is back to the slack only, and the credit is gone
+    assert p.budget_ms(inp(now_s=102.0, deadlines_s=(102.0,), spend=0.0)) == 0.0
+    assert p.budget_ms(inp(now_s=102.1, deadlines_s=(102.1,), spend_stretch_ms=300.0)) == 0.0
+    assert p.spend_credit_ms == 0.0
+
+
 def test_fixed_ratio_trains_a_full_step_every_k_iterations_blindly() -> None:
     p = FixedRatioCoScheduler(every=4)
     got = [p.decide(inp(iteration=i, deadlines_s=(100.001,))) for i in range(8)]

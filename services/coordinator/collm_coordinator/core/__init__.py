@@ -23,7 +23,8 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
     window mean plus `burst_headroom_sigmas` sigma); phi(u) = u / (1 - u), the SLO risk.
   * Z: virtual queue of the long-term attainment target, Z <- max(0, Z + gain * (target - attainment)
     * dt / slow_interval_s) at every fast tick; it grows while attainment falls short, so training
-    yields to serving until the target is met again.
+    yields to serving until the target is met again. Its signed form goes negative while attainment
+    stays above the target: headroom h = min(1, headroom_gain * -q) (state.py).
   Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
   An adapter left without a plan because every replica holding its data was at risk at the tick is
   planned at the first fast tick where one of them no longer is, and one whose previous round was still
@@ -39,7 +40,9 @@ clear the risk every other second),
 scaled down at once for all when the cluster's demand exceeds what the plan leaves (`burst`, judged on
 a 3 s mean or a large one-second spike), and raised back gradually (`share_recover_per_tick`); a
 replica that trains outside the plan (a round the aggregator's built-in planner or an operator opened,
-or a local job) gets the same rule toward an even split of the slack the plan leaves;
+or a local job) gets the same rule toward an even split of the slack the plan leaves; every share
+carries the spend s (spend_gain x h, rising by at most spend_rise_per_s, falling at once): the part of
+it the replica trains beyond its requests' slack, so attainment comes down to the target;
 routing weights favour replicas with slack and with the requested adapter resident; stale replicas get
 no weight. The weights reach the gateway only with `publish_weights`: with the gateway's current rule
 (a weighted random draw) its least-loaded fallback serves better (bench/README.md, Simulator).
@@ -50,19 +53,20 @@ per second / 1000), not its busy time (one running request keeps a batching engi
 
 Knobs (CoreConfig; the service's `COLLM_COORDINATOR_<KNOB>` settings): fast_interval_s, slow_interval_s,
 round_deadline_s, stale_after_s, warmup_s, outcome_grace_s, evaluation_grace_s, attainment_target,
-util_cap, quality_weight_v (V), virtual_queue_gain, max_share, share_step, share_recover_per_tick,
-share_ttl_s, routing_ttl_s, queue_risk_frac, risk_attainment, risk_attainment_z, non_resident_factor,
-publish_weights, ttft_slo_ms, tpot_slo_ms, slo_risk_frac, forecast_window_s, burst_headroom_sigmas,
-recent_window_s, backlog_horizon_s, burst_window_s, burst_spike_factor, burst_util, quality_token_scale
-(tau), quality_prior_gain, quality_prior_weight, data_tokens_per_sample, data_useful_epochs,
-stale_data_weight, learning_rate, quorum_frac, min_budget_tokens, probe_budget_tokens, probe_share,
-adapters; baselines: separate_train_frac, fixed_ratio_k, leftover_share.
+util_cap, quality_weight_v (V), virtual_queue_gain, headroom_gain, spend_gain, spend_rise_per_s,
+max_share, share_step, share_recover_per_tick, share_ttl_s, routing_ttl_s, queue_risk_frac,
+risk_attainment, risk_attainment_z, non_resident_factor, publish_weights, ttft_slo_ms, tpot_slo_ms,
+slo_risk_frac, forecast_window_s, burst_headroom_sigmas, recent_window_s, backlog_horizon_s,
+burst_window_s, burst_spike_factor, burst_util, quality_token_scale (tau), quality_prior_gain,
+quality_prior_weight, data_tokens_per_sample, data_useful_epochs, stale_data_weight, learning_rate,
+quorum_frac, min_budget_tokens, probe_budget_tokens, probe_share, adapters; baselines:
+separate_train_frac, fixed_ratio_k, leftover_share.
 
 Baselines behind the same interface (baselines.py): `separate`, `fixed_ratio`, `leftover`.
 """
 
 from collm_coordinator.core.config import POLICIES, CoreConfig, CostPrior
-from collm_coordinator.core.fast_loop import share_command_due
+from collm_coordinator.core.fast_loop import SentShare, share_command_due
 from collm_coordinator.core.state_machine import CoordinatorCore
 from collm_coordinator.core.types import (
     AdapterVersionView,
@@ -102,5 +106,6 @@ __all__ = [
     "SlowDecision",
     "TickInputs",
     "TrainingProgress",
+    "SentShare",
     "share_command_due",
 ]

@@ -54,6 +54,11 @@ class CoreConfig:
     # serving capacity in both loops (the SLO-aware co-scheduler trains only in the requests' slack, so a
     # share is an upper bound on training, not time taken from serving); 0: shares always count whole.
     headroom_gain: float = 1.0
+    # A replica's spend (the part of its share it trains beyond its requests' slack, at their latency's
+    # cost) is `spend_gain` x h: the unspent SLO budget is spent, so attainment comes down to the target;
+    # 0: training only in the slack.
+    spend_gain: float = 1.0
+    spend_rise_per_s: float = 0.005
     # --- fast loop -----------------------------------------------------------------------------------
     max_share: float = 1.0
     share_step: float = 0.05
@@ -143,6 +148,8 @@ class CoreConfig:
             ("quality_weight_v must be >= 0", self.quality_weight_v >= 0),
             ("virtual_queue_gain must be >= 0", self.virtual_queue_gain >= 0),
             ("headroom_gain must be >= 0", self.headroom_gain >= 0),
+            ("spend_gain must be in [0, 1]", 0 <= self.spend_gain <= 1),
+            ("spend_rise_per_s must be > 0", self.spend_rise_per_s > 0),
             ("max_share must be in [0, 1]", 0 <= self.max_share <= 1),
             ("share_step must be in (0, 1]", 0 < self.share_step <= 1),
             ("share_recover_per_tick must be > 0", self.share_recover_per_tick > 0),

@@ -17,7 +17,10 @@ at most that, and less at once when SLOs are at risk:
   pin a share that an SLO risk or a plan's start left at 0 there for as long as it lasts);
 * otherwise a share rises back toward its plan by at most `share_recover_per_tick` per tick
   (`recovering`, then `slack`): decrease at once, increase gradually, so a burst that comes back does
-  not meet replicas that already resumed full training.
+  not meet replicas that already resumed full training. Such a share carries the cluster's spend
+  (`ClusterState.update_spend`: spend_gain x headroom): the part of it the replica's co-scheduler trains
+  beyond its requests' slack, at their latency's cost, which spends the SLO budget the attainment target
+  leaves and so brings attainment down to it; a share cut by a risk or a burst carries none.
 
 A replica that trains outside the plan (a running job of a round the coordinator did not plan: the
 aggregator's built-in planner or an operator opened it; or a local job) gets the same rule with a target
@@ -46,17 +49,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 from collm_coordinator.core.state import ClusterView
 from collm_coordinator.core.types import FastDecision, RoutingDecision, ShareDecision
 
 
-def share_command_due(last: tuple[float, float] | None, share: float, now_s: float, ttl_s: float) -> bool:
-    """Whether a replica's share is sent to it at this tick: never sent (`last` = (share, when) of the
-    last one it accepted), changed by 1e-3 or more, or half its TTL old (so it never expires while the
+class SentShare(NamedTuple):
+    """The last share command a replica accepted: its share, its spend and when it was sent."""
+
+    share: float
+    spend: float
+    when_s: float
+
+
+def share_command_due(last: SentShare | None, share: float, spend: float, now_s: float, ttl_s: float) -> bool:
+    """Whether a replica's share is sent to it at this tick: never sent (`last`: the last one it accepted),
+    share or spend changed by 1e-3 or more, or half its TTL old (so it never expires while the
     coordinator runs). An unchanged share is not sent every tick: a command reaching a replica ends its
     stretch of training at the next piece, as a new request does."""
-    return last is None or abs(last[0] - share) >= 1e-3 or now_s - last[1] >= ttl_s / 2
+    return (
+        last is None
+        or abs(last.share - share) >= 1e-3
+        or abs(last.spend - spend) >= 1e-3
+        or now_s - last.when_s >= ttl_s / 2
+    )
 
 
 def _q(x: float) -> float:
@@ -98,6 +115,8 @@ def collm_shares(view: ClusterView) -> tuple[list[ShareDecision], str]:
         needed = demand / cfg.burst_util - free
         factor = max(0.0, 1.0 - needed / displaced) if displaced > 0 else 0.0
         why = f"burst: demand {demand:.2f} > capacity {capacity:.2f} at planned shares; shares x{factor:.2f}"
+    # The SLO budget left unspent, spent beyond the slack (ClusterState.update_spend).
+    spend = round(view.spend, 3)
     out: list[ShareDecision] = []
     for rid in live:
         p = target[rid]
@@ -120,9 +139,9 @@ def collm_shares(view: ClusterView) -> tuple[list[ShareDecision], str]:
             out.append(ShareDecision(rid, _q(share), "burst", f"{aim}, cut: {why}"))
         elif prev + cfg.share_recover_per_tick < p:
             share = prev + cfg.share_recover_per_tick
-            out.append(ShareDecision(rid, _q(share), "recovering", f"rising toward {aim}"))
+            out.append(ShareDecision(rid, _q(share), "recovering", f"rising toward {aim}", spend))
         else:
-            out.append(ShareDecision(rid, _q(p), "slack", f"{aim}; {extra_why if outside else why}"))
+            out.append(ShareDecision(rid, _q(p), "slack", f"{aim}; {extra_why if outside else why}", spend))
     return out, why
 
 

@@ -36,8 +36,8 @@ q goes negative and the headroom h = min(1, headroom_gain * -q) grows: a share t
 of itself against serving capacity (here, in `usable_share` and in the fast loop's burst check), because
 the SLO-aware co-scheduler trains only in the requests' slack and a share is an upper bound on training,
 not time taken from serving. So the target binds from both sides: below it Z prices SLO risk, above it h
-lets shares grow toward `max_share` until attainment comes down to the target or every replica trains
-all its slack.
+lets shares grow toward `max_share`, and the fast loop's spend (spend_gain x h) has the replicas train
+part of each share beyond their requests' slack, until attainment comes down to the target.
 
 Solution: greedy in steps of `share_step`: take the (adapter, replica) step with the largest marginal
 gain while its gain exceeds the marginal penalty and the cap holds. The gain is concave in each x_a

@@ -157,6 +157,7 @@ class CoordinatorCore:
             virtual_queue=view.virtual_queue,
             active_rounds=tuple(sorted(st.rounds)),
             headroom=view.headroom,
+            spend=view.spend,
             notes=tuple(st.notes),
         )
         decisions = Decisions(

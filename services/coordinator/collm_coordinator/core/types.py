@@ -144,6 +144,9 @@ class ShareDecision:
     share: float
     reason_code: ReasonCode
     reason: str
+    # The part of the share the replica trains beyond its requests' slack (`cosched`): the SLO budget the
+    # attainment target leaves unspent (collm only; 0: training only in the slack).
+    spend: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,8 @@ class Diagnostics:
     active_rounds: tuple[str, ...]
     # The headroom h in [0, 1] (state.ClusterState.headroom): how little a share counts against capacity.
     headroom: float = 0.0
+    # The spend (state.ClusterState.spend): the part of a share trained beyond the requests' slack.
+    spend: float = 0.0
     notes: tuple[str, ...] = ()
 
 

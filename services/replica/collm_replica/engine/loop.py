@@ -730,6 +730,7 @@ class Engine(_Serving):
         self.preemptions_total = 0
         self._share: float | None = None
         self._share_expires: float | None = None
+        self._spend = 0.0  # with the coordinator's share: its spend beyond the slack (`cosched`)
         self._arrivals = ArrivalHistory(self.cfg.slo_window_s)
         self._prompt_tokens_ewma = 64.0  # prompt length of recent arrivals (the next one's, as a guess)
         self.iteration = 0
@@ -740,6 +741,7 @@ class Engine(_Serving):
             train_slo_reserve_frac=self.cfg.train_slo_reserve_frac,
             micro_tokens=self.cfg.job.micro_tokens,
             batch_tokens=self.cfg.job.batch_tokens,
+            train_spend_stretch_frac=self.cfg.train_spend_stretch_frac,
         )
 
         # Costs and counters.
@@ -869,11 +871,14 @@ class Engine(_Serving):
         or install makes it resident again."""
         return self._call(lambda: self.slots.offload(version_id))
 
-    def set_share(self, share: float, ttl_s: float) -> Future[None]:
-        """Applied at the next iteration boundary; the future resolves once the share is in force."""
+    def set_share(self, share: float, ttl_s: float, spend: float = 0.0) -> Future[None]:
+        """Applied at the next iteration boundary; the future resolves once the share is in force. `spend`:
+        the part of the share training takes beyond the requests' slack (`cosched`), for as long as the
+        share is in force."""
 
         def apply() -> None:
             self._share = share
+            self._spend = spend
             self._share_expires = self.clock() + ttl_s
 
         return self._call(apply)
@@ -968,6 +973,7 @@ class Engine(_Serving):
             train_ms_total=train_ms_total,
             ft_share=share,
             ft_share_source=source,
+            ft_spend=self._spend if source == "coordinator" else 0.0,
             ft_loss=self.ft_loss,
             training_paused=self.training_paused,
             latency=latency,
@@ -1088,7 +1094,7 @@ class Engine(_Serving):
         """(predicted inference ms, training ms, evaluation ms, the job to train, idle) of this iteration
         (`scheduler.decide_background` on the engine's state)."""
         jobs = self.training.active_jobs()
-        share, _ = effective_share(now, self._share, self._share_expires, self.cfg.ft_share_default)
+        share, source = effective_share(now, self._share, self._share_expires, self.cfg.ft_share_default)
         fixed, per = self.piece_costs.micro_step(self.executor.n_layers, head_rows=TRAIN_HEAD_ROWS)
         min_ttft_ms = self._min_ttft_slo_ms()
         margin_s = self.cfg.round_deadline_margin_s
@@ -1111,6 +1117,7 @@ class Engine(_Serving):
             evals_pending=bool(self.evals),
             iteration=self.iteration,
             job_rr=self.training.job_rr,
+            spend=self._spend if source == "coordinator" else 0.0,
         )
         d = decide_background(inp, self._settings, self.cosched)
         self.training.job_rr = d.job_rr

@@ -307,6 +307,8 @@ class BackgroundSettings:
     train_slo_reserve_frac: float
     micro_tokens: int
     batch_tokens: int
+    # A stretch of training beyond the slack (the coordinator's spend): this share of the tightest TTFT SLO.
+    train_spend_stretch_frac: float = 0.3
 
 
 class BackgroundInput(NamedTuple):
@@ -335,6 +337,7 @@ class BackgroundInput(NamedTuple):
     evals_pending: bool
     iteration: int
     job_rr: int
+    spend: float = 0.0  # the coordinator's spend beyond the slack (`cosched.CoSchedInput.spend`)
 
 
 class BackgroundDecision(NamedTuple):
@@ -490,6 +493,8 @@ def decide_background(
         batch_tokens=settings.batch_tokens,
         iteration=inp.iteration,
         max_train_ms=guard_ms,
+        spend=inp.spend,
+        spend_stretch_ms=settings.train_spend_stretch_frac * min_ttft_ms,
     )
     budget = getattr(policy, "budget_ms", None)
     train_ms = budget(cin) if budget is not None else cin.train.ms(policy.decide(cin))

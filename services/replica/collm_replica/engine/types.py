@@ -66,6 +66,7 @@ class EngineConfig:
     eval_fraction: float = 0.1
     train_guard_frac: float = 0.4  # background work between iterations: at most this share of the TTFT SLO
     train_slack_frac: float = 0.5  # share of the requests' slack that background work may use
+    train_spend_stretch_frac: float = 0.3  # a stretch of training beyond the slack: this share of TTFT SLO
     # Background work plans against each request's SLOs less this fraction (a reserve for what the step
     # model cannot see: steps slower than predicted, prompts arriving after the decision).
     train_slo_reserve_frac: float = 0.1
@@ -110,6 +111,7 @@ class EngineConfig:
             eval_fraction=s.eval_fraction,
             train_guard_frac=s.ft_guard_frac,
             train_slack_frac=s.ft_slack_frac,
+            train_spend_stretch_frac=s.ft_spend_stretch_frac,
             train_slo_reserve_frac=s.ft_slo_reserve_frac,
             eval_max_tokens=s.eval_max_tokens,
             eval_matmul_dtype=s.eval_matmul_dtype,
@@ -192,6 +194,7 @@ class EngineSnapshot:
     train_ms_total: float
     ft_share: float
     ft_share_source: str
+    ft_spend: float
     ft_loss: float | None
     training_paused: bool
     latency: dict[str, float | int | None]
