@@ -95,6 +95,12 @@ class CoordinatorSettings(CommonSettings):
         "requests' slack, at their latency's cost, so the SLO budget above the target is spent and "
         "attainment comes down to it; 0: training only in the slack.",
     )
+    coordinator_max_virtual_queue: float = Field(
+        3.0,
+        gt=0,
+        description="Z stops at this value: a past shortfall of attainment is paid for by a bounded price "
+        "on SLO risk, so training resumes within minutes of attainment recovering.",
+    )
     coordinator_spend_rise_per_s: float = Field(
         0.005,
         gt=0,

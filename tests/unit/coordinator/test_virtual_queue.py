@@ -38,9 +38,24 @@ def test_virtual_queue_growth_follows_the_shortfall() -> None:
     assert zb > za > 0
 
 
+def test_the_virtual_queue_stops_at_its_bound_so_a_past_shortfall_is_paid_for_minutes_not_hours() -> None:
+    """Z stops at `max_virtual_queue`: after a long shortfall it drains in bounded time (at 0.95 and
+    attainment 1.0, gain 10 and 30-s rounds: 3 / (10 x 0.05 / 30) = 180 s), where an unbounded Z would
+    hold training back for as long as the shortfall lasted."""
+    bounded = CoordinatorCore(config(attainment_target=0.95), "collm")
+    unbounded = CoordinatorCore(config(attainment_target=0.95, max_virtual_queue=1e9), "collm")
+    for core in (bounded, unbounded):
+        run(core, 0, 600, attainment=0.5)
+    assert bounded.state.virtual_queue == bounded.config.max_virtual_queue == 3.0
+    assert unbounded.state.virtual_queue > 30.0
+    drained = run(bounded, 600, 800, attainment=1.0)
+    assert 0.0 in drained and drained.index(0.0) <= 181
+
+
 def test_large_virtual_queue_plans_less_training() -> None:
     def planned(z: float) -> int:
-        core = CoordinatorCore(config(), "collm")
+        # Unbounded, so that a huge Z is held (the bound is max_virtual_queue, 3 by default).
+        core = CoordinatorCore(config(max_virtual_queue=1e9), "collm")
         t = 0.0
         while True:
             core.state.virtual_queue = z

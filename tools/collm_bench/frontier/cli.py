@@ -6,6 +6,7 @@
     python -m collm_bench frontier --resume RUNS/results.json   # live, the same flags: the missing points
     python -m collm_bench frontier --render bench/results/frontier/sim-conv-64r.json   # table and figure
     python -m collm_bench frontier --agree bench/results/frontier/live-conv-2r.json    # sim vs live
+    python -m collm_bench frontier --sim --step-load 0.3,0.7,0.3   # collm under a step in load
 
 Writes `OUT/<sim|live>-<trace>-<N>r.json` (points, frontiers, goals, config, trace label) and the figure
 beside it (`.png`), and prints the table. Exit status: 0 done (goals met or not: the table says), 2
@@ -28,6 +29,7 @@ from collm_bench.headline.setup import SetupError
 from collm_bench.headline.signals import interrupt_on_sigterm
 
 from . import points as pts
+from . import step
 from .agree import agreement
 from .live import LiveFrontierConfig, live_frontier
 from .render import markdown, plot
@@ -75,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A",
         help="instead of --load: the rate at which the simulator says serving alone attains A",
     )
+    p.add_argument(
+        "--step-load",
+        default=None,
+        metavar="FRACS",
+        help="with --sim: collm under these load fractions in turn (e.g. 0.3,0.7,0.3), not the grid",
+    )
+    p.add_argument("--step-s", type=float, default=600.0, help="with --step-load: seconds of each load")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     p.add_argument(
         "--fixed-shares", default=None, help="fixed_ratio's training shares (0.05,0.1,0.2,0.333,0.5)"
@@ -189,6 +198,17 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
 
     command = ("python -m collm_bench frontier " + " ".join(argv)).strip()
     say(command)
+    if args.sim and args.step_load:
+        replicas = args.replicas or 8
+        fracs = _floats(args.step_load, ())
+        cfg = headline_config(args, replicas, args.step_s * len(fracs))
+        doc = step.step_load(cfg, fracs, args.step_s, say) | {"command": command}
+        path = result_path(args.out_dir, "sim-step", args.trace, replicas)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        step.plot(doc, path.with_suffix(".png"))
+        out.write("\n" + step.table(doc) + f"\n\n[frontier] {path}\n[frontier] {path.with_suffix('.png')}\n")
+        return 0
     if args.sim:
         replicas = args.replicas or 8
         cfg = headline_config(args, replicas, args.window_s or 3600.0)

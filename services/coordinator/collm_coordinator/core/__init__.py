@@ -23,8 +23,9 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
     window mean plus `burst_headroom_sigmas` sigma); phi(u) = u / (1 - u), the SLO risk.
   * Z: virtual queue of the long-term attainment target, Z <- max(0, Z + gain * (target - attainment)
     * dt / slow_interval_s) at every fast tick; it grows while attainment falls short, so training
-    yields to serving until the target is met again. Its signed form goes negative while attainment
-    stays above the target: headroom h = min(1, headroom_gain * -q) (state.py).
+    yields to serving until the target is met again; it stops at `max_virtual_queue`. Its signed form
+    goes negative while attainment stays above the target: headroom h = min(1, headroom_gain * -q)
+    (state.py).
   Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
   An adapter left without a plan because every replica holding its data was at risk at the tick is
   planned at the first fast tick where one of them no longer is, and one whose previous round was still
@@ -32,20 +33,20 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
   (state_machine.py). A round in flight is forgotten when no outcome came `outcome_grace_s` after its
   deadline, `evaluation_grace_s` once the aggregator reported it aggregating or evaluating.
 
-Fast loop, every `fast_interval_s` (fast_loop.py): each participant's share is its planned share,
-cut to 0 at once when its own SLOs are at risk (a queue, windowed attainment under the target with
+Fast loop, every `fast_interval_s` (fast_loop.py): each participant's share is its planned share, cut to
+0 at once when its own SLOs are at risk (a queue, windowed attainment under the target with
 `risk_attainment_z` sigmas of confidence, a serving load over `util_cap` judged on the larger of the
-latest second and the `burst_window_s` mean, so that a saturated replica's swinging samples do not
-clear the risk every other second),
-scaled down at once for all when the cluster's demand exceeds what the plan leaves (`burst`, judged on
-a 3 s mean or a large one-second spike), and raised back gradually (`share_recover_per_tick`); a
-replica that trains outside the plan (a round the aggregator's built-in planner or an operator opened,
-or a local job) gets the same rule toward an even split of the slack the plan leaves; every share
-carries the spend s (spend_gain x h, rising by at most spend_rise_per_s, falling at once): the part of
-it the replica trains beyond its requests' slack, so attainment comes down to the target;
-routing weights favour replicas with slack and with the requested adapter resident; stale replicas get
-no weight. The weights reach the gateway only with `publish_weights`: with the gateway's current rule
-(a weighted random draw) its least-loaded fallback serves better (bench/README.md, Simulator).
+latest second and the `burst_window_s` mean, so that a saturated replica's swinging samples do not clear
+the risk every other second), scaled down at once for all when the cluster's demand exceeds what the plan
+leaves (`burst`, judged on a 3 s mean or a large one-second spike), and raised back gradually
+(`share_recover_per_tick`); a replica that trains outside the plan (a round the aggregator's built-in
+planner or an operator opened, or a local job) gets the same rule toward an even split of the slack the
+plan leaves; every share carries the spend s (spend_gain x h, rising by at most spend_rise_per_s, falling
+at once, 0 while the last tick's attainment is under the target): the part of it the replica trains
+beyond its requests' slack, so attainment comes down to the target; routing weights favour replicas with
+slack and with the requested adapter resident; stale replicas get no weight. The weights reach the
+gateway only with `publish_weights`: with the gateway's current rule (a weighted random draw) its
+least-loaded fallback serves better (bench/README.md, Simulator).
 
 Load units: a replica's load is the fraction of its full-batch capacity its token throughput uses,
 decode tokens/s x decode_step_ms(max_batch) / max_batch + prefill tokens/s x prefill_ms_per_token (ms
@@ -53,10 +54,10 @@ per second / 1000), not its busy time (one running request keeps a batching engi
 
 Knobs (CoreConfig; the service's `COLLM_COORDINATOR_<KNOB>` settings): fast_interval_s, slow_interval_s,
 round_deadline_s, stale_after_s, warmup_s, outcome_grace_s, evaluation_grace_s, attainment_target,
-util_cap, quality_weight_v (V), virtual_queue_gain, headroom_gain, spend_gain, spend_rise_per_s,
-max_share, share_step, share_recover_per_tick, share_ttl_s, routing_ttl_s, queue_risk_frac,
-risk_attainment, risk_attainment_z, non_resident_factor, publish_weights, ttft_slo_ms, tpot_slo_ms,
-slo_risk_frac, forecast_window_s, burst_headroom_sigmas, recent_window_s, backlog_horizon_s,
+util_cap, quality_weight_v (V), virtual_queue_gain, max_virtual_queue, headroom_gain, spend_gain,
+spend_rise_per_s, max_share, share_step, share_recover_per_tick, share_ttl_s, routing_ttl_s,
+queue_risk_frac, risk_attainment, risk_attainment_z, non_resident_factor, publish_weights, ttft_slo_ms,
+tpot_slo_ms, slo_risk_frac, forecast_window_s, burst_headroom_sigmas, recent_window_s, backlog_horizon_s,
 burst_window_s, burst_spike_factor, burst_util, quality_token_scale (tau), quality_prior_gain,
 quality_prior_weight, data_tokens_per_sample, data_useful_epochs, stale_data_weight, learning_rate,
 quorum_frac, min_budget_tokens, probe_budget_tokens, probe_share, adapters; baselines:

@@ -59,6 +59,10 @@ class CoreConfig:
     # 0: training only in the slack.
     spend_gain: float = 1.0
     spend_rise_per_s: float = 0.005
+    # Z stops here: a past shortfall is paid for by at most this much price on SLO risk, so training comes
+    # back within minutes of attainment recovering (3 / (gain x (attainment - target)) rounds), not after
+    # as long as the shortfall lasted.
+    max_virtual_queue: float = 3.0
     # --- fast loop -----------------------------------------------------------------------------------
     max_share: float = 1.0
     share_step: float = 0.05
@@ -150,6 +154,7 @@ class CoreConfig:
             ("headroom_gain must be >= 0", self.headroom_gain >= 0),
             ("spend_gain must be in [0, 1]", 0 <= self.spend_gain <= 1),
             ("spend_rise_per_s must be > 0", self.spend_rise_per_s > 0),
+            ("max_virtual_queue must be > 0", self.max_virtual_queue > 0),
             ("max_share must be in [0, 1]", 0 <= self.max_share <= 1),
             ("share_step must be in (0, 1]", 0 < self.share_step <= 1),
             ("share_recover_per_tick must be > 0", self.share_recover_per_tick > 0),

@@ -343,15 +343,17 @@ class ClusterState:
 
     def update_virtual_queue(self, dt_s: float) -> None:
         """q <- q + gain * (target - attainment) * dt / slow_interval, the signed virtual queue of the
-        attainment target: it grows while the attainment falls short of the target and falls while it is
-        above. Its positive part is Z (`virtual_queue`, the price of SLO risk in the slow loop); its
-        negative part is headroom (`headroom`, h = min(1, headroom_gain * -q)): the SLO budget left
-        unspent, which lets shares grow. q is bounded below where h reaches 1 (no wind-up: under the
-        target the headroom goes at the rate it came, before Z grows; a replica whose own SLOs are at risk
-        still gets share 0 in the same tick, `risk_of`). The attainment is that of the reports
-        received since the last fast tick: their `good` and `finished` counts summed, each report's over
-        its replica's SLO window (`slo_window_s`), so with one report per replica per tick it is the
-        cluster's windowed attainment, and a request counts in every tick while it is in a window; below
+        attainment target: it grows while the attainment falls short of the target and falls while
+        it is above. Its positive part is Z (`virtual_queue`, the price of SLO risk in the slow
+        loop); its negative part is headroom (`headroom`, h = min(1, headroom_gain * -q)): the SLO
+        budget left unspent, which lets shares grow. q is bounded below where h reaches 1 (no
+        wind-up: under the target the headroom goes at the rate it came, before Z grows; a replica
+        whose own SLOs are at risk still gets share 0 in the same tick, `risk_of`) and above at
+        `max_virtual_queue` (a past shortfall holds training back for minutes, not for as long as
+        it lasted). The attainment is that of the reports received since the last fast tick: their
+        `good` and `finished` counts summed, each report's over its replica's SLO window
+        (`slo_window_s`), so with one report per replica per tick it is the cluster's windowed
+        attainment, and a request counts in every tick while it is in a window; below
         `min_finished_for_attainment` finished in those reports q holds and the counts carry over."""
         cfg = self.config
         if self._window_finished >= cfg.min_finished_for_attainment:
@@ -359,7 +361,7 @@ class ClusterState:
             self.last_attainment = att
             step = cfg.virtual_queue_gain * (cfg.attainment_target - att) * dt_s / cfg.slow_interval_s
             floor = -1.0 / cfg.headroom_gain if cfg.headroom_gain > 0 else 0.0
-            self.signed_queue = max(floor, self.signed_queue + step)
+            self.signed_queue = min(cfg.max_virtual_queue, max(floor, self.signed_queue + step))
             self._window_good = 0
             self._window_finished = 0
         self.update_spend(dt_s)
@@ -368,10 +370,13 @@ class ClusterState:
         """The spend (the part of a share the replicas train beyond their requests' slack) follows
         `spend_gain` x h in steps of `share_step`: down at once, up by at most `spend_rise_per_s`, so the
         attainment window sees what a spend costs before it grows (the headroom grows while a window
-        still shows the attainment of before)."""
+        still shows the attainment of before); 0 while the last tick's attainment is under the target
+        (the headroom, an integral, goes only at the rate it came)."""
         cfg = self.config
         aim = math.floor(cfg.spend_gain * self.headroom / cfg.share_step + 1e-9) * cfg.share_step
         aim = min(1.0, aim)
+        if self.last_attainment is not None and self.last_attainment < cfg.attainment_target:
+            aim = 0.0  # the last tick fell short: no training at the requests' cost until it is back
         rise = cfg.spend_rise_per_s * max(0.0, dt_s)
         self.spend = round(aim if aim <= self.spend else min(aim, self.spend + rise), 4)
 
