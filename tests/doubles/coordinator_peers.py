@@ -40,6 +40,7 @@ class ShareRecord:
     share: float
     ttl_s: float
     reason: str
+    spend: float = 0.0
 
 
 @dataclass
@@ -116,7 +117,7 @@ class TelemetryReplica:
         if self.control_delay_s:
             await asyncio.sleep(self.control_delay_s)
         if isinstance(cmd, SetFineTuneShare):
-            self.shares.append(ShareRecord(time.monotonic(), cmd.share, cmd.ttl_s, cmd.reason))
+            self.shares.append(ShareRecord(time.monotonic(), cmd.share, cmd.ttl_s, cmd.reason, cmd.spend))
         return ControlReply(ok=True)
 
 

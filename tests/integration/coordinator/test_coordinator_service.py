@@ -189,6 +189,36 @@ async def test_weights_shares_and_a_burst_cut_within_one_tick(nats_server, tmp_p
         )
 
 
+async def test_above_the_target_share_commands_carry_a_spend_that_goes_when_attainment_falls(
+    nats_server, tmp_path: Path
+) -> None:
+    """Replicas at attainment 1.0 against a target of 0.9: the headroom grows, and the share commands
+    of the training replicas carry a spend (status says it too); once they report 0.5 the next
+    commands carry none."""
+    async with Harness(
+        nats_server.url, tmp_path, coordinator_attainment_target=0.9, coordinator_spend_rise_per_s=10.0
+    ) as h:
+        await wait_for(lambda: h.aggregator.plans, what="a round plan")
+        participants = [p.replica_id for p in h.aggregator.plans[0].participants]
+
+        def spends() -> list[float]:
+            return [h.replicas[r].shares[-1].spend for r in participants if h.replicas[r].shares]
+
+        await wait_for(lambda: spends() and min(spends()) > 0, what="a spend on the training replicas")
+        status = await h.peers.request(
+            subjects.coordinator("status"), CoordinatorStatusRequest(), CoordinatorStatus, timeout_s=5
+        )
+        assert status.headroom > 0 and status.spend > 0
+        for rep in h.replicas.values():
+            rep.load = Load(slo_attainment=0.5)
+        t_short = max([await rep.publish_now() for rep in h.replicas.values()])
+
+        def withdrawn(r: str) -> bool:
+            return any(s.t_s > t_short and s.spend == 0.0 for s in h.replicas[r].shares)
+
+        await wait_for(lambda: all(withdrawn(r) for r in participants), timeout_s=3.0, what="spend withdrawn")
+
+
 async def test_silent_replica_is_routed_around_and_status_says_so(nats_server, tmp_path: Path) -> None:
     async with Harness(nats_server.url, tmp_path, coordinator_publish_weights=True) as h:
         await wait_for(lambda: len(h.weights) > 2, what="routing weights")
