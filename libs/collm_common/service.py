@@ -24,10 +24,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from prometheus_client import start_http_server
-
 from collm_common.clock import Clock, WallClock
 from collm_common.logs import setup_logging
+from collm_common.metrics_http import start_metrics_server
 from collm_common.settings import CommonSettings
 from collm_common.tracing import setup_tracing, shutdown_tracing
 
@@ -80,7 +79,7 @@ def run_service(
     iid = instance_id(settings) if instance_id else None
     setup_tracing(name, iid)
     if settings.metrics_port is not None:
-        start_http_server(settings.metrics_port, addr="0.0.0.0")
+        start_metrics_server(settings.metrics_port)
 
     async def main() -> None:
         stopping = asyncio.Event()

@@ -48,8 +48,12 @@ def traffic(ops: OpsStack, ops_round: RoundOutcome) -> list[dict[str, str]]:
 
 
 # --- metrics ----------------------------------------------------------------------------------------------
+# What Prometheus asks for: OpenMetrics first (a service answers in the text format, names as declared).
+PROMETHEUS_ACCEPT = "application/openmetrics-text;version=1.0.0;escaping=underscores;q=0.5,text/plain;q=0.4"
+
+
 def scrape(url: str) -> str:
-    r = httpx.get(url, timeout=5)
+    r = httpx.get(url, timeout=5, headers={"Accept": PROMETHEUS_ACCEPT})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return r.text
 
