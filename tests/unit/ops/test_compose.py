@@ -138,7 +138,7 @@ def stages() -> dict[str, list[tuple[str, str]]]:
 # --- the compose file ---------------------------------------------------------------------------------
 def test_the_stack_has_every_part(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    for infra in ("nats", "redis", "jaeger", "nats-box"):
+    for infra in ("nats", "redis", "jaeger", "nats-box", "prometheus"):
         assert infra in services, infra
     targets = Counter(t for t, svc in collm_services(compose).values() if not svc.get("profiles"))
     assert targets == {"gateway": 1, "coordinator": 1, "aggregator": 1, "replica": 2}
@@ -322,6 +322,27 @@ def test_gpu_profile_reserves_an_nvidia_device_per_replica(compose: dict[str, An
     for name, (_t, svc) in collm_services(compose).items():
         if not svc.get("profiles"):
             assert "deploy" not in svc and env_of(svc).get("COLLM_DEVICE", "cpu") == "cpu", name
+
+
+def test_prometheus_scrapes_every_collm_service_where_it_serves_metrics(compose: dict[str, Any]) -> None:
+    """deploy/prometheus/prometheus.yml names every CoLLM service of the compose file at the port its
+    metrics are on (COLLM_METRICS_PORT, the gateway's own port for its /metrics), and compose mounts it."""
+    prom = compose["services"]["prometheus"]
+    config_path = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+    assert f"./{config_path.relative_to(ROOT)}:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+    config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    scraped = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    paths = {t: job.get("metrics_path", "/metrics") for job in config["scrape_configs"]
+             for sc in job["static_configs"] for t in sc["targets"]}  # fmt: skip
+    for name, (target, svc) in collm_services(compose).items():
+        env = svc["environment"]
+        port = env.get("COLLM_METRICS_PORT") if target != "gateway" else env["COLLM_PORT"]
+        assert port, f"{name} exposes no metrics"
+        assert f"{name}:{port}" in scraped, (name, port, sorted(scraped))
+        assert paths[f"{name}:{port}"] == "/metrics"
+    ports = {n: s["environment"].get("COLLM_METRICS_PORT") or s["environment"]["COLLM_PORT"]
+             for n, (_, s) in collm_services(compose).items()}  # fmt: skip
+    assert scraped == {f"{n}:{port}" for n, port in ports.items()}  # nothing else
 
 
 def test_interpolation_helper() -> None:
