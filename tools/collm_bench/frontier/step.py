@@ -177,12 +177,12 @@ def _phase_attainment(run: Mapping[str, Any], phase: int, bins_per_phase: int) -
 
 
 def table(doc: Mapping[str, Any]) -> str:
-    """Per knob: attainment in each phase (all of it, then its last half: settled), the lowest minute, and
-    the fine-tuning tokens."""
+    """Per knob: attainment in each phase, headed by its load (all of it / its second half: settled), the
+    lowest minute, and the fine-tuning tokens."""
     cfg = doc["config"]
     fracs = cfg["load_fractions"]
     per = int(cfg["step_s"] // BIN_S)
-    head = " | ".join(f"phase {i + 1} ({f:g}): all / 2nd half" for i, f in enumerate(fracs))
+    head = " | ".join(f"{f:g}" for f in fracs)
     out = [
         f"| collm | {head} | lowest minute | fine-tuning tokens |",
         "|---|" + "---|" * len(fracs) + "---|---:|",

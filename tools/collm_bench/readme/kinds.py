@@ -14,6 +14,7 @@ from typing import Any
 
 from collm_bench import adaptation
 from collm_bench.frontier import render as frontier
+from collm_bench.frontier import step as frontier_step
 
 from . import engine, faults, federated, gate, gateway, sim
 
@@ -66,6 +67,7 @@ KINDS: dict[str, Kind] = {
     "faults-supervision": Kind(_one(faults.supervision_table)),
     "federated-synthetic": Kind(_one(federated.synthetic_table)),
     "frontier": Kind(frontier.goals_table, files=None, plots=_one_plot(frontier.plot)),
+    "frontier-step": Kind(_one(frontier_step.table), plots=_one_plot(frontier_step.plot)),
 }
 
 
