@@ -67,3 +67,16 @@ def test_large_virtual_queue_plans_less_training() -> None:
     free, tight, frozen = planned(0.0), planned(2.0), planned(1e6)
     assert free > tight > frozen
     assert frozen == 0
+
+
+def test_an_idle_cluster_has_no_attainment_and_its_queue_holds() -> None:
+    """Once no request finishes in any replica's window, the attainment is unknown (None: what status and
+    the dashboard show), not the last one measured, and the virtual queue holds where it was."""
+    core = CoordinatorCore(config(attainment_target=0.95), "collm")
+    z = run(core, 0, 10, attainment=0.0)[-1]
+    assert core.state.last_attainment == 0.0 and z > 0
+    for t in range(10, 20):
+        idle = (obs(r, float(t), busy=0.0, attainment=None, finished=0) for r in ("r0", "r1"))
+        d = tick(core, float(t), *idle)
+    assert core.state.last_attainment is None
+    assert d.diagnostics.virtual_queue == z

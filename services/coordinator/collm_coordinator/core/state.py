@@ -149,6 +149,7 @@ class ClusterState:
         self.last_attainment: float | None = None
         self._window_good = 0
         self._window_finished = 0
+        self._window_reports = 0
         self.rounds: dict[str, ActiveRound] = {}
         self.versions: dict[str, int] = {}
         self.version_losses: dict[str, Mapping[str, float]] = {}
@@ -176,6 +177,7 @@ class ClusterState:
             hist.popleft()
         self._window_good += obs.good
         self._window_finished += obs.finished
+        self._window_reports += 1
         self._learn_train_rate(obs)
         for a in obs.adapters:
             self.adapter_inflight_ewma.setdefault(a.name, 0.0)
@@ -354,9 +356,16 @@ class ClusterState:
         `good` and `finished` counts summed, each report's over its replica's SLO window
         (`slo_window_s`), so with one report per replica per tick it is the cluster's windowed
         attainment, and a request counts in every tick while it is in a window; below
-        `min_finished_for_attainment` finished in those reports q holds and the counts carry over."""
+        `min_finished_for_attainment` finished in those reports q holds and the counts carry over;
+        with none at all the attainment is unknown (`last_attainment` None: an idle stack shows
+        none, not the last one measured)."""
         cfg = self.config
+        if self._window_reports and not self._window_finished:
+            # Reports came and no request finished in any replica's window: no attainment to show.
+            self.last_attainment = None
+            self._window_reports = 0
         if self._window_finished >= cfg.min_finished_for_attainment:
+            self._window_reports = 0
             att = self._window_good / self._window_finished
             self.last_attainment = att
             step = cfg.virtual_queue_gain * (cfg.attainment_target - att) * dt_s / cfg.slow_interval_s
