@@ -110,6 +110,7 @@ def stack_config(args: argparse.Namespace, log: IO[str] | None = None) -> StackC
         metrics_port_base=None if args.metrics_port_base < 0 else args.metrics_port_base,
         otlp_endpoint=args.otlp_endpoint,
         closed_bus=not args.open_bus,
+        closed_store=not args.open_store,
         env={} if args.fixed_ratio_k is None else {"COLLM_FIXED_RATIO_K": str(args.fixed_ratio_k)},
     )
 
@@ -378,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--run-dir",
         default=".collm/run",
-        help="where own NATS/Redis keep their data, and own NATS its users (nats-auth/, mode 0600)",
+        help="where own NATS/Redis keep their data and their users (nats-auth/, redis-auth/, mode 0600)",
     )
     up.add_argument(
         "--open-bus",
@@ -386,6 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="start own NATS without users (anyone on the host may publish anything); by default it runs "
         "the users and permissions of deploy/nats/auth.conf, and the operator's login is "
         "RUN_DIR/nats-auth/operator.env",
+    )
+    up.add_argument(
+        "--open-store",
+        action="store_true",
+        help="start own Redis without users (anyone on the host may rewrite the adapter catalogue); by "
+        "default it runs the ACL users of deploy/redis/users.acl, and the operator's login is "
+        "RUN_DIR/redis-auth/operator.env",
     )
     up.add_argument("--log-json", action="store_true", help="JSON log lines instead of text")
     up.add_argument(

@@ -67,8 +67,9 @@ import httpx
 
 from collm_common.clock import Clock, WallClock
 from collm_common.settings import CommonSettings
-from collm_ops import local_bus, nats_auth
+from collm_ops import local_bus, local_store, nats_auth
 from collm_ops.local_bus import LocalBus
+from collm_ops.local_store import LocalStore
 from collm_ops.servers import ServerProcess, free_port, port_open, start_nats, start_redis
 from collm_ops.supervise import SupervisionPolicy, Supervisor, describe_exit
 from collm_replica.naming import served_name
@@ -139,6 +140,9 @@ class StackConfig:
     # A nats-server the launcher starts itself without `nats_config` is closed: the users of
     # deploy/nats/auth.conf, passwords under `<run_dir>/nats-auth/` (collm_ops.local_bus). False: open.
     closed_bus: bool = True
+    # A redis-server the launcher starts itself is closed: the ACL users of deploy/redis/users.acl,
+    # passwords under `<run_dir>/redis-auth/` (collm_ops.local_store). False: open.
+    closed_store: bool = True
     # Restart service children that exit (module docstring); `run_forever` turns it on.
     supervise: bool = False
     supervision: SupervisionPolicy = field(default_factory=SupervisionPolicy)
@@ -184,6 +188,7 @@ class Stack:
         self.overridden_env: set[str] = set()
         # The closed local bus, when the launcher started its own nats-server with users.
         self.local_bus: LocalBus | None = None
+        self.local_store: LocalStore | None = None
 
     # --- logging -------------------------------------------------------------------------------------
     def log(self, name: str, line: str) -> None:
@@ -236,9 +241,21 @@ class Stack:
         if port_open(redis_host, redis_port):
             self.log("launcher", f"using Redis at {cfg.redis_url}")
         elif cfg.start_servers and redis_host in ("127.0.0.1", "localhost"):
-            srv = start_redis(port=redis_port, workdir=cfg.run_dir / "redis")
+            acl: list[str] = []
+            if cfg.closed_store:
+                self.local_store = local_store.prepare(cfg.run_dir, cfg.redis_url, cfg.redis_prefix)
+                acl = ["--aclfile", str(self.local_store.acl_path)]
+            srv = start_redis(port=redis_port, workdir=cfg.run_dir / "redis", extra_args=acl)
             self.servers.append(srv)
-            self.log("launcher", f"started redis-server on {redis_port}")
+            if self.local_store is None:
+                self.log("launcher", f"started redis-server on {redis_port}")
+            else:
+                self.log(
+                    "launcher",
+                    f"started redis-server on {redis_port}, closed: one ACL user per service; operator "
+                    f"login (collm, redis-cli --user {local_store.OPERATOR_USER}): "
+                    f". {self.local_store.operator_env_path}",
+                )
         else:
             raise RuntimeError(f"Redis does not answer at {cfg.redis_url}")
 
@@ -256,14 +273,24 @@ class Stack:
             return self.local_bus.login(local_bus.OPERATOR_USER)
         return self.config.nats_user, self.config.nats_password
 
+    @property
+    def redis_login(self) -> tuple[str, str | None]:
+        """(URL, password) the launcher and its callers use as operators: the closed local store's
+        `collm-admin`, else `StackConfig.redis_url` as it is."""
+        if self.local_store is not None:
+            return self.local_store.login(local_store.OPERATOR_USER)
+        return self.config.redis_url, None
+
     def operator_settings(self, **overrides: object) -> CommonSettings:
-        """Connection settings of an operator client of this stack (NATS login, Redis URL and prefix)."""
+        """Connection settings of an operator client of this stack (NATS and Redis logins, Redis prefix)."""
         user, password = self.nats_login
+        redis_url, redis_password = self.redis_login
         fields: dict[str, object] = {
             "nats_url": self.config.nats_url,
             "nats_user": user,
             "nats_password": password,
-            "redis_url": self.config.redis_url,
+            "redis_url": redis_url,
+            "redis_password": redis_password,
             "redis_prefix": self.config.redis_prefix,
         }
         return CommonSettings(**{**fields, **overrides})  # type: ignore[arg-type]
@@ -280,6 +307,10 @@ class Stack:
             await ensure_streams(bus.js, settings.nats_stream_replicas)
         finally:
             await bus.close()
+
+    def _store_login(self, service: str) -> dict[str, str]:
+        """A service's own Redis login on the closed local store (its compose user; nothing otherwise)."""
+        return {} if self.local_store is None else self.local_store.service_env(service)
 
     def _bus_login(self, service: str, replica_id: str | None = None) -> dict[str, str]:
         """A child's own NATS login on the closed local bus (nothing otherwise)."""
@@ -319,6 +350,7 @@ class Stack:
                 "COLLM_NATS_URL": cfg.nats_url,
                 "COLLM_REDIS_URL": cfg.redis_url,
                 "COLLM_REDIS_PREFIX": cfg.redis_prefix,
+                **self._store_login(service),
                 "COLLM_LOG_JSON": "true" if cfg.log_json else "false",
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",

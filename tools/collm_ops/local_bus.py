@@ -124,7 +124,7 @@ class LocalBus:
         return {"COLLM_NATS_USER": user, "COLLM_NATS_PASSWORD": password}
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write `text` to `path` with mode 0600, replacing the file whole (never readable by others, even
     while it is written)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -158,7 +158,7 @@ def prepare(
     ids = tuple(replica_ids)
     users = [u.name for u in nats_auth.users(ids, consumer)]
     passwords = complete_passwords(existing, users)
-    _write_private(cred_path, json.dumps(passwords, indent=1, sort_keys=True) + "\n")
-    _write_private(d / CONFIG_FILE, server_config(passwords, ids, consumer))
-    _write_private(d / OPERATOR_ENV_FILE, operator_env(nats_url, OPERATOR_USER, passwords[OPERATOR_USER]))
+    write_private(cred_path, json.dumps(passwords, indent=1, sort_keys=True) + "\n")
+    write_private(d / CONFIG_FILE, server_config(passwords, ids, consumer))
+    write_private(d / OPERATOR_ENV_FILE, operator_env(nats_url, OPERATOR_USER, passwords[OPERATOR_USER]))
     return LocalBus(d, passwords, ids)

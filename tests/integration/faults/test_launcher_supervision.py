@@ -149,7 +149,12 @@ def test_the_nats_and_redis_it_started_are_supervised_and_keep_their_data(tmp_pa
     try:
         s._ensure_servers()
         assert {srv.name for srv in s.servers} == {"nats", "redis"}
-        client = redis.Redis(port=redis_port)
+        url, password = s.redis_login  # the operator's: the Redis it starts is closed (local_store)
+
+        def operator() -> redis.Redis:
+            return redis.Redis.from_url(url, password=password)
+
+        client = operator()
         client.set("kept", "1")
         client.execute_command("CONFIG", "SET", "appendfsync", "always")
         client.set("kept", "2")  # written through to the append-only file
@@ -161,6 +166,6 @@ def test_the_nats_and_redis_it_started_are_supervised_and_keep_their_data(tmp_pa
             until(lambda port=port: port_open("127.0.0.1", port), what=f"{name} listening again")
             assert f"{name} exited (killed by SIGKILL)" in log.getvalue()
             assert status(s)["services"][name]["pid"] == server.proc.pid
-        assert redis.Redis(port=redis_port).get("kept") == b"2"
+        assert operator().get("kept") == b"2"
     finally:
         s.stop(timeout_s=5)

@@ -47,8 +47,9 @@ pytestmark = pytest.mark.integration
 PHANTOM = "r9"
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp_path = tmp_path_factory.mktemp("closed-local")
     cfg = StackConfig(
         nats_url=f"nats://127.0.0.1:{free_port()}",
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
@@ -209,6 +210,45 @@ async def test_no_phantom_replica_from_the_host(stack: Stack) -> None:
     logs = stack.logs.getvalue()  # type: ignore[attr-defined]
     assert str(env_file) in logs
     assert not any(p in logs for p in passwords.values())
+
+
+def test_the_redis_it_started_is_closed_each_service_logs_in_as_its_own_user(stack: Stack) -> None:
+    """The launcher's own redis-server has the ACL users of deploy/redis/users.acl with the run
+    directory's passwords (`<run_dir>/redis-auth/`): without a password nothing is read or written, the
+    catalogue forgery of a host process (`SET <prefix>:adapter:{a}:current 1`) is refused to the gateway's
+    and the coordinator's users (as in compose, the aggregator's and the replicas' may write adapter keys:
+    they publish versions and create v1s), the operator's login works, each service was given its compose
+    user, and no password appears in the launcher's log."""
+    import redis
+
+    store = stack.local_store
+    assert store is not None
+    url, _ = store.login("default")
+    host_port = url.split("@", 1)[1].rsplit("/", 1)[0]
+    key = f"{stack.config.redis_prefix}:adapter:{{med}}:current"
+    anonymous = redis.Redis.from_url(f"redis://{host_port}/0")
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        anonymous.get(key)
+    for user in ("collm-gateway", "collm-reader"):
+        as_user = redis.Redis.from_url(store.login(user)[0], password=store.passwords[user])
+        assert as_user.ping()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            as_user.set(key, "1")
+    op_url, op_password = stack.redis_login
+    operator = redis.Redis.from_url(op_url, password=op_password)
+    operator.set(f"{stack.config.redis_prefix}:probe", "1")
+    assert operator.get(f"{stack.config.redis_prefix}:probe") == b"1"
+    env_file = store.operator_env_path
+    assert f"COLLM_REDIS_PASSWORD={op_password}" in env_file.read_text()
+    assert oct(env_file.stat().st_mode & 0o777) == "0o600"
+    envs = {c.name: c.env for c in stack.children}
+    for name, user in (("aggregator", "collm-aggregator"), ("coordinator", "collm-reader"),
+                       ("gateway", "collm-gateway"), ("replica-r0", "collm-replica")):  # fmt: skip
+        assert envs[name]["COLLM_REDIS_URL"].startswith(f"redis://{user}@"), name
+        assert envs[name]["COLLM_REDIS_PASSWORD"] == store.passwords[user], name
+    logs = stack.logs.getvalue()  # type: ignore[attr-defined]
+    assert str(env_file) in logs
+    assert not any(p in logs for p in store.passwords.values())
 
 
 def test_a_nats_that_answers_is_used_as_configured_and_a_left_local_bus_is_named(

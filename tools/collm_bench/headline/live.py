@@ -403,9 +403,9 @@ async def _drive(
     base: dict[str, float] | None,
     phases: Phases,
 ) -> dict[str, Any]:
-    scfg = stack.config
-    bus = await Bus.connect(stack.operator_settings(nats_connect_timeout_s=10), "collm-headline")
-    store = AdapterStore.from_url(scfg.redis_url, scfg.redis_prefix)
+    operator = stack.operator_settings(nats_connect_timeout_s=10)
+    bus = await Bus.connect(operator, "collm-headline")
+    store = AdapterStore.from_url(operator.redis_url, operator.redis_prefix)
     obs = Observer()
     try:
         await bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, obs.on_telemetry)
