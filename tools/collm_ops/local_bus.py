@@ -137,17 +137,16 @@ def write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)
 
 
-def prepare(
-    run_dir: Path,
-    replica_ids: Sequence[str],
-    nats_url: str,
-    consumer: str = nats_auth.AGGREGATOR_CONSUMER,
-) -> LocalBus:
-    """Write (or bring up to date) `<run_dir>/nats-auth/`: credentials, server config, operator login."""
-    d = run_dir / DIR_NAME
-    d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
-    cred_path = d / CREDENTIALS_FILE
+def private_dir(path: Path) -> Path:
+    """`path` made (mode 0700) if missing; returned."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def keep_passwords(cred_path: Path, users: Sequence[str]) -> dict[str, str]:
+    """The passwords of `users` kept in the credentials file `cred_path` (user -> password; an unreadable
+    or malformed one counts as empty), new ones for users without one; written back (mode 0600)."""
     existing: dict[str, str] = {}
     if cred_path.exists():
         try:
@@ -155,10 +154,22 @@ def prepare(
             existing = loaded if isinstance(loaded, dict) else {}
         except (OSError, json.JSONDecodeError):
             existing = {}
-    ids = tuple(replica_ids)
-    users = [u.name for u in nats_auth.users(ids, consumer)]
     passwords = complete_passwords(existing, users)
     write_private(cred_path, json.dumps(passwords, indent=1, sort_keys=True) + "\n")
+    return passwords
+
+
+def prepare(
+    run_dir: Path,
+    replica_ids: Sequence[str],
+    nats_url: str,
+    consumer: str = nats_auth.AGGREGATOR_CONSUMER,
+) -> LocalBus:
+    """Write (or bring up to date) `<run_dir>/nats-auth/`: credentials, server config, operator login."""
+    d = private_dir(run_dir / DIR_NAME)
+    ids = tuple(replica_ids)
+    users = [u.name for u in nats_auth.users(ids, consumer)]
+    passwords = keep_passwords(d / CREDENTIALS_FILE, users)
     write_private(d / CONFIG_FILE, server_config(passwords, ids, consumer))
     write_private(d / OPERATOR_ENV_FILE, operator_env(nats_url, OPERATOR_USER, passwords[OPERATOR_USER]))
     return LocalBus(d, passwords, ids)

@@ -22,15 +22,13 @@ The launcher names the files it writes, never a password.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from collm_ops.local_bus import complete_passwords, write_private
+from collm_ops.local_bus import keep_passwords, private_dir, write_private
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "redis" / "users.acl"
 DIR_NAME = "redis-auth"
@@ -132,19 +130,8 @@ class LocalStore:
 
 def prepare(run_dir: Path, redis_url: str, prefix: str, template: Path = TEMPLATE) -> LocalStore:
     """Write (or bring up to date) `<run_dir>/redis-auth/`: credentials, ACL file, operator login."""
-    d = run_dir / DIR_NAME
-    d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
-    cred_path = d / CREDENTIALS_FILE
-    existing: dict[str, str] = {}
-    if cred_path.exists():
-        try:
-            loaded = json.loads(cred_path.read_text())
-            existing = loaded if isinstance(loaded, dict) else {}
-        except (OSError, json.JSONDecodeError):
-            existing = {}
-    passwords = complete_passwords(existing, [*PASSWORD_VARS, OPERATOR_USER])
-    write_private(cred_path, json.dumps(passwords, indent=1, sort_keys=True) + "\n")
+    d = private_dir(run_dir / DIR_NAME)
+    passwords = keep_passwords(d / CREDENTIALS_FILE, [*PASSWORD_VARS, OPERATOR_USER])
     write_private(d / ACL_FILE, acl_file(template.read_text(encoding="utf-8"), passwords, prefix))
     write_private(d / OPERATOR_ENV_FILE, operator_env(redis_url, passwords[OPERATOR_USER]))
     return LocalStore(d, passwords, redis_url)
