@@ -57,6 +57,8 @@ class ParticipantBehaviour:
     mode: Mode = "honest"
     train_delay_s: float = 0.05
     eval_delay_s: float = 0.0
+    # Evaluations wait until this is set (None: they do not wait), then `eval_delay_s`.
+    eval_gate: asyncio.Event | None = None
     num_samples: int = 100
     eval_examples: int = 10
     steps: int = 20
@@ -228,6 +230,8 @@ class ParticipantDouble:
 
     async def _evaluate(self, req: EvaluateCandidate, _headers: Mapping[str, str]) -> EvalReport:
         self.evaluated.append(req)
+        if self.behaviour.eval_gate is not None:
+            await self.behaviour.eval_gate.wait()
         await asyncio.sleep(self.behaviour.eval_delay_s)
         if req.candidate_version is not None:  # a stored version scored on its own (pre-scoring)
             cand = decode_adapter(await self.store.get_blob(req.adapter, req.candidate_version))

@@ -657,12 +657,16 @@ async def test_one_trace_per_round_with_a_span_per_phase(cluster: Cluster, spans
 async def test_restart_while_evaluating_resumes_and_publishes_once(cluster: Cluster) -> None:
     await cluster.seed_v1()
     await cluster.start_aggregator()
-    await cluster.add("r0", eval_delay_s=1.5)
-    await cluster.add("r1", eval_delay_s=1.5)
+    # The evaluations hold until the aggregator has been stopped (not for a time a busy machine outruns).
+    gate = asyncio.Event()
+    r0 = await cluster.add("r0", eval_gate=gate)
+    r1 = await cluster.add("r1", eval_gate=gate)
     await cluster.open(["r0", "r1"], quorum=2)
     await wait_for(lambda: any(e.round_id == 1 and e.state == "evaluating" for e in cluster.events), 10)
+    await wait_for(lambda: bool(r0.evaluated or r1.evaluated), 10)
     await cluster.stop_aggregator()  # killed while the candidate is being evaluated
     assert await cluster.store.current(ADAPTER) == 1  # nothing half-done was published
+    gate.set()
     await cluster.start_aggregator()
     out = await cluster.wait_final(1)
     assert out.state == "published" and out.new_version == 2
