@@ -98,7 +98,7 @@ def test_collm_cuts_in_the_same_burst_that_leftover_ignores() -> None:
 def test_baselines_do_not_use_the_virtual_queue(signed_queue: float) -> None:
     for policy in ("separate", "fixed_ratio", "leftover"):
         core = CoordinatorCore(config(), policy)
-        core.state.signed_queue = signed_queue
+        core.state.target.signed_queue = signed_queue
         t = 0.0
         while True:
             d = tick(

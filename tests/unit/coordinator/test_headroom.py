@@ -23,17 +23,19 @@ def test_headroom_grows_above_the_target_is_bounded_and_goes_first_when_attainme
     cfg = core.config
     st = core.state
     steady(core, 0.0, 2.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
-    h2 = st.headroom
-    assert h2 > 0 and st.virtual_queue == 0.0
+    h2 = st.target.headroom
+    assert h2 > 0 and st.target.virtual_queue == 0.0
     d = steady(core, 3.0, 200.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
-    assert st.headroom == 1.0 and st.signed_queue == pytest.approx(-1.0 / cfg.headroom_gain)  # no wind-up
+    assert st.target.headroom == 1.0 and st.target.signed_queue == pytest.approx(
+        -1.0 / cfg.headroom_gain
+    )  # no wind-up
     assert d.diagnostics.headroom == 1.0
     # Attainment under the target: the headroom goes first, then Z grows.
     t = 201.0
     seen: list[tuple[float, float]] = []
-    while st.virtual_queue == 0.0:
+    while st.target.virtual_queue == 0.0:
         steady(core, t, t, dict.fromkeys(IDS, 0.3), attainment=0.5)
-        seen.append((st.headroom, st.virtual_queue))
+        seen.append((st.target.headroom, st.target.virtual_queue))
         t += 1.0
         assert t < 260.0, "Z never grew"
     assert seen[0][0] < 1.0  # the first tick under the target already takes headroom back
@@ -44,7 +46,11 @@ def test_headroom_grows_above_the_target_is_bounded_and_goes_first_when_attainme
 def test_no_headroom_without_headroom_gain() -> None:
     core = CoordinatorCore(config(headroom_gain=0.0), "collm")
     d = steady(core, 0.0, 100.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
-    assert core.state.headroom == 0.0 and core.state.virtual_queue == 0.0 and d.diagnostics.headroom == 0.0
+    assert (
+        core.state.target.headroom == 0.0
+        and core.state.target.virtual_queue == 0.0
+        and d.diagnostics.headroom == 0.0
+    )
 
 
 @pytest.mark.parametrize("load", [0.3, 0.6])
@@ -55,7 +61,7 @@ def test_usable_share_grows_with_headroom_to_max_share(load: float) -> None:
     view = core.state.view(3.0, record_history=False)
     rooms = []
     for h in (0.0, 0.5, 1.0):
-        core.state.signed_queue = -h / cfg.headroom_gain
+        core.state.target.signed_queue = -h / cfg.headroom_gain
         rooms.append(usable_share(core.state.view(3.0, record_history=False), "r0"))
     assert rooms == sorted(rooms)
     assert rooms[-1] == cfg.max_share
@@ -70,7 +76,7 @@ def test_more_headroom_plans_more_training_at_the_same_load() -> None:
         core = CoordinatorCore(cfg, "collm")
         t = 0.0
         while True:
-            core.state.signed_queue = -h  # held for the experiment (attainment 1.0 would move it)
+            core.state.target.signed_queue = -h  # held for the experiment (attainment 1.0 would move it)
             d = tick(core, t, *(obs(r, t, busy=0.6) for r in IDS))
             if d.slow:
                 break
@@ -86,9 +92,9 @@ def test_with_headroom_a_burst_still_leaves_the_capacity_its_demand_needs() -> N
     core = CoordinatorCore(config(), "collm")
     cfg = core.config
     steady(core, 0.0, 20.0, dict.fromkeys(IDS, 0.2), attainment=1.0)
-    core.state.signed_queue = -0.5 / cfg.headroom_gain
+    core.state.target.signed_queue = -0.5 / cfg.headroom_gain
     before = tick(core, 21.0, *(obs(r, 21.0, busy=0.2) for r in IDS))
-    h = core.state.headroom
+    h = core.state.target.headroom
     assert 0.0 < h < 1.0 and sum(shares(before).values()) > 0
     t = 22.0
     after = tick(
@@ -96,7 +102,7 @@ def test_with_headroom_a_burst_still_leaves_the_capacity_its_demand_needs() -> N
     )
     s1 = shares(after)
     assert s1["r1"] == 0.0
-    h = core.state.headroom
+    h = core.state.target.headroom
     left = cfg.burst_util * sum(1.0 - (1.0 - h) * s1[r] for r in IDS)
     assert left >= after.diagnostics.demand / cfg.burst_spike_factor - 1e-6
     assert all(s1[r] <= shares(before)[r] for r in IDS)
@@ -113,22 +119,22 @@ def test_the_spend_follows_the_headroom_and_is_withdrawn_under_the_target() -> N
     core = CoordinatorCore(config(spend_gain=0.5), "collm")
     cfg = core.config
     d = steady(core, 0.0, 200.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
-    assert core.state.headroom == 1.0
+    assert core.state.target.headroom == 1.0
     training = [s for s in d.fast.shares if s.share > 0]
     assert training and all(s.spend == pytest.approx(0.5) for s in training)
     assert all(s.spend == 0.0 for s in d.fast.shares if s.reason_code in ("idle", "slo_risk", "burst"))
     d = steady(core, 201.0, 201.0, dict.fromkeys(IDS, 0.3), attainment=0.5)
-    assert core.state.headroom > 0.5 and all(v == 0.0 for v in spends(d).values())
+    assert core.state.target.headroom > 0.5 and all(v == 0.0 for v in spends(d).values())
     # Back above the target: the spend rises again, by at most spend_rise_per_s.
-    before = core.state.spend
+    before = core.state.target.spend
     steady(core, 202.0, 211.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
-    assert before == 0.0 < core.state.spend <= 10 * cfg.spend_rise_per_s + 1e-9
+    assert before == 0.0 < core.state.target.spend <= 10 * cfg.spend_rise_per_s + 1e-9
 
 
 def test_no_spend_without_spend_gain() -> None:
     core = CoordinatorCore(config(spend_gain=0.0), "collm")
     d = steady(core, 0.0, 200.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
-    assert core.state.headroom == 1.0 and all(v == 0.0 for v in spends(d).values())
+    assert core.state.target.headroom == 1.0 and all(v == 0.0 for v in spends(d).values())
 
 
 @pytest.mark.parametrize("spend_gain", [0.0, 1.0])
@@ -137,7 +143,7 @@ def test_a_tail_past_the_slo_is_the_price_of_a_spend_not_a_risk(spend_gain: floa
     windowed attainment under the target still does); without a spend it does."""
     core = CoordinatorCore(config(spend_gain=spend_gain, ttft_slo_ms=1000.0), "collm")
     steady(core, 0.0, 200.0, dict.fromkeys(IDS, 0.3), attainment=1.0)
-    assert core.state.headroom == 1.0
+    assert core.state.target.headroom == 1.0
     slow = obs("r0", 201.0, busy=0.3, ttft_ms_p99=1500.0)
     risk = core.state.risk_of(slow, 0.3)
     assert (risk is None) == (spend_gain > 0)

@@ -35,7 +35,7 @@ def plan_for(reps: list[tuple[float, int, str, int, float]], z: float, **cfg_kw:
 
     t = 0.0
     while True:
-        core.state.virtual_queue = z
+        core.state.target.virtual_queue = z
         d = tick(core, t, *observations(t))
         if d.slow is not None:
             return core, d, ids

@@ -46,8 +46,8 @@ def test_the_virtual_queue_stops_at_its_bound_so_a_past_shortfall_is_paid_for_mi
     unbounded = CoordinatorCore(config(attainment_target=0.95, max_virtual_queue=1e9), "collm")
     for core in (bounded, unbounded):
         run(core, 0, 600, attainment=0.5)
-    assert bounded.state.virtual_queue == bounded.config.max_virtual_queue == 3.0
-    assert unbounded.state.virtual_queue > 30.0
+    assert bounded.state.target.virtual_queue == bounded.config.max_virtual_queue == 3.0
+    assert unbounded.state.target.virtual_queue > 30.0
     drained = run(bounded, 600, 800, attainment=1.0)
     assert 0.0 in drained and drained.index(0.0) <= 181
 
@@ -58,7 +58,7 @@ def test_large_virtual_queue_plans_less_training() -> None:
         core = CoordinatorCore(config(max_virtual_queue=1e9), "collm")
         t = 0.0
         while True:
-            core.state.virtual_queue = z
+            core.state.target.virtual_queue = z
             d = tick(core, t, *(obs(f"r{i}", t, busy=0.3) for i in range(4)))
             if d.slow:
                 return sum(p.token_budget for plan in d.slow.plans for p in plan.participants)
@@ -74,9 +74,9 @@ def test_an_idle_cluster_has_no_attainment_and_its_queue_holds() -> None:
     the dashboard show), not the last one measured, and the virtual queue holds where it was."""
     core = CoordinatorCore(config(attainment_target=0.95), "collm")
     z = run(core, 0, 10, attainment=0.0)[-1]
-    assert core.state.last_attainment == 0.0 and z > 0
+    assert core.state.target.last_attainment == 0.0 and z > 0
     for t in range(10, 20):
         idle = (obs(r, float(t), busy=0.0, attainment=None, finished=0) for r in ("r0", "r1"))
         d = tick(core, float(t), *idle)
-    assert core.state.last_attainment is None
+    assert core.state.target.last_attainment is None
     assert d.diagnostics.virtual_queue == z

@@ -25,7 +25,7 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
     * dt / slow_interval_s) at every fast tick; it grows while attainment falls short, so training
     yields to serving until the target is met again; it stops at `max_virtual_queue`. Its signed form
     goes negative while attainment stays above the target: headroom h = min(1, headroom_gain * -q)
-    (state.py).
+    (target.py).
   Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
   An adapter left without a plan because every replica holding its data was at risk at the tick is
   planned at the first fast tick where one of them no longer is, and one whose previous round was still

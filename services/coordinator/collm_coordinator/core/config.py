@@ -49,7 +49,7 @@ class CoreConfig:
     util_cap: float = 0.9
     quality_weight_v: float = 20.0
     virtual_queue_gain: float = 10.0
-    # Headroom h in [0, 1] per unit of the signed virtual queue below 0 (state.py): while attainment stays
+    # Headroom h in [0, 1] per unit of the signed virtual queue below 0 (target.py): while attainment stays
     # above the target the queue goes negative and h grows, so a share counts (1 - h) of itself against
     # serving capacity in both loops (the SLO-aware co-scheduler trains only in the requests' slack, so a
     # share is an upper bound on training, not time taken from serving); 0: shares always count whole.

@@ -18,7 +18,7 @@ at most that, and less at once when SLOs are at risk:
 * otherwise a share rises back toward its plan by at most `share_recover_per_tick` per tick
   (`recovering`, then `slack`): decrease at once, increase gradually, so a burst that comes back does
   not meet replicas that already resumed full training. Such a share carries the cluster's spend
-  (`ClusterState.update_spend`: spend_gain x headroom): the part of it the replica's co-scheduler trains
+  (`AttainmentTarget` in target.py: spend_gain x headroom): the part of it the replica's co-scheduler trains
   beyond its requests' slack, at their latency's cost, which spends the SLO budget the attainment target
   leaves and so brings attainment down to it; a share cut by a risk or a burst carries none.
 
@@ -115,7 +115,7 @@ def collm_shares(view: ClusterView) -> tuple[list[ShareDecision], str]:
         needed = demand / cfg.burst_util - free
         factor = max(0.0, 1.0 - needed / displaced) if displaced > 0 else 0.0
         why = f"burst: demand {demand:.2f} > capacity {capacity:.2f} at planned shares; shares x{factor:.2f}"
-    # The SLO budget left unspent, spent beyond the slack (ClusterState.update_spend).
+    # The SLO budget left unspent, spent beyond the slack (target.py).
     spend = round(view.spend, 3)
     out: list[ShareDecision] = []
     for rid in live:

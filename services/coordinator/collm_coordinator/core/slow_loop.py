@@ -29,7 +29,7 @@ Objective, once per round (drift-plus-penalty):
                replicas whose SLOs are at risk now, stale replicas and replicas without local data
                for the adapter do not take part; budgets under `min_budget_tokens` are dropped.
 
-Z and h come from the signed virtual queue of the long-term attainment target (state.py): q <- q +
+Z and h come from the signed virtual queue of the long-term attainment target (target.py): q <- q +
 gain * (target - attainment). Z = max(0, q), so training yields to serving exactly while attainment falls
 short, and V sets how much quality one unit of SLO risk is worth. While attainment stays above the target
 q goes negative and the headroom h = min(1, headroom_gain * -q) grows: a share then counts only (1 - h)

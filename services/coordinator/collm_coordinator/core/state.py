@@ -2,7 +2,7 @@
 
 `ClusterState` ingests `TickInputs` (telemetry snapshots, round events, adapter versions) and keeps:
 the latest snapshot of every replica and when it arrived (liveness), a short history of cluster demand
-(for the load forecast), the virtual queue of the attainment target, the rounds in flight, and the
+(for the load forecast), the attainment target (`AttainmentTarget`, target.py), the rounds in flight, and the
 quality estimate of every adapter. Each tick it freezes what the policies need into a `ClusterView`.
 
 Load is measured in *replica-utilisation units*: the inference demand D is the number of replicas that
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from collm_coordinator.core.config import CoreConfig
 from collm_coordinator.core.quality import AdapterQuality, effective_tokens
+from collm_coordinator.core.target import AttainmentTarget
 from collm_coordinator.core.types import (
     FINAL_ROUND_STATES,
     AdapterVersionView,
@@ -102,9 +103,9 @@ class ClusterView:
     adapter_demand: Mapping[str, float]
     adapter_domains: Mapping[str, tuple[str, ...]]
     data_tokens: Mapping[tuple[str, str], float]
-    # h in [0, 1]: how little a share counts against serving capacity (ClusterState.headroom).
+    # h in [0, 1]: how little a share counts against serving capacity (AttainmentTarget.headroom).
     headroom: float = 0.0
-    # The part of a share trained beyond the requests' slack (ClusterState.spend).
+    # The part of a share trained beyond the requests' slack (AttainmentTarget.spend).
     spend: float = 0.0
 
     def displaced(self, share: float) -> float:
@@ -143,13 +144,8 @@ class ClusterState:
         self.demand_history: deque[tuple[float, float, float]] = deque()
         # (received, serving load) of each replica's snapshots over the last `burst_window_s`.
         self.load_history: dict[str, deque[tuple[float, float]]] = {}
-        # The signed virtual queue: Z = max(0, q), headroom from max(0, -q) (update_virtual_queue).
-        self.signed_queue = 0.0
-        self.spend = 0.0  # follows spend_gain x headroom: at once down, at most spend_rise_per_s up
-        self.last_attainment: float | None = None
-        self._window_good = 0
-        self._window_finished = 0
-        self._window_reports = 0
+        # The long-term attainment target: virtual queue, headroom, spend (target.py).
+        self.target = AttainmentTarget(config)
         self.rounds: dict[str, ActiveRound] = {}
         self.versions: dict[str, int] = {}
         self.version_losses: dict[str, Mapping[str, float]] = {}
@@ -175,9 +171,7 @@ class ClusterState:
         hist.append((obs.received_s, self.infer_load(obs)))
         while obs.received_s - hist[0][0] > self.config.burst_window_s:
             hist.popleft()
-        self._window_good += obs.good
-        self._window_finished += obs.finished
-        self._window_reports += 1
+        self.target.count(obs.good, obs.finished)
         self._learn_train_rate(obs)
         for a in obs.adapters:
             self.adapter_inflight_ewma.setdefault(a.name, 0.0)
@@ -333,7 +327,7 @@ class ClusterState:
                 )
         # While the SLO budget is being spent (headroom with a spend), tails past the SLO are the price
         # paid for training and the attainment check above is the guard; otherwise a p99 near the SLO is.
-        tails = not (self.headroom > 0 and cfg.spend_gain > 0)
+        tails = not (self.target.headroom > 0 and cfg.spend_gain > 0)
         ttft_p99, tpot_p99 = obs.ttft_ms_p99, obs.tpot_ms_p99
         if tails and cfg.ttft_slo_ms and ttft_p99 and ttft_p99 > cfg.slo_risk_frac * cfg.ttft_slo_ms:
             return f"TTFT p99 {ttft_p99:.0f} ms near SLO {cfg.ttft_slo_ms:.0f} ms"
@@ -342,67 +336,6 @@ class ClusterState:
         if load > cfg.util_cap and load + obs.ft_share > 1.0:
             return f"serving load {load:.2f} above cap {cfg.util_cap:.2f}"
         return None
-
-    def update_virtual_queue(self, dt_s: float) -> None:
-        """q <- q + gain * (target - attainment) * dt / slow_interval, the signed virtual queue of the
-        attainment target: it grows while the attainment falls short of the target and falls while
-        it is above. Its positive part is Z (`virtual_queue`, the price of SLO risk in the slow
-        loop); its negative part is headroom (`headroom`, h = min(1, headroom_gain * -q)): the SLO
-        budget left unspent, which lets shares grow. q is bounded below where h reaches 1 (no
-        wind-up: under the target the headroom goes at the rate it came, before Z grows; a replica
-        whose own SLOs are at risk still gets share 0 in the same tick, `risk_of`) and above at
-        `max_virtual_queue` (a past shortfall holds training back for minutes, not for as long as
-        it lasted). The attainment is that of the reports received since the last fast tick: their
-        `good` and `finished` counts summed, each report's over its replica's SLO window
-        (`slo_window_s`), so with one report per replica per tick it is the cluster's windowed
-        attainment, and a request counts in every tick while it is in a window; below
-        `min_finished_for_attainment` finished in those reports q holds and the counts carry over;
-        with none at all the attainment is unknown (`last_attainment` None: an idle stack shows
-        none, not the last one measured)."""
-        cfg = self.config
-        if self._window_reports and not self._window_finished:
-            # Reports came and no request finished in any replica's window: no attainment to show.
-            self.last_attainment = None
-            self._window_reports = 0
-        if self._window_finished >= cfg.min_finished_for_attainment:
-            self._window_reports = 0
-            att = self._window_good / self._window_finished
-            self.last_attainment = att
-            step = cfg.virtual_queue_gain * (cfg.attainment_target - att) * dt_s / cfg.slow_interval_s
-            floor = -1.0 / cfg.headroom_gain if cfg.headroom_gain > 0 else 0.0
-            self.signed_queue = min(cfg.max_virtual_queue, max(floor, self.signed_queue + step))
-            self._window_good = 0
-            self._window_finished = 0
-        self.update_spend(dt_s)
-
-    def update_spend(self, dt_s: float) -> None:
-        """The spend (the part of a share the replicas train beyond their requests' slack) follows
-        `spend_gain` x h in steps of `share_step`: down at once, up by at most `spend_rise_per_s`, so the
-        attainment window sees what a spend costs before it grows (the headroom grows while a window
-        still shows the attainment of before); 0 while the last tick's attainment is under the target
-        (the headroom, an integral, goes only at the rate it came)."""
-        cfg = self.config
-        aim = math.floor(cfg.spend_gain * self.headroom / cfg.share_step + 1e-9) * cfg.share_step
-        aim = min(1.0, aim)
-        if self.last_attainment is not None and self.last_attainment < cfg.attainment_target:
-            aim = 0.0  # the last tick fell short: no training at the requests' cost until it is back
-        rise = cfg.spend_rise_per_s * max(0.0, dt_s)
-        self.spend = round(aim if aim <= self.spend else min(aim, self.spend + rise), 4)
-
-    @property
-    def virtual_queue(self) -> float:
-        """Z: the positive part of the signed queue (0 while attainment has been above the target)."""
-        return max(0.0, self.signed_queue)
-
-    @virtual_queue.setter
-    def virtual_queue(self, z: float) -> None:
-        """Set Z (>= 0): the signed queue becomes `z` (no headroom)."""
-        self.signed_queue = max(0.0, z)
-
-    @property
-    def headroom(self) -> float:
-        """h in [0, 1]: the negative part of the signed queue times `headroom_gain`."""
-        return min(1.0, max(0.0, -self.signed_queue) * self.config.headroom_gain)
 
     def expire(self, now_s: float) -> None:
         """Rounds whose outcome never came are forgotten a grace period after their deadline (a longer
@@ -527,11 +460,11 @@ class ClusterState:
             arrivals_now_per_s=arrivals,
             forecast_demand=fd,
             forecast_arrivals_per_s=fa,
-            attainment=self.last_attainment,
+            attainment=self.target.last_attainment,
             at_risk=risks,
-            virtual_queue=self.virtual_queue,
-            headroom=self.headroom,
-            spend=self.spend,
+            virtual_queue=self.target.virtual_queue,
+            headroom=self.target.headroom,
+            spend=self.target.spend,
             rounds=dict(self.rounds),
             plan_shares=plan,
             unplanned=self.unplanned_training(live, plan),

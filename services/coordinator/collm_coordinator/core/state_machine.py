@@ -102,7 +102,7 @@ class CoordinatorCore:
         slow_due = self._next_slow_s is not None and now_s >= self._next_slow_s - 1e-9
         if fast_due:
             dt = cfg.fast_interval_s if self._last_fast_s is None else now_s - self._last_fast_s
-            st.update_virtual_queue(dt)
+            st.target.update(dt)
         view = st.view(now_s, record_history=fast_due)
 
         slow: SlowDecision | None = None
