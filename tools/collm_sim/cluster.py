@@ -29,7 +29,11 @@ Events and what they do:
   and every replica holding the adapter's domain, as the aggregator picks them; at the opening each
   scores the current version unless it already scored it (the engine caches scores by weights), and
   after the close the candidate: work on the replica (`SimReplica.add_eval`) when the calibration has
-  the evaluation cost, else none.
+  the evaluation cost, else none. The close is an `aggregating` event to the coordinator; with async
+  rounds (the core's `rounds`) the adapter's next round then opens beside the finishing one, skips the
+  pre-scoring, and at its own close is rebased onto the version published meanwhile (its evaluators
+  score that version too unless they scored it as the earlier round's candidate); it publishes after
+  the adapter's earlier rounds ended.
 
 The `separate` baseline is a serving cluster beside a training cluster: by default (`separate_routing=
 "serving_cluster"`) its requests are routed by the gateway's least-loaded rule over the serving replicas
@@ -41,7 +45,8 @@ Simplifications, stated: control messages and weights arrive at once (the bus ad
 every replica holds every domain's adapter resident (no adapter loading cost); a published version is
 served by every replica at once (the live rollout is measured separately); replica-local refreshes of
 an adapter (served before the round publishes) are not modelled, so served quality moves only at
-publication; rounds aggregate by adding the accepted participants' tokens.
+publication; rounds aggregate by adding the accepted participants' tokens (a rebased round's too: the
+live stack's quality per token with async rounds is measured, `bench/README.md`, Frontier).
 """
 
 from __future__ import annotations
@@ -450,9 +455,15 @@ class Simulation:
             rep = self.replicas[p.replica_id]
             rep.start_job(plan.adapter, rid, plan.base_version, max(1, p.token_budget), send_by_s, t)
             self._wake(rep, t)
-        for e in self._evaluators(rnd):
-            if (rnd.adapter, rnd.base_version) not in self._scored[e]:
-                self._ask_eval(rnd, e, t, self._current_scored)
+        # As the aggregator: the current version is scored while participants train, unless an earlier
+        # round of the adapter is still finishing (async rounds): this round is then rebased onto the
+        # version that one publishes, whose evaluators score it as their candidate.
+        if not any(
+            r.adapter == rnd.adapter and r.state == "opened" and r.closed for r in self.rounds.values()
+        ):
+            for e in self._evaluators(rnd):
+                if (rnd.adapter, rnd.base_version) not in self._scored[e]:
+                    self._ask_eval(rnd, e, t, self._current_scored)
         self._push(plan.deadline_s, _DEADLINE, rnd)
 
     def _evaluators(self, rnd: SimRound) -> list[str]:
@@ -511,8 +522,16 @@ class Simulation:
                 RoundEvent(rnd.adapter, "aborted", round_id=rnd.round_id, reason="quorum not reached")
             )
             return
+        self._pending_events.append(RoundEvent(rnd.adapter, "aggregating", round_id=rnd.round_id))
+        current = self.versions[rnd.adapter]
+        rebased = current != rnd.base_version
+        # As the aggregator: a round opened while its adapter's previous round was finishing (async rounds)
+        # is rebased onto the version that round published; its evaluators then score that version too.
+        rnd.base_version = current
         evaluators = self._evaluators(rnd)
         for e in evaluators:
+            if rebased and (rnd.adapter, current) not in self._scored[e]:
+                self._ask_eval(rnd, e, t, self._current_scored)
             self._ask_eval(rnd, e, t, self._candidate_scored)
         if rnd.evals_pending <= 0:
             self._schedule_publish(rnd, t)
@@ -521,6 +540,12 @@ class Simulation:
 
     def _publish(self, rnd: SimRound, t: float) -> None:
         d = rnd.adapter
+        if any(
+            r.adapter == d and r.round_id < rnd.round_id and r.state == "opened" for r in self.rounds.values()
+        ):
+            # As the aggregator: a round publishes after its adapter's earlier rounds have ended.
+            self._push(t + 1.0, _PUBLISH, rnd)
+            return
         tokens = float(sum(rnd.updates.values()))
         before = self.quality.loss(d, self.trained_tokens[d])
         self.trained_tokens[d] += tokens

@@ -16,6 +16,8 @@ a fresh machine after a restart. What it decides:
   or `quorum_grace_s` after the quorum of valid updates was reached, or at the deadline. At close, an
   update whose change from the base is more than `norm_outlier_factor` times the median of the others'
   is rejected (with at least 3 accepted). Fewer valid updates than the quorum aborts the round.
+* **Rebasing** (async rounds): a round that opened while an earlier round of its adapter was finishing
+  is rebased onto the version that round published (`rebase`): its updates count as that much staler.
 * **The gate** (see `evaluation.promotion_gate`) after federated evaluation: published or held back.
 """
 
@@ -137,6 +139,7 @@ class RoundMachine:
     quorum_reached_unix_s: float | None = None
     new_version: int | None = None
     gate: GateDecision | None = None
+    rebased_from: int | None = None  # the plan's base version, when the round was rebased (`rebase`)
 
     def __post_init__(self) -> None:
         if not self.participants:
@@ -308,6 +311,22 @@ class RoundMachine:
                 )
 
     # --- after collection -----------------------------------------------------------------------------
+    def rebase(self, version: int) -> None:
+        """Aggregate onto `version`, published from this round's base by an earlier round of the adapter
+        while this one collected (async rounds): every accepted update is that much staler."""
+        if self.phase is not Phase.AGGREGATING:
+            raise PhaseError(f"round {self.round_id} is {self.phase}, not aggregating")
+        gap = version - self.base_version
+        if gap <= 0:
+            raise PhaseError(
+                f"round {self.round_id}: v{version} is not newer than its base v{self.base_version}"
+            )
+        for e in self.accepted:
+            e.staleness += gap
+        if self.rebased_from is None:
+            self.rebased_from = self.base_version
+        self.base_version = version
+
     def candidate_ready(self, now_unix_s: float) -> None:
         self._to(Phase.EVALUATING, now_unix_s, (Phase.AGGREGATING,))
 

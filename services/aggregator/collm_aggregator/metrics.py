@@ -9,6 +9,10 @@ ROUNDS_OPENED = Counter("collm_aggregator_rounds_opened_total", "Rounds opened, 
 ACTIVE_ROUNDS = Gauge("collm_aggregator_active_rounds", "Rounds not final yet")
 UPDATES = Counter("collm_aggregator_updates_total", "Local updates received, by verdict", ["verdict"])
 REJECTED = Counter("collm_aggregator_rejected_updates_total", "Updates rejected, by reason code", ["reason"])
+REBASED = Counter(
+    "collm_aggregator_rebased_rounds_total",
+    "Rounds aggregated onto a version an earlier round published while they collected (async rounds)",
+)
 LATE = Counter("collm_aggregator_late_updates_total", "Updates that arrived after their round closed")
 BYTES_RECEIVED = Counter("collm_aggregator_update_bytes_total", "Bytes of update blobs read from the store")
 AGGREGATION_SECONDS = Histogram(

@@ -58,7 +58,7 @@ from collm_aggregator.machine import (
 )
 from collm_aggregator.scoring import CandidateScoring
 from collm_aggregator.settings import AggregatorSettings
-from collm_aggregator.strategies import Strategy, WeightedUpdate, product_error
+from collm_aggregator.strategies import Strategy, WeightedUpdate, product_error, rebase_aggregate
 from collm_aggregator.validation import (
     DIGEST,
     MISSING_BLOB,
@@ -77,6 +77,7 @@ from collm_common.wire.adapters import AdapterPublished
 from collm_common.wire.admin import UpdateRecord
 from collm_common.wire.control import ControlReply, StartTraining
 from collm_common.wire.rounds import (
+    EvalReport,
     RejectedUpdate,
     RoundOutcome,
     RoundPlan,
@@ -124,6 +125,9 @@ class RoundDeps:
     eval_replicas: Callable[[str, Sequence[str], Collection[str]], Awaitable[list[str]]]
     on_final: Callable[[int], None] = lambda _rid: None
     lead: PublishLead = field(default_factory=PublishLead)
+    # The runners of the adapter's earlier rounds that have not ended (async rounds: the previous round
+    # aggregates, evaluates and publishes while this one collects).
+    earlier_rounds: Callable[[str, int], Sequence[RoundRunner]] = lambda _a, _rid: ()
 
 
 @dataclass
@@ -153,6 +157,7 @@ class RoundRunner:
     _prescore: asyncio.Task[None] | None = None
     _root: trace.Span | None = None
     _link: Link | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when `run` returns
 
     def __post_init__(self) -> None:
         s = self.deps.settings
@@ -263,6 +268,7 @@ class RoundRunner:
             if self.machine.phase is Phase.ABORTED:
                 self._root.set_status(Status(StatusCode.ERROR, self.machine.reason))
             self._root.end()
+            self.ended.set()
 
     async def _finish(self) -> None:
         await self._announce()
@@ -314,7 +320,14 @@ class RoundRunner:
             if self.resumed_state in (None, "opened"):
                 # New, or recorded but stopped before anyone was told: (re)start the participants.
                 await self._start_participants()
-            if not closed_before and self.deps.settings.eval_prescore_current:
+            # The current version is scored while participants train, unless an earlier round of the
+            # adapter is still finishing: this one is then rebased onto what that one publishes, whose
+            # scores as that round's candidate stand for the current version's (`_rebase`).
+            if (
+                not closed_before
+                and self.deps.settings.eval_prescore_current
+                and not self.deps.earlier_rounds(m.adapter, self.round_id)
+            ):
                 self._prescore = asyncio.create_task(self._scoring.score_current())
             await self._take_carried()
             decision = (
@@ -330,7 +343,12 @@ class RoundRunner:
                 return
             await self._announce()
         with tracer.start_as_current_span("round.aggregate") as span:
-            blob = await self._aggregate(accepted)
+            earlier = self.deps.earlier_rounds(m.adapter, self.round_id)
+            if earlier:
+                await asyncio.gather(*(r.ended.wait() for r in earlier))
+            onto = await self._rebase()
+            span.set_attribute("collm.base_version", m.base_version)
+            blob = await self._aggregate(accepted, onto)
             span.set_attribute("collm.updates", len(accepted))
         m.candidate_ready(clock.now())
         await self._announce()
@@ -564,6 +582,46 @@ class RoundRunner:
 
         return await asyncio.to_thread(check)
 
+    async def _rebase(self) -> dict[str, np.ndarray] | None:
+        """Async rounds: if an earlier round published from this round's base while this one collected,
+        this round is rebased onto that version: the machine's base moves to it (the updates count as
+        that much staler), that round's candidate scores stand for the current version's, and the
+        tensors of the version are returned for `_aggregate` to apply the candidate's change to
+        (`strategies.rebase_aggregate`, times `rebase_scale`). Any other move of the pointer (a
+        rollback, an import) is left to `_publish`, which then aborts; so is this round's own
+        publication before a restart, which `_publish` recognises."""
+        m, store = self.machine, self.deps.store
+        assert self._expected is not None
+        current = await self._through_outage("reading the current version", lambda: store.current(m.adapter))
+        if current is None or current <= m.base_version:
+            return None
+        try:
+            rec = await store.get_version(m.adapter, current)
+            if rec.source != "round" or rec.parent != m.base_version or rec.round_id == self.round_id:
+                return None
+            newer = decode_adapter(await store.get_blob(m.adapter, current))
+        except (NotFound, CorruptBlob, ValueError) as exc:
+            log.warning("round %s: not rebased onto v%s: %s", self.round_id, current, exc)
+            return None
+        old, new = self._expected.tensors, to_numpy(newer)
+        if new.keys() != old.keys() or any(new[k].shape != old[k].shape for k in new):
+            log.warning("round %s: not rebased onto v%s: its tensors differ from v%s's", self.round_id,
+                        current, m.base_version)  # fmt: skip
+            return None
+        log.info("round %s: rebased from v%s onto v%s (round %s)", self.round_id, m.base_version, current,
+                 rec.round_id)  # fmt: skip
+        m.rebase(current)
+        if self._prescore is not None:  # the old base's scores no longer judge the candidate
+            self._prescore.cancel()
+            self._prescore = None
+        reports: list[EvalReport] = []
+        if rec.round_id is not None:
+            with contextlib.suppress(Exception):
+                reports = await self.deps.records.evals(rec.round_id)
+        self._scoring.rebase(current, reports)
+        metrics.REBASED.inc()
+        return new
+
     async def _older_base(self, version: int) -> dict[str, np.ndarray]:
         if version not in self._older:
             blob = await self.deps.store.get_blob(self.plan.adapter, version)
@@ -571,7 +629,9 @@ class RoundRunner:
         return self._older[version]
 
     # --- aggregate, evaluate, publish ------------------------------------------------------------------
-    async def _aggregate(self, accepted: Sequence[Entry]) -> bytes:
+    async def _aggregate(self, accepted: Sequence[Entry], onto: dict[str, np.ndarray] | None = None) -> bytes:
+        """The candidate blob: the strategy over the accepted updates from the round's base; with `onto`
+        (the tensors of the version the round was rebased onto), its change applied to that version."""
         assert self._expected is not None and self._base is not None
         updates = [
             WeightedUpdate(
@@ -592,6 +652,9 @@ class RoundRunner:
         # A diagnostic of the aggregate, not needed to evaluate it: computed while replicas evaluate, off
         # the path from the close to the publication (awaited before publishing, for the version's meta).
         self._product_error_task = asyncio.create_task(self._measure_product_error(agg, updates, base_np))
+        if onto is not None:
+            scale = self.deps.settings.rebase_scale
+            agg = await asyncio.to_thread(rebase_aggregate, agg, base_np, onto, scale, strategy.products)
         import torch
 
         weights = AdapterWeights(

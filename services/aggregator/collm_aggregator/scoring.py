@@ -5,7 +5,9 @@ the adapter's domains) less any replica whose update the round refused. The curr
 while participants train (`score_current`, kept for the round); after the close each evaluator scores
 only the candidate and the two are paired on the same eval set (equal digests), or, when its held-out set
 changed or it was not pre-scored, it scores both together (`evaluate`). Each request carries the
-deadline the replica paces its scoring to (`eval_timeout_s`); a replica that fails is left out.
+deadline the replica paces its scoring to (`eval_timeout_s`); a replica that fails is left out. A round
+rebased onto a newer version (async rounds, `rebase`) is judged against that one, whose scores as the
+candidate of the round that published it stand for the pre-scores.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from collm_aggregator import metrics
@@ -46,6 +48,14 @@ class CandidateScoring:
         self.machine = machine
         self.through_outage = through_outage
         self.current: dict[str, EvalReport] = {}  # the pre-scored current version, by replica
+        self.current_version = plan.base_version  # the version the candidate is judged against
+
+    def rebase(self, version: int, reports: Sequence[EvalReport]) -> None:
+        """Judge the candidate against `version` (the round was rebased onto it); `reports`: that version's
+        scores as the candidate of the round that published it (each replica's candidate losses), which
+        stand for its pre-scores on the same eval sets."""
+        self.current_version = version
+        self.current = {r.replica_id: r for r in reports}
 
     @property
     def round_id(self) -> int:
@@ -77,7 +87,7 @@ class CandidateScoring:
             adapter=self.plan.adapter,
             candidate_key="",
             candidate_sha256="",
-            candidate_version=self.plan.base_version,
+            candidate_version=self.current_version,
             score_current=False,
             round_id=self.round_id,
             max_examples=s.eval_max_examples,
@@ -127,7 +137,7 @@ class CandidateScoring:
             adapter=self.plan.adapter,
             candidate_key=key,
             candidate_sha256=sha,
-            current_version=self.plan.base_version,
+            current_version=self.current_version,
             round_id=self.round_id,
             max_examples=s.eval_max_examples,
             max_tokens=s.eval_max_tokens,

@@ -29,6 +29,7 @@ from collm_aggregator import metrics
 from collm_aggregator.imports import import_status, reference_shapes
 from collm_aggregator.intake import UpdateIntake
 from collm_aggregator.lead import PublishLead
+from collm_aggregator.machine import Phase
 from collm_aggregator.planner import (
     PlanConfig,
     PlanDraft,
@@ -187,7 +188,15 @@ class Aggregator:
             eval_replicas=self.eval_replicas,
             on_final=self._round_done,
             lead=self.lead,
+            earlier_rounds=self._earlier_rounds,
         )
+
+    def _earlier_rounds(self, adapter: str, round_id: int) -> list[RoundRunner]:
+        return [
+            r
+            for r in self.runners.values()
+            if r.plan.adapter == adapter and r.round_id < round_id and not r.ended.is_set()
+        ]
 
     async def _resume(self) -> None:
         for rid in await self.records.active_ids():
@@ -250,10 +259,13 @@ class Aggregator:
         if not math.isfinite(plan.deadline_unix_s) or plan.deadline_unix_s <= now:
             raise ServiceFailure(400, f"deadline {plan.deadline_unix_s} is not in the future (now {now:.3f})")
         async with self._open_lock:
-            # A round that has announced its end no longer holds its adapter, even while it still cleans up
-            # (its final event is out, and whoever saw it may open the next round at once).
+            # Only a round still collecting holds its adapter: one that closed its collection aggregates,
+            # evaluates and publishes beside the next (async rounds; that one is rebased onto what this
+            # one publishes), and one that announced its end may still be cleaning up.
             running = [
-                r for r in self.runners.values() if r.plan.adapter == plan.adapter and not r.machine.final
+                r
+                for r in self.runners.values()
+                if r.plan.adapter == plan.adapter and r.machine.phase in (Phase.OPENED, Phase.COLLECTING)
             ]
             for r in running:
                 if r.plan.policy == "builtin" and plan.policy != "builtin":

@@ -58,6 +58,15 @@ class AggregatorSettings(CommonSettings):
     max_staleness: int = Field(
         1, ge=1, description="Largest base-version gap accepted under late_policy=staleness."
     )
+    rebase_scale: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Async rounds: a round rebased onto the version an earlier round published while it "
+        "collected applies this fraction of its candidate's change from its own base to that version (1: "
+        "all of it; lower it where local training moves far per round). The promotion gate judges the "
+        "rebased candidate against that version.",
+    )
     # Validation.
     max_delta_norm: float | None = Field(
         100.0,

@@ -62,6 +62,11 @@ class Strategy(Protocol):
     @property
     def server_lr(self) -> ServerLR: ...
 
+    @property
+    def products(self) -> bool:
+        """Whether it averages the modules' products B·A (else each tensor on its own)."""
+        ...
+
     def aggregate(self, updates: Sequence[WeightedUpdate], base: Tensors | None) -> dict[str, np.ndarray]: ...
 
 
@@ -246,6 +251,30 @@ def product_svd(
     return out
 
 
+# --- rebasing an aggregate onto a newer version (async rounds) ----------------------------------------
+def rebase_aggregate(
+    candidate: Tensors, old: Tensors, new: Tensors, scale: float, products: bool
+) -> dict[str, np.ndarray]:
+    """The candidate's change from `old`, times `scale`, applied to `new`. With `products` (the strategy
+    averages B·A) the change is taken per module in product space and the result re-factorised to the
+    rank (new B·A + scale x (candidate B·A - old B·A), exact as a stack of three factor pairs before the
+    truncation); else tensor by tensor (new + scale x (candidate - old))."""
+    if not products:
+        return {k: (new[k] + scale * (candidate[k] - old[k])).astype(candidate[k].dtype) for k in candidate}
+    out: dict[str, np.ndarray] = {}
+    for ka, kb in lora_modules(candidate).values():
+        c_a, c_b = candidate[ka].astype(np.float64), candidate[kb].astype(np.float64)
+        b_stack = np.hstack([new[kb].astype(np.float64), scale * c_b, -scale * old[kb].astype(np.float64)])
+        a_stack = np.vstack([new[ka].astype(np.float64), c_a, old[ka].astype(np.float64)])
+        row_scale = float(np.linalg.norm(c_a, axis=1).mean())
+        if not math.isfinite(row_scale) or row_scale <= 0:
+            row_scale = 1.0
+        b_new, a_new, _ = refactorise(b_stack, a_stack, c_a.shape[0], row_scale, c_a)
+        out[ka] = a_new.astype(candidate[ka].dtype)
+        out[kb] = b_new.astype(candidate[kb].dtype)
+    return out
+
+
 # --- how far an aggregate is from the exact average ------------------------------------------------------
 def product_error(
     aggregate: Tensors,
@@ -322,6 +351,8 @@ def _named(name: str, server_lr: ServerLR) -> str:
 class FedAvg:
     """Sample-weighted average of A and B separately (McMahan et al. 2017; Flower, OpenFedLLM)."""
 
+    products = False
+
     def __init__(self, server_lr: ServerLR = 1.0) -> None:
         self.server_lr = server_lr
         self.name = _named("fedavg", server_lr)
@@ -332,6 +363,8 @@ class FedAvg:
 
 class ProductSVD:
     """Average of B·A re-factorised to the same rank by truncated SVD (FlexLoRA, arXiv:2402.11505)."""
+
+    products = True
 
     def __init__(self, server_lr: ServerLR = 1.0) -> None:
         self.server_lr = server_lr
@@ -357,6 +390,10 @@ class NormClipping:
     @property
     def server_lr(self) -> ServerLR:
         return self.inner.server_lr
+
+    @property
+    def products(self) -> bool:
+        return self.inner.products
 
     def aggregate(self, updates: Sequence[WeightedUpdate], base: Tensors | None) -> dict[str, np.ndarray]:
         if base is None:

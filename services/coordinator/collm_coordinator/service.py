@@ -365,7 +365,10 @@ class Coordinator:
             demand=d.diagnostics.demand if d else 0.0,
             fast=fast,
             slow=slow,
-            rounds=[convert.planned_round(r) for r in core.state.rounds.values()],
+            rounds=[
+                convert.planned_round(r)
+                for r in [*core.state.rounds.values(), *core.state.finishing.values()]
+            ],
             routing=self.routing,
             aggregator_available=self.aggregator_available,
             notes=list(d.diagnostics.notes) if d else [],

@@ -42,6 +42,12 @@ class CoordinatorSettings(CommonSettings):
         gt=0,
         description="Round length: deadline of a planned round, from its opening (<= slow interval).",
     )
+    coordinator_rounds: Literal["async", "sync"] = Field(
+        "async",
+        description="async: an adapter's next round opens as soon as the previous one's collection closed, "
+        "so its participants train while the previous round aggregates, evaluates and publishes (the "
+        "aggregator rebases it onto that publication); sync: only after the previous round ended.",
+    )
     coordinator_stale_after_s: float = Field(
         3.0, gt=0, description="A replica silent this long is routed around and dropped from plans."
     )

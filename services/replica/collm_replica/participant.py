@@ -3,6 +3,8 @@
 * `start_training(StartTraining)`: the job of an adapter from a stored base version (None: the current
   one; `name@v1` is created when the adapter has none), run by the engine in the slack of serving.
   With a `round_id` the replica is that round's participant until its update is sent.
+  A round job whose base lacks this replica's own change of its last round (async rounds: that round
+  has not published yet) starts from the base plus that change and sends only its own (`own_progress`).
 * Job events from the engine: a local refresh is counted; a round job's end (`round_update`) becomes
   `store.put_update` plus a `LocalUpdate` on JetStream (`subjects.update`, `Nats-Msg-Id`
   `update-<round>-<replica>` for dedupe). While Redis is unreachable (a restart) the upload, and while
@@ -20,11 +22,13 @@ data); 422 a blob that is not an adapter of this base model.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.exceptions
+import torch
 
 from collm_common import subjects, tracing
 from collm_common.bus import Bus
@@ -48,6 +52,7 @@ from collm_replica.engine import Engine, JobEvent
 from collm_replica.errors import ReplicaError
 from collm_replica.lora_bank import AdapterMismatch, LiveLora
 from collm_replica.models import LoadedModel
+from collm_replica.own_progress import OwnProgress, sent_tensors, start_point
 from collm_replica.tasks import Tasks
 from collm_replica.training import JobSpec
 
@@ -61,6 +66,14 @@ UPDATE_SEND_MARGIN_S = 0.5
 # Retrying the upload of a round without a deadline (an operator's StartTraining) stops after this long.
 UPDATE_RETRY_BOUND_S = 120.0
 ROUND_DEADLINES_KEPT = 64
+ROUND_JOBS_KEPT = 8
+
+
+class _RoundJob(NamedTuple):
+    """A round job's base tensors and the offset its start carried (`own_progress`)."""
+
+    base: dict[str, torch.Tensor]
+    offset: dict[str, torch.Tensor]
 
 
 def _give_up_unix_s(deadline_unix_s: float | None) -> float:
@@ -94,6 +107,8 @@ class Participant:
         self.round_role = "idle"
         self.round_id: int | None = None
         self._round_deadlines: dict[int, float | None] = {}  # round id -> deadline (Unix s) of its job
+        self._round_jobs: dict[int, _RoundJob] = {}  # round id -> its job's base and carried offset
+        self._progress: dict[str, OwnProgress] = {}  # adapter -> this replica's last sent change
 
     def role(self, jobs: list[TrainingJobStatus]) -> str:
         """The round role to report: a participant whose round's job is gone (failed) is idle."""
@@ -114,6 +129,15 @@ class Participant:
         except NotFound as exc:
             raise ReplicaError(404, str(exc), "not_found") from None
         weights = decode_adapter(blob)
+        base_tensors, offset = weights.tensors, {}
+        if cmd.round_id is not None and (carried := await self._carried(name, base, cmd.round_id)):
+            start, offset = start_point(weights.tensors, carried)
+            if offset:
+                weights = dataclasses.replace(weights, tensors=start)
+                log.info(
+                    "round %d: %s starts from %s plus this replica's change of round %d (not in it yet)",
+                    cmd.round_id, name, version_id(name, base), carried.round_id,
+                )  # fmt: skip
         current = await self.store.current(name)
         # Serving the base version here is best effort and must never hold up the job (training needs no
         # slot) nor the control endpoint (its handler runs one request at a time): when every slot is
@@ -145,11 +169,27 @@ class Participant:
             self._round_deadlines[cmd.round_id] = cmd.deadline_unix_s
             while len(self._round_deadlines) > ROUND_DEADLINES_KEPT:  # jobs that failed never send
                 del self._round_deadlines[next(iter(self._round_deadlines))]
+            self._round_jobs[cmd.round_id] = _RoundJob(base_tensors, offset)
+            while len(self._round_jobs) > ROUND_JOBS_KEPT:
+                del self._round_jobs[next(iter(self._round_jobs))]
         return ControlReply(
             ok=True,
             message=f"training {name} from {status.base_version_id} for {cmd.token_budget} tokens",
             detail={"base_version_id": status.base_version_id, "round_id": str(cmd.round_id or "")},
         )
+
+    async def _carried(self, name: str, base: int, round_id: int) -> OwnProgress | None:
+        """This replica's own change of its last round of `name` when version `base` lacks it (async
+        rounds: that round has not published yet; see `own_progress`), else None."""
+        carried = self._progress.get(name)
+        if carried is None or carried.round_id >= round_id:
+            return None
+        try:
+            rec = await self.store.get_version(name, base)
+        except StoreError:
+            return None
+        by_round = rec.round_id if rec.source == "round" else None
+        return carried if carried.missing_from(base, by_round) else None
 
     # ================================================================================== job events
     def on_job_event_threadsafe(self, ev: JobEvent) -> None:
@@ -169,6 +209,9 @@ class Participant:
 
     async def send_update(self, ev: JobEvent) -> None:
         assert ev.round_id is not None and ev.weights is not None and ev.base_version is not None
+        job = self._round_jobs.pop(ev.round_id, None)
+        if job is not None and job.offset:  # started from the base plus its last change: send only its own
+            ev.weights.tensors = sent_tensors(ev.weights.tensors, job.offset)
         ev.weights.extra.update({"collm.replica_id": self.rid, "collm.round_id": str(ev.round_id)})
         blob = encode_adapter(ev.weights)
         deadline = self._round_deadlines.pop(ev.round_id, None)
@@ -217,6 +260,10 @@ class Participant:
             return
         metrics.ROUND_UPDATES.labels(self.rid, "sent").inc()
         log.info("round %d: update %s sent (%d tokens)", ev.round_id, key, ev.num_tokens)
+        if job is not None:
+            progress = OwnProgress.of(ev.round_id, ev.base_version, ev.weights.tensors, job.base)
+            if progress is not None:
+                self._progress[ev.adapter] = progress
 
     async def _store_update(
         self, round_id: int, blob: bytes, deadline_unix_s: float | None

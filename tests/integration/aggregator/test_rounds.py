@@ -844,3 +844,51 @@ async def test_participants_send_early_enough_for_the_version_to_serve_by_the_de
     assert (await cluster.wait_final(second.round_id)).state == "published"
     lead_s = second.deadline_unix_s - b.started[1].deadline_unix_s
     assert lead_s == pytest.approx(1.25 * took_s, abs=1e-3)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+async def test_async_round_opens_while_the_last_one_evaluates_and_is_rebased_onto_it(
+    cluster: Cluster, scale: float
+) -> None:
+    """Async rounds: a round that closed its collection no longer holds its adapter. The next round's
+    participants train from v1 while round 1 evaluates; round 2 aggregates only after round 1 published
+    v2, onto v2 (each update's change from v1, times `rebase_scale`, applied to v2), and judges its
+    candidate against v2 with round 1's candidate scores, so no replica scores v1 or v2 for it."""
+    from collm_common.lora import decode_adapter
+
+    await cluster.seed_v1()
+    await cluster.start_aggregator(strategy="fedavg", rebase_scale=scale)
+    gate = asyncio.Event()  # round 1's evaluation waits until round 2 has collected
+    # Small local steps (a round's change is a few small steps, not a jump to the target).
+    r0 = await cluster.add("r0", eval_gate=gate, steps=2, step_size=0.05)
+    r1 = await cluster.add("r1", eval_gate=gate, steps=2, step_size=0.05)
+    await cluster.open(["r0", "r1"], quorum=2)
+    await wait_for(lambda: any(e.round_id == 1 and e.state == "evaluating" for e in cluster.events), 10)
+    second = await cluster.open(["r0", "r1"], quorum=2)
+    assert second.round_id == 2 and second.state == "opened" and second.base_version == 1
+    await wait_for(lambda: any(e.round_id == 2 and e.state == "aggregating" for e in cluster.events), 10)
+    assert await cluster.store.current(ADAPTER) == 1
+    assert not any(e.round_id == 2 and e.state == "evaluating" for e in cluster.events)  # waits for round 1
+    gate.set()
+    first = await cluster.wait_final(1)
+    out = await cluster.wait_final(2)
+    assert first.state == "published" and first.new_version == 2
+    assert out.state == "published" and out.base_version == 2 and out.new_version == 3, out.reason
+    v3 = await cluster.store.get_version(ADAPTER, 3)
+    assert v3.parent == 2
+    # Round 2's evaluators scored only its candidate (round 1's candidate scores stand for v2's).
+    for d in (r0, r1):
+        asks = [e for e in d.evaluated if e.round_id == 2]
+        assert asks and all(e.candidate_key and not e.score_current for e in asks), asks
+    # v3 = v2 + scale x the mean of round 2's changes from v1 (equal samples, FedAvg, server rate 1).
+    tensors = {v: decode_adapter(await cluster.store.get_blob(ADAPTER, v)).tensors for v in (1, 2, 3)}
+    updates = [
+        decode_adapter(blob).tensors
+        for d in (r0, r1)
+        for key, blob in d.blobs.items()
+        if key == cluster.store.update_key(2, d.replica_id)
+    ]
+    assert len(updates) == 2
+    for k, v3_k in tensors[3].items():
+        change = scale * sum(u[k] - tensors[1][k] for u in updates) / 2
+        assert (v3_k - (tensors[2][k] + change)).abs().max().item() < 1e-5, k

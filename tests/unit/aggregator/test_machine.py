@@ -146,6 +146,21 @@ def test_carried_late_updates_join_the_next_round_only_under_staleness() -> None
     assert m.carry(late).code == DUPLICATE
 
 
+def test_rebase_moves_the_base_and_ages_every_accepted_update_only_after_the_close() -> None:
+    m = machine()
+    submit(m, "a", T0 + 1)
+    submit(m, "b", T0 + 2)
+    with pytest.raises(PhaseError):
+        m.rebase(4)  # still collecting
+    m.close(T0 + 60)
+    with pytest.raises(PhaseError):
+        m.rebase(3)  # not newer than the base
+    m.rebase(4)
+    assert m.base_version == 4 and m.rebased_from == 3
+    assert [e.staleness for e in m.accepted] == [1, 1]
+    assert m.weights() == {"a": 5.0, "b": 5.0}  # uniform: the normalised weights are unchanged
+
+
 def test_norm_outliers_are_rejected_at_close() -> None:
     m = machine(quorum=2, norm_outlier_factor=4.0)
     submit(m, "a", T0 + 1, norm=1.0)

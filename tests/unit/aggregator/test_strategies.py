@@ -16,6 +16,7 @@ from collm_aggregator.strategies import (
     make_strategy,
     product_error,
     product_svd,
+    rebase_aggregate,
 )
 
 pytestmark = pytest.mark.unit
@@ -240,3 +241,23 @@ def test_server_lr_is_validated_and_named() -> None:
     assert make_strategy("product_svd").name == "product_svd"
     s = make_strategy("product_svd", clip_norm=2.0, server_lr="participants")
     assert s.server_lr == "participants" and "server_lr=participants" in s.name
+
+
+@pytest.mark.parametrize("products", [False, True])
+def test_rebase_applies_the_candidates_change_to_the_newer_version(products: bool) -> None:
+    """new + scale x (candidate - old): tensor by tensor, or per module in product space (exact here:
+    the three versions share A, so the result is still of the adapter's rank)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, 6))
+    old, new, cand = (
+        {"m.lora_A.weight": a, "m.lora_B.weight": rng.standard_normal((5, 4))} for _ in range(3)
+    )
+    out = rebase_aggregate(cand, old, new, 0.5, products)
+    want_b = new["m.lora_B.weight"] + 0.5 * (cand["m.lora_B.weight"] - old["m.lora_B.weight"])
+    if products:
+        got = out["m.lora_B.weight"] @ out["m.lora_A.weight"]
+        np.testing.assert_allclose(got, want_b @ a, atol=1e-9)
+        assert out["m.lora_A.weight"].shape == (4, 6)
+    else:
+        np.testing.assert_allclose(out["m.lora_B.weight"], want_b)
+        np.testing.assert_allclose(out["m.lora_A.weight"], a)

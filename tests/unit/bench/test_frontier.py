@@ -356,4 +356,15 @@ def test_tables_show_every_point_and_each_goal() -> None:
     assert "| goodput vs separate at equal quality gain | 3x | yes | 4.80 | separate |  |" in text
     rows = goals_table([doc, doc]).splitlines()
     assert len(rows) == 4 and rows[2].count("yes") == 4
-    assert "| sim azure 2023 conv, 8 replicas, 2.50 req/s | 2.50 yes (separate) |" in rows[2]
+    # A file without the round mode was run with synchronous 25-s rounds.
+    assert (
+        "| sim azure 2023 conv, 8 replicas, 2.50 req/s, sync 25-s rounds | 2.50 yes (separate) |" in rows[2]
+    )
+
+
+def test_a_sync_rounds_result_gets_its_own_file_name() -> None:
+    from collm_bench.frontier.cli import result_path
+
+    assert result_path(Path("out"), "sim", "conv", 8).name == "sim-conv-8r.json"
+    assert result_path(Path("out"), "sim", "conv", 8, "sync").name == "sim-conv-8r-sync.json"
+    assert result_path(Path("out"), "live", "x/trace.csv", 2, "async").name == "live-trace-2r.json"

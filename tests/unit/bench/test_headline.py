@@ -350,7 +350,8 @@ def test_each_policy_gets_its_coordinator_and_co_scheduler(tmp_path: Path, polic
         assert sc.service_env[service]["COLLM_EVAL_MAX_EXAMPLES"] == "8"
         assert sc.service_env[service]["COLLM_EVAL_MAX_TOKENS"] == "1024"
     co = sc.service_env["coordinator"]
-    assert co["COLLM_COORDINATOR_SLOW_INTERVAL_S"] == "30.0" and co["COLLM_COORDINATOR_WARMUP_S"] == "10.0"
+    assert co["COLLM_COORDINATOR_SLOW_INTERVAL_S"] == "60.0" and co["COLLM_COORDINATOR_WARMUP_S"] == "10.0"
+    assert co["COLLM_COORDINATOR_ROUND_DEADLINE_S"] == "55.0" and co["COLLM_COORDINATOR_ROUNDS"] == "async"
     assert co["COLLM_COORDINATOR_CALIBRATION_PATH"].endswith("smollm2.json")
     assert sc.start_servers and sc.nats_url != "nats://127.0.0.1:4222" and sc.metrics_port_base == 0
 

@@ -116,12 +116,16 @@ def test_an_adapter_whose_holders_stay_at_risk_keeps_the_slow_cadence() -> None:
     assert sorted(risk_run("collm", calm_from_s=None)) == [3, 33]
 
 
-def evaluating_run(policy: str, outcome_at_s: int | None, until_s: int = 45) -> dict[int, Decisions]:
+def evaluating_run(
+    policy: str, outcome_at_s: int | None, until_s: int = 45, rounds: str = "sync"
+) -> dict[int, Decisions]:
     """r0 holds med data, r1 bank data. med's first round (opened at the first slow tick, 3) is still
     evaluating at the second one (33) and publishes v2 at `outcome_at_s`; bank's round publishes at 24."""
     from collm_coordinator.core import RoundEvent
 
-    core = CoordinatorCore(config(warmup_s=3.0, slow_interval_s=30.0, round_deadline_s=20.0), policy)
+    core = CoordinatorCore(
+        config(warmup_s=3.0, slow_interval_s=30.0, round_deadline_s=20.0, rounds=rounds), policy
+    )
     out = {}
     for t in range(until_s + 1):
         versions = (AdapterVersionView("med", 1), AdapterVersionView("bank", 1)) if t == 0 else ()
@@ -162,12 +166,33 @@ def test_a_round_that_ends_before_the_slow_tick_keeps_the_cadence() -> None:
     assert sorted(evaluating_run("collm", outcome_at_s=30)) == [3, 33]
 
 
+@pytest.mark.parametrize("policy", ["collm", "fixed_ratio"])
+def test_async_rounds_plan_the_next_round_as_soon_as_the_collection_closed(policy: str) -> None:
+    """Async rounds: med's round closes its collection at 24 (evaluating): med is planned again in that tick,
+    on v1 (the aggregator rebases it onto what the evaluating round publishes), off the slow cadence;
+    the evaluating round's publication at 38 still teaches the version, so later plans start from v2."""
+    slow = evaluating_run(policy, outcome_at_s=38, until_s=70, rounds="async")
+    assert sorted(slow)[:3] == [3, 24, 33]
+    catch_up = slow[24].slow
+    assert catch_up is not None
+    assert [(p.adapter, p.base_version) for p in catch_up.plans] == [("med", 1)]
+    assert catch_up.skipped == ()
+    tick33 = slow[33].slow
+    assert tick33 is not None
+    assert "round in flight (planned)" in {s.adapter: s.reason for s in tick33.skipped}["med"]
+    # The second round never reports (no aggregator here): forgotten at 55 (its deadline 44 + grace), med
+    # is planned at once (it waited since the slow tick) on the version the first one published.
+    assert [(p.adapter, p.base_version) for p in slow[55].slow.plans] == [("med", 2)]  # type: ignore[union-attr]
+
+
 def test_an_adapter_caught_up_while_its_holder_is_at_risk_waits_for_the_risk_to_clear() -> None:
     """med's round ends (38) after the slow tick (33) while r0, its only data holder, is at risk until 41:
     the catch-up at 38 finds no participant and med is planned at 41, when the risk clears."""
     from collm_coordinator.core import RoundEvent
 
-    core = CoordinatorCore(config(warmup_s=3.0, slow_interval_s=30.0, round_deadline_s=20.0), "collm")
+    core = CoordinatorCore(
+        config(warmup_s=3.0, slow_interval_s=30.0, round_deadline_s=20.0, rounds="sync"), "collm"
+    )
     slow = {}
     for t in range(46):
         versions = (AdapterVersionView("med", 1), AdapterVersionView("bank", 1)) if t == 0 else ()

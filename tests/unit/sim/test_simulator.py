@@ -250,8 +250,8 @@ def test_collm_cuts_training_when_load_rises() -> None:
 
 def test_a_share_reaches_a_replica_as_the_coordinator_service_sends_it() -> None:
     """Shares are sent when they change or are half their TTL old (`share_command_due`), not every
-    tick, and only a share sent or a request ends a busy replica's training stretch: under the fixed
-    ratio's constant share, the stretches run as the co-scheduler granted them."""
+    tick, and only a share sent, a round's job started or a request ends a busy replica's training
+    stretch: under the fixed ratio's constant share, the stretches run as the co-scheduler granted them."""
     cal = calibration_for_tests()
     core = {"slow_interval_s": 30.0, "round_deadline_s": 25.0}
     cfg = SimConfig(replicas=2, policy="fixed_ratio", workload=synthetic(rate=2.0, duration=60.0), core=core)
@@ -259,7 +259,12 @@ def test_a_share_reaches_a_replica_as_the_coordinator_service_sends_it() -> None
     ttl_s = CoreConfig().share_ttl_s
     sent: dict[str, list[tuple[float, float]]] = {rid: [] for rid in sim.replicas}  # (when, share)
     cut: dict[str, list[float]] = {rid: [] for rid in sim.replicas}
+    started: dict[str, set[float]] = {rid: set() for rid in sim.replicas}
     for rid, rep in sim.replicas.items():
+
+        def record_start(*args: Any, rid: str = rid, f: Any = rep.start_job) -> None:
+            started[rid].add(round(args[-1], 6))
+            f(*args)
 
         def record_share(
             share: float, expires_s: float, spend: float = 0.0, rid: str = rid, f: Any = rep.set_share
@@ -273,7 +278,7 @@ def test_a_share_reaches_a_replica_as_the_coordinator_service_sends_it() -> None
                 cut[rid].append(now)
             return end
 
-        rep.set_share, rep.interrupt = record_share, record_cut  # type: ignore[method-assign]
+        rep.set_share, rep.interrupt, rep.start_job = record_share, record_cut, record_start  # type: ignore[method-assign]
     res = sim.run()
     assert res.sim["ft_tokens"] > 0
     arrivals = {float(t) for t in sim.workload.arrival_s}
@@ -282,8 +287,8 @@ def test_a_share_reaches_a_replica_as_the_coordinator_service_sends_it() -> None
         assert 0 < len(sent[rid]) < ticks / 2, (rid, len(sent[rid]), ticks)
         for (t_a, share_a), (t_b, share_b) in itertools.pairwise(sent[rid]):
             assert abs(share_a - share_b) >= 1e-3 or t_b - t_a >= ttl_s / 2 - 1e-6
-        # Every stretch cut short was cut by a request or by a share that was sent.
-        sent_at = {round(t, 6) for t, _ in sent[rid]}
+        # Every stretch cut short was cut by a request, a share that was sent or a job that started.
+        sent_at = {round(t, 6) for t, _ in sent[rid]} | started[rid]
         assert cut[rid], rid
         assert all(t in arrivals or round(t, 6) in sent_at for t in cut[rid])
 

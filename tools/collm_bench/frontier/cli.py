@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--window-s", type=float, default=None, help="arrivals per point (default 3600 sim, 60 live)"
     )
     p.add_argument("--trace", default="conv", help="conv, code, mooncake-conv, mooncake-synthetic or a file")
+    p.add_argument("--rounds", choices=("async", "sync"), default=None, help="the coordinator's round mode")
+    p.add_argument("--round-s", type=float, default=None, help="round deadline (s); slow interval 5 s longer")
     p.add_argument("--traces-dir", type=Path, default=None)
     p.add_argument("--load", type=float, default=0.5, help="rate as a fraction of the capacity estimate")
     p.add_argument("--rate", type=float, default=None, help="offered rate (req/s), instead of --load")
@@ -147,6 +149,11 @@ def headline_config(args: argparse.Namespace, replicas: int, window_s: float) ->
         over["domains"] = tuple(d.strip() for d in args.domains.split(",") if d.strip())
     if args.drain_s is not None:
         over["drain_s"] = args.drain_s
+    if args.rounds is not None:
+        over["rounds"] = args.rounds
+    if args.round_s is not None:
+        over["round_deadline_s"] = args.round_s
+        over["slow_interval_s"] = args.round_s + 5.0
     if args.slo_ttft_ms is not None:
         over["slo_ttft_ms"] = args.slo_ttft_ms
     if args.slo_tpot_ms is not None:
@@ -166,11 +173,10 @@ def finish(results: dict[str, Any], path: Path, out: TextIO) -> None:
     out.write(f"[frontier] {path}\n[frontier] {png}\n")
 
 
-def result_path(out_dir: Path, mode: str, trace: str, replicas: int) -> Path:
-    return (
-        out_dir
-        / f"{mode}-{Path(trace).stem if trace.endswith(('.csv', '.jsonl')) else trace}-{replicas}r.json"
-    )
+def result_path(out_dir: Path, mode: str, trace: str, replicas: int, rounds: str = "async") -> Path:
+    """`<mode>-<trace>-<N>r.json`, with `-sync` when the rounds are synchronous."""
+    name = Path(trace).stem if trace.endswith((".csv", ".jsonl")) else trace
+    return out_dir / f"{mode}-{name}-{replicas}r{'-sync' if rounds == 'sync' else ''}.json"
 
 
 def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO) -> int:
@@ -203,7 +209,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
         fracs = _floats(args.step_load, ())
         cfg = headline_config(args, replicas, args.step_s * len(fracs))
         doc = step.step_load(cfg, fracs, args.step_s, say) | {"command": command}
-        path = result_path(args.out_dir, "sim-step", args.trace, replicas)
+        path = result_path(args.out_dir, "sim-step", args.trace, replicas, cfg.rounds)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         step.plot(doc, path.with_suffix(".png"))
@@ -217,7 +223,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
             cfg, knobs, args.load, args.rate, usable_jobs(args.jobs), say, args.alone_attainment
         )
         results["command"] = command
-        finish(results, result_path(args.out_dir, "sim", args.trace, replicas), out)
+        finish(results, result_path(args.out_dir, "sim", args.trace, replicas, cfg.rounds), out)
         return 0
     live = LiveFrontierConfig.from_args(args, policies)
     cfg = headline_config(args, live.replicas, live.window_s)
@@ -231,7 +237,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
     if live.dry_run:
         return 0
     results["command"] = command
-    finish(results, result_path(args.out_dir, "live", args.trace, live.replicas), out)
+    finish(results, result_path(args.out_dir, "live", args.trace, live.replicas, cfg.rounds), out)
     return 1 if failed else 0
 
 

@@ -112,6 +112,8 @@ def goals_table(docs: Sequence[Mapping[str, Any]]) -> str:
         cfg = doc["config"]
         trace = f"{doc['mode']} {doc['trace']['label']}"
         run = f"{trace}, {cfg['replicas']} replicas, {cfg['rate_rps']:.2f} req/s"
+        # Files without the round mode were run with synchronous 25-s rounds.
+        run += f", {cfg.get('rounds', 'sync')} {cfg.get('round_deadline_s', 25.0):g}-s rounds"
         if agree := doc.get("agreement"):
             run += f"; sim error {_median_error(agree)}"
         lines.append(f"| {run} | " + " | ".join(_cell(doc["goals"][n]) for n in names) + " |")

@@ -80,6 +80,8 @@ def run_point(cfg: HeadlineConfig, cal: Calibration, rate_rps: float, slo: Slo, 
         "point": point_of(knob, run["summary"], run["sim"]["ft_tokens_to_cut"]).as_dict(),
         "quality_gain_end_nats": q.get("final_quality_gain"),
         "rounds": run["sim"]["rounds"],
+        # Replica-seconds holding a round's training job, of all replica-seconds.
+        "job_time_frac": round(run["sim"]["job_time_frac"], 4),
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
@@ -197,6 +199,8 @@ def sim_frontier(
             "replicas": cfg.replicas,
             "window_s": cfg.duration_s,
             "drain_s": cfg.drain_s,
+            "rounds": cfg.rounds,
+            "round_deadline_s": cfg.round_deadline_s,
             "rate_rps": rate,
             "rate_from": how,
             "load_of_capacity": rate / cap,

@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--slow-interval-s", type=float, default=None, help=f"round plans (default {d.slow_interval_s:g})"
     )
     g.add_argument("--round-deadline-s", type=float, default=None, help=f"default {d.round_deadline_s:g}")
+    g.add_argument("--rounds", choices=("async", "sync"), default=None, help=f"default {d.rounds}")
     g.add_argument(
         "--coordinator-warmup-s", type=float, default=None, help=f"default {d.coordinator_warmup_s:g}"
     )
@@ -205,6 +206,7 @@ def config_from_args(args: argparse.Namespace) -> HeadlineConfig:
         "calibration": args.calibration,
         "slow_interval_s": args.slow_interval_s,
         "round_deadline_s": args.round_deadline_s,
+        "rounds": args.rounds,
         "coordinator_warmup_s": args.coordinator_warmup_s,
         "eval_max_examples": args.eval_max_examples,
         "eval_max_tokens": args.eval_max_tokens,

@@ -74,8 +74,9 @@ class HeadlineConfig:
     calibration: Path | None = DEFAULT_CALIBRATION
     # --- the stack -------------------------------------------------------------------------------------
     torch_threads: int = 1
-    slow_interval_s: float = 30.0  # one round plan per adapter this often
-    round_deadline_s: float = 25.0
+    slow_interval_s: float = 60.0  # one round plan per adapter this often (and, async, when one closes)
+    round_deadline_s: float = 55.0
+    rounds: str = "async"  # the coordinator's round mode (COLLM_COORDINATOR_ROUNDS): async or sync
     coordinator_warmup_s: float = 10.0
     # Held-out examples (and tokens per domain) of every evaluation: a job's own before/after/periodic
     # scoring, the aggregator's gate and the base-loss measurement.

@@ -111,6 +111,7 @@ def stack_config(
     coordinator = {
         "COLLM_COORDINATOR_SLOW_INTERVAL_S": str(cfg.slow_interval_s),
         "COLLM_COORDINATOR_ROUND_DEADLINE_S": str(cfg.round_deadline_s),
+        "COLLM_COORDINATOR_ROUNDS": cfg.rounds,
         "COLLM_COORDINATOR_WARMUP_S": str(cfg.coordinator_warmup_s),
     }
     if cfg.calibration is not None:

@@ -114,6 +114,7 @@ def sim_config(
         core={
             "slow_interval_s": cfg.slow_interval_s,
             "round_deadline_s": cfg.round_deadline_s,
+            "rounds": cfg.rounds,
             # The coordinator's first slow tick when the live one's came (it starts with the stack,
             # before the replay; `replay_fit.measured_first_slow_s`), else `warmup_s` into the trace.
             "warmup_s": cfg.coordinator_warmup_s if first_slow_s is None else max(0.0, first_slow_s),

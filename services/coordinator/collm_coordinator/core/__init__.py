@@ -53,7 +53,7 @@ decode tokens/s x decode_step_ms(max_batch) / max_batch + prefill tokens/s x pre
 per second / 1000), not its busy time (one running request keeps a batching engine busy all the time).
 
 Knobs (CoreConfig; the service's `COLLM_COORDINATOR_<KNOB>` settings): fast_interval_s, slow_interval_s,
-round_deadline_s, stale_after_s, warmup_s, outcome_grace_s, evaluation_grace_s, attainment_target,
+round_deadline_s, rounds, stale_after_s, warmup_s, outcome_grace_s, evaluation_grace_s, attainment_target,
 util_cap, quality_weight_v (V), virtual_queue_gain, max_virtual_queue, headroom_gain, spend_gain,
 spend_rise_per_s, max_share, share_step, share_recover_per_tick, share_ttl_s, routing_ttl_s,
 queue_risk_frac, risk_attainment, risk_attainment_z, non_resident_factor, publish_weights, ttft_slo_ms,

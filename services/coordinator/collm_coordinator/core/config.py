@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 POLICIES = ("collm", "separate", "fixed_ratio", "leftover")
+ROUND_MODES = ("async", "sync")
 # The replicas' co-scheduler (`COLLM_COSCHEDULER`) that runs each policy whole: the two-timescale policy and
 # the static split grant shares that the SLO-aware co-scheduler spends, the fixed-ratio baseline trains one
 # step every K iterations (Loquetier), the leftover baseline trains in what inference leaves (FlexLLM).
@@ -37,6 +38,10 @@ class CoreConfig:
     fast_interval_s: float = 1.0
     slow_interval_s: float = 60.0
     round_deadline_s: float = 55.0
+    # "async": an adapter's next round is planned as soon as its previous round's collection closed (the
+    # aggregator then rebases it onto the version the previous one publishes), so participants train
+    # while the previous round aggregates, evaluates and publishes; "sync": only after it ended.
+    rounds: str = "async"
     stale_after_s: float = 3.0
     warmup_s: float = 20.0
     # A round whose outcome has not come this long after its deadline is forgotten; one the aggregator
@@ -141,6 +146,7 @@ class CoreConfig:
                 f"({self.fast_interval_s}), or every replica looks dead between two ticks"
             )
         checks: list[tuple[str, bool]] = [
+            ('rounds must be "async" or "sync"', self.rounds in ROUND_MODES),
             ("warmup_s must be >= 0", self.warmup_s >= 0),
             ("outcome_grace_s must be >= 0", self.outcome_grace_s >= 0),
             (

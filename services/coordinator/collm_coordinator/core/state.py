@@ -22,6 +22,7 @@ from collm_coordinator.core.config import CoreConfig
 from collm_coordinator.core.quality import AdapterQuality, effective_tokens
 from collm_coordinator.core.target import AttainmentTarget
 from collm_coordinator.core.types import (
+    CLOSED_ROUND_STATES,
     FINAL_ROUND_STATES,
     AdapterVersionView,
     ParticipantBudget,
@@ -146,7 +147,12 @@ class ClusterState:
         self.load_history: dict[str, deque[tuple[float, float]]] = {}
         # The long-term attainment target: virtual queue, headroom, spend (target.py).
         self.target = AttainmentTarget(config)
+        # The round of each adapter still collecting updates (planned, opened, training) ...
         self.rounds: dict[str, ActiveRound] = {}
+        # ... and, in async mode, rounds whose collection closed (aggregating, evaluating), by id.
+        self.finishing: dict[int, ActiveRound] = {}
+        # Adapters whose round closed its collection since the last tick (async: planned again at once).
+        self.freed: set[str] = set()
         self.versions: dict[str, int] = {}
         self.version_losses: dict[str, Mapping[str, float]] = {}
         self.quality: dict[str, AdapterQuality] = {}
@@ -176,7 +182,7 @@ class ClusterState:
         for a in obs.adapters:
             self.adapter_inflight_ewma.setdefault(a.name, 0.0)
         for job in obs.training:
-            rnd = self.rounds.get(job.adapter)
+            rnd = self._round_of(job.adapter, job.round_id)
             if rnd is None or rnd.round_id is None or job.round_id != rnd.round_id:
                 continue
             rnd.tokens_done[obs.replica_id] = max(rnd.tokens_done.get(obs.replica_id, 0), job.tokens_done)
@@ -196,13 +202,20 @@ class ClusterState:
         old = self.train_rate.get(obs.replica_id)
         self.train_rate[obs.replica_id] = rate if old is None else 0.8 * old + 0.2 * rate
 
+    def _round_of(self, adapter: str, round_id: int | None) -> ActiveRound | None:
+        """The round a job or an event belongs to: a finishing round by its id, else the adapter's
+        collecting round (whose id the caller still checks: it may be unknown yet, or another)."""
+        if round_id is not None and round_id in self.finishing:
+            return self.finishing[round_id]
+        return self.rounds.get(adapter)
+
     def ingest_round_event(self, ev: RoundEvent) -> None:
         if ev.round_id is not None and ev.state in FINAL_ROUND_STATES:
             # Any round, planned here or not: a job of it that telemetry still reports is not trained.
             self.closed_rounds[ev.round_id] = None
             while len(self.closed_rounds) > CLOSED_ROUNDS_KEPT:
                 del self.closed_rounds[next(iter(self.closed_rounds))]
-        rnd = self.rounds.get(ev.adapter)
+        rnd = self._round_of(ev.adapter, ev.round_id)
         if rnd is None:
             return
         if rnd.round_id is not None and ev.round_id is not None and ev.round_id != rnd.round_id:
@@ -212,10 +225,23 @@ class ClusterState:
         rnd.state = ev.state
         if ev.state in FINAL_ROUND_STATES:
             self._finish_round(rnd, ev)
+        elif (
+            ev.state in CLOSED_ROUND_STATES
+            and self.config.rounds == "async"
+            and rnd.round_id is not None
+            and self.rounds.get(rnd.adapter) is rnd
+        ):
+            # Its collection closed: the adapter is free for its next round while this one finishes.
+            del self.rounds[rnd.adapter]
+            self.finishing[rnd.round_id] = rnd
+            self.freed.add(rnd.adapter)
 
     def _finish_round(self, rnd: ActiveRound, ev: RoundEvent | None) -> None:
         cfg = self.config
-        self.rounds.pop(rnd.adapter, None)
+        if self.rounds.get(rnd.adapter) is rnd:
+            del self.rounds[rnd.adapter]
+        if rnd.round_id is not None:
+            self.finishing.pop(rnd.round_id, None)
         if ev is None or ev.state in ("aborted", "open_failed"):
             return
         accepted = ev.accepted or tuple(p.replica_id for p in rnd.plan.participants)
@@ -341,7 +367,7 @@ class ClusterState:
         """Rounds whose outcome never came are forgotten a grace period after their deadline (a longer
         one while the aggregator reports it aggregating or evaluating: its outcome is on its way)."""
         cfg = self.config
-        for rnd in list(self.rounds.values()):
+        for rnd in [*self.rounds.values(), *self.finishing.values()]:
             closing = rnd.state in ("aggregating", "evaluating")
             grace = (
                 cfg.evaluation_grace_s if closing else max(cfg.outcome_grace_s, 0.25 * cfg.round_deadline_s)

@@ -9,14 +9,17 @@ both are due the slow loop runs first and the fast loop second, so a new plan's 
 capped by the current load in the same tick: the fast loop always has the last word.
 
 An adapter the slow loop could not plan because it had no version yet, or because its previous round
-was still in flight (training, or the aggregator still evaluating its candidate), is planned at the
+was still in flight (collecting updates; with `rounds="sync"` also while the aggregator aggregates and
+evaluates its candidate: with "async" that happens beside the next round's training), is planned at the
 first fast tick where it has a version and no round in flight (and a live replica holds its data),
 alone (the other adapters keep the slow cadence): an adapter created just after a slow tick does not
 wait a whole `slow_interval_s` for its first round, and a round that outlasts the slow interval (its
 evaluation on a loaded replica can take longer than the round) is followed by the next one as soon as
 it ends instead of a whole interval later, so an adapter's rounds start at the later of the slow tick
-and the end of its previous round. (An adapter without a data holder waits for the slow tick: replicas
-starting together report one by one, and planning at the first report would leave the others out.)
+and the end of its previous round. With "async" an adapter whose round closed its collection is also
+planned at the next fast tick, whatever the slow cadence, so its data holders train round after round
+with no gap. (An adapter without a data holder waits for the slow tick: replicas starting together
+report one by one, and planning at the first report would leave the others out.)
 
 Likewise an adapter that the slow loop (or such a catch-up) could not plan because every live replica
 holding its data was at SLO risk at that tick (collm leaves such replicas out of a plan) is planned at
@@ -93,6 +96,10 @@ class CoordinatorCore:
         for ev in inputs.round_events:
             st.ingest_round_event(ev)
         st.expire(now_s)
+        # Async rounds: an adapter whose round closed its collection is planned again at the next fast
+        # tick, not at the next slow one, so its data holders keep training.
+        self._waiting |= st.freed
+        st.freed.clear()
         if self._next_fast_s is None:
             self._next_fast_s = now_s
         if self._next_slow_s is None and st.latest:

@@ -85,6 +85,8 @@ class ReplicaObservation:
 # Round states as the aggregator reports them (`RoundOutcome.state`), plus `open_failed` from the driver.
 # Kept open (str) so a state added to the wire schema later does not break the core.
 FINAL_ROUND_STATES = ("published", "held_back", "aborted", "open_failed")
+# A round in these states has closed its collection: its participants train no more for it.
+CLOSED_ROUND_STATES = ("aggregating", "evaluating")
 
 
 @dataclass(frozen=True)
