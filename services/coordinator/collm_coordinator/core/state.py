@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from collm_coordinator.core.config import CoreConfig
@@ -126,6 +126,44 @@ class ClusterView:
         return out
 
 
+def train_rate_of(obs: ReplicaObservation) -> float | None:
+    """Tokens/s a replica trains at when it only trains, from what it reports (None: it says nothing)."""
+    if obs.ft_tokens_per_s <= 0:
+        return None
+    if obs.train_busy_frac is not None and obs.train_busy_frac >= 0.05:
+        return obs.ft_tokens_per_s / obs.train_busy_frac
+    if obs.ft_share >= 0.05:
+        return obs.ft_tokens_per_s / obs.ft_share
+    return None
+
+
+def forecast(
+    cfg: CoreConfig,
+    history: Sequence[tuple[float, float, float]],
+    now_s: float,
+    demand: float,
+    arrivals: float,
+) -> tuple[float, float]:
+    """(demand, arrivals/s) for the next round, from `history` ((t, demand, arrivals) per fast tick):
+    the larger of the recent mean and the window mean plus `burst_headroom_sigmas` standard deviations
+    of the window's `recent_window_s` averages (bursts seen in the window will come again; one-second
+    samples would mostly measure noise: one long prompt is a spike of prefill on one replica, not load
+    the next round must be planned for)."""
+    hist = list(history) or [(now_s, demand, arrivals)]
+    recent = [h for h in hist if now_s - h[0] <= cfg.recent_window_s] or hist[-1:]
+    rd = sum(h[1] for h in recent) / len(recent)
+    ra = sum(h[2] for h in recent) / len(recent)
+    buckets: dict[int, list[tuple[float, float, float]]] = {}
+    for h in hist:
+        buckets.setdefault(int((now_s - h[0]) // cfg.recent_window_s), []).append(h)
+    means_d = [sum(x[1] for x in b) / len(b) for b in buckets.values()]
+    means_a = [sum(x[2] for x in b) / len(b) for b in buckets.values()]
+    md, sd = _mean_std(means_d)
+    ma, sa = _mean_std(means_a)
+    k = cfg.burst_headroom_sigmas
+    return max(rd, md + k * sd), max(ra, ma + k * sa)
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return 0.0, 0.0
@@ -190,13 +228,7 @@ class ClusterState:
                 rnd.done.add(obs.replica_id)
 
     def _learn_train_rate(self, obs: ReplicaObservation) -> None:
-        """Tokens/s a replica trains at when it only trains, from what it reports."""
-        rate: float | None = None
-        if obs.ft_tokens_per_s > 0:
-            if obs.train_busy_frac is not None and obs.train_busy_frac >= 0.05:
-                rate = obs.ft_tokens_per_s / obs.train_busy_frac
-            elif obs.ft_share >= 0.05:
-                rate = obs.ft_tokens_per_s / obs.ft_share
+        rate = train_rate_of(obs)
         if rate is None:
             return
         old = self.train_rate.get(obs.replica_id)
@@ -443,7 +475,7 @@ class ClusterState:
             self.demand_history.append((now_s, demand, arrivals))
             while self.demand_history and now_s - self.demand_history[0][0] > cfg.forecast_window_s:
                 self.demand_history.popleft()
-        fd, fa = self._forecast(now_s, demand, arrivals)
+        fd, fa = forecast(self.config, self.demand_history, now_s, demand, arrivals)
         short = [h[1] for h in self.demand_history if now_s - h[0] < cfg.burst_window_s] or [demand]
         demand_short = sum(short) / len(short)
         risks: dict[str, str] = {}
@@ -525,23 +557,3 @@ class ClusterState:
                 w if self.work_per_request_s == 0 else 0.8 * self.work_per_request_s + 0.2 * w
             )
         return self.work_per_request_s
-
-    def _forecast(self, now_s: float, demand: float, arrivals: float) -> tuple[float, float]:
-        """Demand for the next round: the larger of the recent mean and the window mean plus
-        `burst_headroom_sigmas` standard deviations of the window's `recent_window_s` averages (bursts
-        seen in the window will come again; one-second samples would mostly measure noise: one long
-        prompt is a spike of prefill on one replica, not load the next round must be planned for)."""
-        cfg = self.config
-        hist = list(self.demand_history) or [(now_s, demand, arrivals)]
-        recent = [h for h in hist if now_s - h[0] <= cfg.recent_window_s] or hist[-1:]
-        rd = sum(h[1] for h in recent) / len(recent)
-        ra = sum(h[2] for h in recent) / len(recent)
-        buckets: dict[int, list[tuple[float, float, float]]] = {}
-        for h in hist:
-            buckets.setdefault(int((now_s - h[0]) // cfg.recent_window_s), []).append(h)
-        means_d = [sum(x[1] for x in b) / len(b) for b in buckets.values()]
-        means_a = [sum(x[2] for x in b) / len(b) for b in buckets.values()]
-        md, sd = _mean_std(means_d)
-        ma, sa = _mean_std(means_a)
-        k = cfg.burst_headroom_sigmas
-        return max(rd, md + k * sd), max(ra, ma + k * sa)
