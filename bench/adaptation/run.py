@@ -14,6 +14,18 @@ record and every round from the stack, stops it, and writes the compact result
 `bench/results/adaptation/<name>.json` (`collm_bench.adaptation`), its table and its figure beside it,
 `<name>.png`. Run it under the machine's heavy-work lock, on an otherwise idle
 machine.
+
+With `--chaos` the launcher also supervises the stack (as `collm up` does) and a chaos loop SIGKILLs a
+random process of it (replicas, gateway, coordinator, aggregator, NATS, Redis) every 30-90 s
+(`collm_bench.chaos.kill_schedule`, `--chaos-seed`), measuring each kill's time to full service, while
+training samples are uploaded every 10 s (`collm_bench.chaos_run`). After the window it waits for full
+service, checks that every accepted sample reached a replica's data and every stored adapter blob its
+sha256, and writes `bench/results/faults/chaos.json` (`collm_bench.chaos`), with the served loss at the
+end beside that of the result `--baseline` (the same run without chaos):
+
+    .venv/bin/python bench/adaptation/run.py run --minutes 20 --load-frac 0.5 --name load0.5-20min
+    .venv/bin/python bench/adaptation/run.py run --minutes 20 --load-frac 0.5 --chaos \
+        --name load0.5-20min-chaos --baseline bench/results/adaptation/load0.5-20min.json
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import signal
 import subprocess
 import sys
@@ -130,6 +143,7 @@ async def _read_stack(settings: CommonSettings) -> dict[str, Any]:
                     for v in versions
                 ],
                 "quality": {v.version: await store.quality(name, v.version) for v in versions},
+                "task": {v.version: await store.task_quality(name, v.version) for v in versions},
             }
     finally:
         await store.close()
@@ -159,19 +173,29 @@ def run(args: argparse.Namespace) -> int:
     window_s = args.minutes * 60.0
     plan = _load_plan(args.load_frac, window_s) if args.load_frac > 0 else None
     cfg = _stack_config(run_dir)
+    admin_key = secrets.token_urlsafe(24)
+    if args.chaos:
+        cfg.service_env.setdefault("gateway", {})["COLLM_ADMIN_KEY"] = admin_key
     stack = Stack(cfg)
     print(f"adaptation: starting the default stack (logs in {cfg.log_dir})", flush=True)
     stack.start()
     t0 = time.time()
     print(f"adaptation: ready in {stack.ready_s:.1f} s; {args.minutes:g} min window", flush=True)
     gen = None
+    monkey = None
+    chaos_extra: dict[str, Any] = {}
     try:
+        if args.chaos:
+            monkey = _start_chaos(stack, t0, window_s, args.chaos_seed, admin_key)
         if plan is not None:
             print(f"adaptation: replaying at {plan['rate_rps']:.3f} req/s", flush=True)
             gen = _loadgen(stack.gateway_url, plan, run_dir / "loadgen")
         while time.time() - t0 < window_s:
             time.sleep(min(30.0, window_s - (time.time() - t0)))
             print(f"adaptation: {(time.time() - t0) / 60:.1f} min", flush=True)
+        if monkey is not None:
+            monkey.stop()
+            chaos_extra = asyncio.run(_after_chaos(stack, monkey, run_dir))
         snap = asyncio.run(_read_stack(stack.operator_settings()))
         if gen is not None:
             gen.wait(timeout=300)
@@ -192,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         "serving": None,
     }
     for adapter, a in sorted(snap["adapters"].items()):
-        points = adaptation.version_points(a["versions"], a["quality"], adapter, t0)
+        points = adaptation.version_points(a["versions"], a["quality"], adapter, t0, a.get("task"))
         result["adapters"][adapter] = {
             "versions": points,
             "summary": adaptation.adapter_summary(points, window_s),
@@ -218,7 +242,104 @@ def run(args: argparse.Namespace) -> int:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"adaptation: wrote {path.relative_to(REPO)}", flush=True)
+    if monkey is not None:
+        _write_chaos(args, result, run_dir, monkey, chaos_extra)
     return report_one(path)
+
+
+def _start_chaos(stack: Any, t0: float, window_s: float, seed: int, admin_key: str) -> Any:
+    from collm_bench.chaos import kill_schedule
+    from collm_bench.chaos_run import ChaosRun
+    from collm_data.demo import DEMO_DOMAINS
+
+    stack.supervise()
+    targets = sorted(n for n, st in stack.supervision_status()["services"].items() if st.get("pid"))
+    schedule = kill_schedule(seed, window_s, targets)
+    print(f"adaptation: chaos over {', '.join(targets)}: {len(schedule)} kills", flush=True)
+    monkey = ChaosRun(stack, schedule, t0, admin_key, [d.domain for d in DEMO_DOMAINS])
+    monkey.start()
+    return monkey
+
+
+async def _after_chaos(stack: Any, monkey: Any, run_dir: Path) -> dict[str, Any]:
+    """Wait for full service and for the accepted samples to land (at most 3 minutes each), then check
+    every stored adapter blob against its sha256."""
+    import httpx
+
+    from collm_bench.chaos_run import samples_landed
+    from collm_common.store import AdapterStore, CorruptBlob, NotFound
+
+    t = time.monotonic()
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        while time.monotonic() - t < 180 and not (await monkey._ready(http) and await monkey._probe(http)):
+            await asyncio.sleep(1.0)
+    settled_s = round(time.monotonic() - t, 1)
+    accepted = set(monkey.accepted)
+    while time.monotonic() - t < 360 and not accepted <= samples_landed(run_dir):
+        await asyncio.sleep(2.0)
+    landed = samples_landed(run_dir)
+    settings = stack.operator_settings()
+    store = AdapterStore.from_url(settings.redis_url, settings.redis_prefix)
+    checked = mismatch = 0
+    try:
+        for name in await store.list_adapters():
+            for rec in await store.list_versions(name):
+                if rec.pruned:
+                    continue
+                checked += 1
+                try:
+                    await store.get_blob(name, rec.version)
+                except (CorruptBlob, NotFound):
+                    mismatch += 1
+    finally:
+        await store.close()
+    return {
+        "settled_s": settled_s,
+        "samples": {"accepted": len(accepted), "lost": len(accepted - landed),
+                    "refused": dict(monkey.refused)},
+        "versions": {"checked": checked, "digest_mismatch": mismatch},
+    }  # fmt: skip
+
+
+def _write_chaos(
+    args: argparse.Namespace, result: dict[str, Any], run_dir: Path, monkey: Any, extra: dict[str, Any]
+) -> None:
+    from collm_bench import chaos
+
+    records = [
+        json.loads(line)
+        for line in (run_dir / "loadgen" / "requests.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    base_adapters = json.loads(Path(args.baseline).read_text())["adapters"] if args.baseline else {}
+    quality = {
+        name: {
+            "base": a["summary"]["base_loss"],
+            "chaos": a["summary"]["final_loss"],
+            "no_chaos": base_adapters.get(name, {}).get("summary", {}).get("final_loss"),
+        }
+        for name, a in result["adapters"].items()
+    }
+    summary: dict[str, Any] = {
+        "schema": chaos.RESULT_SCHEMA,
+        "command": result["command"],
+        "baseline": args.baseline,
+        "window_s": result["window_s"],
+        "seed": args.chaos_seed,
+        "serving": result["serving"],
+        "requests": chaos.fates(records),
+        "kills": monkey.kills,
+        "recovery": chaos.recovery(monkey.kills),
+        "rounds_published": result["rounds"]["by_state"].get("published", 0),
+        "quality": quality,
+        **extra,
+    }
+    summary["goals"] = chaos.verdicts(summary)
+    out = REPO / "bench" / "results" / "faults" / "chaos.json"
+    out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(chaos.table(summary))
+    print(f"goals: {summary['goals']}")
+    print(f"adaptation: wrote {out.relative_to(REPO)}", flush=True)
 
 
 def report_one(path: Path) -> int:
@@ -239,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--load-frac", type=float, default=0.0, help="trace rate / estimated capacity (0: idle)")
     r.add_argument("--name", default=None, help="result name (default: idle or load<F>)")
     r.add_argument("--run-dir", default=str(REPO / ".collm" / "bench-adaptation"))
+    r.add_argument("--chaos", action="store_true", help="SIGKILL a random process every 30-90 s")
+    r.add_argument("--chaos-seed", type=int, default=1, help="the kill schedule's seed")
+    r.add_argument("--baseline", default=None, help="the same run's result without chaos (quality)")
     rep = sub.add_parser("report", help="print the table and draw the figure of result files")
     rep.add_argument("results", nargs="*", type=Path)
     args = p.parse_args(argv)

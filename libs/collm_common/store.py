@@ -15,6 +15,7 @@ Semantics (docs/architecture.md, Adapter identity):
 Key layout (prefix P = COLLM_REDIS_PREFIX; `{name}` is a Redis hash tag, so one adapter's keys share a
 slot): `P:adapters` (set of names), `P:adapter:{name}:seq`, `P:adapter:{name}:v:N` (hash),
 `P:adapter:{name}:versions` (zset), `P:adapter:{name}:current`, `P:adapter:{name}:quality:N` (hash),
+`P:adapter:{name}:quality:N:sites` and `P:adapter:{name}:quality:N:task` (hashes of JSON),
 `P:events` (stream), `P:update:R:replica` (local update blobs, with a TTL).
 """
 
@@ -336,7 +337,8 @@ class AdapterStore:
 
     # --- quality ----------------------------------------------------------------------------------------
     async def record_quality(self, name: str, version: int, losses: dict[str, float]) -> None:
-        """Held-out eval loss of `name@vN` per domain (additive: later evals add domains)."""
+        """`name@vN`'s comparable held-out loss per domain (the aggregator's `quality_ledger`: chained
+        through paired comparisons from its first scored version; additive: later evals add domains)."""
         if losses:
             await self.r.hset(
                 self._k(name, "quality", str(version)), mapping={k: repr(v) for k, v in losses.items()}
@@ -345,6 +347,30 @@ class AdapterStore:
     async def quality(self, name: str, version: int) -> dict[str, float]:
         raw = await self.r.hgetall(self._k(name, "quality", str(version)))
         return {k.decode(): float(v) for k, v in raw.items()}
+
+    async def record_site_quality(self, name: str, version: int, rows: dict[str, dict[str, Any]]) -> None:
+        """`name@vN`'s scores on each site (a replica's held-out share of a domain), keyed by site."""
+        if rows:
+            await self.r.hset(
+                self._k(name, "quality", str(version), "sites"),
+                mapping={k: json.dumps(v, sort_keys=True) for k, v in rows.items()},
+            )
+
+    async def site_quality(self, name: str, version: int) -> dict[str, dict[str, Any]]:
+        raw = await self.r.hgetall(self._k(name, "quality", str(version), "sites"))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    async def record_task_quality(self, name: str, version: int, scores: dict[str, dict[str, Any]]) -> None:
+        """`name@vN`'s task metric per domain (`{"metric", "score", "examples", "sites"}`)."""
+        if scores:
+            await self.r.hset(
+                self._k(name, "quality", str(version), "task"),
+                mapping={k: json.dumps(v, sort_keys=True) for k, v in scores.items()},
+            )
+
+    async def task_quality(self, name: str, version: int) -> dict[str, dict[str, Any]]:
+        raw = await self.r.hgetall(self._k(name, "quality", str(version), "task"))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     # --- adapter metadata (owner tenant etc.) -----------------------------------------------------------
     async def set_meta(self, name: str, meta: dict[str, str]) -> None:

@@ -243,6 +243,17 @@ class ParticipantDouble:
                 decode_adapter(await self.store.get_blob(req.adapter, req.current_version))
             )
         n = self.behaviour.eval_examples
+        cand_loss = self.loss(cand)
+        # Task metrics of a stored version: a score that rises as the loss falls (1 / (1 + loss)).
+        task = (
+            {
+                "task_metric": "answer_accuracy",
+                "task_score": 1 / (1 + cand_loss),
+                "task_examples": req.task_examples,
+            }
+            if req.task_examples > 0 and req.candidate_version is not None
+            else {}
+        )
         return EvalReport(
             replica_id=self.replica_id,
             adapter=req.adapter,
@@ -252,8 +263,9 @@ class ParticipantDouble:
                     num_examples=n,
                     num_tokens=n * 40,
                     current_loss=current_loss,
-                    candidate_loss=self.loss(cand),
+                    candidate_loss=cand_loss,
                     eval_set=self.behaviour.eval_set,
+                    **task,
                 )
             ],
         )

@@ -7,10 +7,13 @@ that the promotion gate measured on the replicas' held-out examples), and from t
 round. This module turns that into the result file (`RESULT_SCHEMA`), its table and its figure.
 
 Curve of an adapter: (seconds since the stack was ready, loss) of each version that has a quality record,
-in order; the base loss is that of v1, which replicas create as a zero-B LoRA (exactly the base model)
-and whose loss the gate records when v2 is published. The served loss at time t is the loss of the last
-version published at or before t. The goal (`GOAL_REL_DROP`): the served loss at the end of the window
-at least 10% below the base loss, on every domain.
+in order: the aggregator's comparable loss, chained over the same held-out sites from v1
+(`collm_aggregator.quality_ledger`), so successive points compare like with like; the base loss is that
+of v1, which replicas create as a zero-B LoRA (exactly the base model) and whose loss the gate records
+when v2 is published. Each point carries the version's task metric when it was probed (`task`: metric,
+score, examples); the summary gives v1's and the last probed version's. The served loss at time t is
+the loss of the last version published at or before t. The goal (`GOAL_REL_DROP`): the served loss at
+the end of the window at least 10% below the base loss, on every domain.
 """
 
 from __future__ import annotations
@@ -28,20 +31,44 @@ def version_points(
     quality: Mapping[int, Mapping[str, float]],
     domain: str,
     t0_unix_s: float,
+    task: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each version (`{"version", "created_unix_s", "source"}`) with its loss on `domain`, by version."""
+    """Each version (`{"version", "created_unix_s", "source"}`) with its loss on `domain` and, when
+    probed, its task metric there, by version."""
     out = []
     for v in sorted(versions, key=lambda v: int(v["version"])):
         loss = quality.get(int(v["version"]), {}).get(domain)
+        t = (task or {}).get(int(v["version"]), {}).get(domain)
         out.append(
             {
                 "version": int(v["version"]),
                 "t_s": round(float(v["created_unix_s"]) - t0_unix_s, 2),
                 "source": str(v.get("source", "")),
                 "loss": None if loss is None else round(float(loss), 5),
+                "task": None if t is None else _task_point(t),
             }
         )
     return out
+
+
+def _task_point(t: Mapping[str, Any]) -> dict[str, Any]:
+    return {"metric": str(t["metric"]), "score": round(float(t["score"]), 4), "examples": int(t["examples"])}
+
+
+def task_ends(points: Sequence[Mapping[str, Any]], window_s: float) -> dict[str, Any] | None:
+    """The task metric of v1 (the base model) and of the last version probed within the window."""
+    probed = [p for p in points if p.get("task") and p["t_s"] <= window_s]
+    base = next((p for p in probed if p["source"] == "create"), None)
+    last = probed[-1] if probed else None
+    if last is None:
+        return None
+    return {
+        "metric": last["task"]["metric"],
+        "base": None if base is None else base["task"]["score"],
+        "last": last["task"]["score"],
+        "last_version": last["version"],
+        "examples": last["task"]["examples"],
+    }
 
 
 def base_loss(points: Sequence[Mapping[str, Any]]) -> float | None:
@@ -79,6 +106,7 @@ def adapter_summary(points: Sequence[Mapping[str, Any]], window_s: float) -> dic
         "goal_reached_at_s": reached,
         "goal_met": rel is not None and rel <= -GOAL_REL_DROP,
         "versions_published": sum(1 for p in points if p["source"] != "create" and p["t_s"] <= window_s),
+        "task": task_ends(points, window_s),
     }
 
 
@@ -116,16 +144,24 @@ def _r(x: Any, digits: int = 5) -> float | None:
 def table(result: Mapping[str, Any]) -> str:
     """The results page's table: per adapter base, final, change, when the goal was reached, versions."""
     lines = [
-        "| adapter | base loss | served loss at the end | change | -10% reached at | versions published |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| adapter | base loss | served loss at the end | change | -10% reached at | versions published "
+        "| task metric: v1 -> last probed |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for name, a in sorted(result["adapters"].items()):
         s = a["summary"]
         change = "-" if s["rel_change"] is None else f"{100 * s['rel_change']:+.1f}%"
         reached = "-" if s["goal_reached_at_s"] is None else f"{s['goal_reached_at_s'] / 60:.1f} min"
+        t = s.get("task")
+        task = (
+            "-"
+            if not t
+            else f"{t['metric']} {_f(t['base'], 2)} -> {_f(t['last'], 2)} (v{t['last_version']}, "
+            f"{t['examples']} examples)"
+        )
         lines.append(
             f"| {name} | {_f(s['base_loss'])} | {_f(s['final_loss'])} | {change} | {reached} | "
-            f"{s['versions_published']} |"
+            f"{s['versions_published']} | {task} |"
         )
     r = result["rounds"]
     states = ", ".join(f"{k} {v}" for k, v in r["by_state"].items())

@@ -247,6 +247,7 @@ async def send_request(
                 rec.end_s = now()
                 rec.e2e_ms = (rec.end_s - rec.sent_s) * 1000.0
                 rec.status = "rejected" if resp.status_code in REJECT_STATUSES else "error"
+                rec.retry_after = resp.headers.get("retry-after")
                 rec.error = f"HTTP {resp.status_code}: {error_message(raw)}"
                 return
             rec.adapter_version = resp.headers.get(ADAPTER_VERSION_HEADER) or None

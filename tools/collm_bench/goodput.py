@@ -31,6 +31,7 @@ import numpy as np
 
 from collm_bench.quality import QualityTable, quality_summary, request_quality
 from collm_bench.records import STATUSES, RequestRecord
+from collm_common.slo import missed_slos
 
 SUMMARY_SCHEMA = "collm-bench-summary/1"
 PERCENTILES = (50, 90, 99)
@@ -69,15 +70,8 @@ def verdict(rec: RequestRecord, override: SloOverride | None = None) -> str:
     """ "good", or why not: "status:<status>", "no_ttft", "ttft", "tpot" or "ttft+tpot"."""
     if rec.status != "ok":
         return f"status:{rec.status}"
-    if rec.ttft_ms is None:
-        return "no_ttft"
     slo_ttft, slo_tpot = effective_slo(rec, override)
-    missed = []
-    if slo_ttft is not None and rec.ttft_ms > slo_ttft:
-        missed.append("ttft")
-    tp = record_tpot_ms(rec)
-    if slo_tpot is not None and tp is not None and tp > slo_tpot:
-        missed.append("tpot")
+    missed = missed_slos(rec.ttft_ms, record_tpot_ms(rec), slo_ttft, slo_tpot)
     return "+".join(missed) if missed else "good"
 
 

@@ -57,6 +57,7 @@ class RequestRecord:
     text_chunks: int = 0
     finish_reason: str | None = None
     http_status: int | None = None
+    retry_after: str | None = None  # the `Retry-After` header of an error answer
     error: str | None = None
     # Exact adapter version that served the request (`x-collm-adapter-version` header, else the
     # stream's `system_fingerprint`, whose `replica/` prefix is dropped), the replica that served it

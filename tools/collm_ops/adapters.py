@@ -69,12 +69,17 @@ async def adapter_versions(store: AdapterStore, name: str) -> list[dict[str, Any
         doc["id"] = rec.id
         doc["current"] = n == cur
         doc["quality"] = await store.quality(name, n)
+        doc["task"] = await store.task_quality(name, n)
         rows.append(doc)
     return rows
 
 
 def _quality(q: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.3f}" for k, v in sorted(q.items())) or "-"
+
+
+def _task(t: dict[str, dict[str, Any]]) -> str:
+    return " ".join(f"{k} {v['metric']}={v['score']:.2f}" for k, v in sorted(t.items())) or "-"
 
 
 def render_adapters(items: list[AdapterSummary]) -> str:
@@ -109,6 +114,7 @@ def render_versions(rows: list[dict[str, Any]]) -> str:
             when(r["created_unix_s"]),
             "pruned" if r["pruned"] else "kept",
             _quality(r["quality"]),
+            _task(r.get("task") or {}),
         ]
         for r in rows
     ]
@@ -123,6 +129,7 @@ def render_versions(rows: list[dict[str, Any]]) -> str:
             "CREATED",
             "BLOB",
             "EVAL LOSS",
+            "TASK",
         ),
         table,
     )
@@ -180,6 +187,7 @@ def render_rounds(rounds: RoundList) -> str:
             len(o.rejected),
             len(o.late),
             _losses(o),
+            _quality(o.new_version_quality) if o.new_version is not None else None,
             o.policy or None,
             when(o.ts_unix_s),
             o.reason[:60] or None,
@@ -187,8 +195,8 @@ def render_rounds(rounds: RoundList) -> str:
         for o in rounds.rounds
     ]
     return render_table(
-        ("ROUND", "ADAPTER", "STATE", "BASE", "NEW", "ACCEPTED", "REJECTED", "LATE", "EVAL LOSS", "POLICY",
-         "AT", "REASON"),
+        ("ROUND", "ADAPTER", "STATE", "BASE", "NEW", "ACCEPTED", "REJECTED", "LATE", "EVAL LOSS",
+         "NEW VERSION'S LOSS", "POLICY", "AT", "REASON"),
         rows,
     )  # fmt: skip
 

@@ -1,7 +1,8 @@
 """Markdown tables of every service's settings, generated from the settings classes themselves.
 
-`python -m collm_ops.settings_doc` prints what the README's settings section holds; a test checks that
-the README names every variable, so the documentation cannot fall behind the code.
+`python -m collm_ops.settings_doc` prints what docs/settings.md's tables hold (`--write docs/settings.md`
+rewrites them there); a test checks that the page names every variable, so the documentation cannot
+fall behind the code.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def splice(readme: str) -> str:
     head, sep, rest = readme.partition(BEGIN)
     _, sep2, tail = rest.partition(END)
     if not sep or not sep2:
-        raise ValueError(f"README has no {BEGIN} ... {END} block")
+        raise ValueError(f"the page has no {BEGIN} ... {END} block")
     return f"{head}{BEGIN}\n{render()}\n{END}{tail}"
 
 

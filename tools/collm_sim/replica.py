@@ -52,6 +52,7 @@ from collections.abc import Callable
 from itertools import islice
 
 from collm_common.calibration import CostModel
+from collm_common.slo import meets_slo
 from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.telemetry import ReplicaTelemetry, ResidentAdapter, TrainingJobStatus
 from collm_sim.background import Background, EvalTask, Job
@@ -384,9 +385,7 @@ class SimReplica:
             tpot_ms = None
             if req.generated > 1 and req.t_first is not None:
                 tpot_ms = (t - req.t_first) * 1e3 / (req.generated - 1)
-            good = (self.ttft_slo_ms is None or ttft_ms <= self.ttft_slo_ms) and (
-                self.tpot_slo_ms is None or tpot_ms is None or tpot_ms <= self.tpot_slo_ms
-            )
+            good = meets_slo(ttft_ms, tpot_ms, self.ttft_slo_ms, self.tpot_slo_ms)
             self.window.add(FinishedSample(t, ttft_ms, tpot_ms, good))
         elif status == "timeout":  # as the engine: dropped from the queue at its deadline, a miss
             self.window.add(FinishedSample(t, None, None, False))

@@ -91,6 +91,9 @@ class RoundOutcome(WireModel):
     gain_diff_nats: float | None = None
     gain_se_nats: float | None = None
     gain_examples: int = 0
+    # Additive (v1): the published version's comparable held-out loss per domain (chained over the same
+    # sites from the adapter's first scored version: the store's quality record).
+    new_version_quality: dict[str, float] = Field(default_factory=dict)
 
 
 class EvaluateCandidate(WireModel):
@@ -118,6 +121,9 @@ class EvaluateCandidate(WireModel):
     # Additive (v1). When the requester stops waiting (unix s; None: no deadline): a loaded replica paces
     # the evaluation to finish before it instead of scoring only in its slack.
     deadline_unix_s: float | None = None
+    # Additive (v1). With a stored `candidate_version`: also generate greedy answers to the first this many
+    # held-out examples of each domain that has a task metric, and score them (`DomainLoss.task_score`).
+    task_examples: int = Field(0, ge=0, le=64)
 
 
 class DomainLoss(WireModel):
@@ -135,6 +141,11 @@ class DomainLoss(WireModel):
     example_tokens: list[int] = Field(default_factory=list)
     candidate_example_loss: list[float] = Field(default_factory=list)
     current_example_loss: list[float] = Field(default_factory=list)
+    # Additive (v1), when `EvaluateCandidate.task_examples` asked for it and the domain has a task metric:
+    # its name, the candidate's mean score in [0, 1] and the examples it was generated on.
+    task_metric: str = ""
+    task_score: float | None = None
+    task_examples: int = 0
 
 
 class EvalReport(WireModel):

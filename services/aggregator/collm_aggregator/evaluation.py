@@ -39,6 +39,8 @@ class LossEntry:
     example_tokens: tuple[int, ...] = ()
     candidate_examples: tuple[float, ...] = ()
     current_examples: tuple[float, ...] = ()
+    tokens: int = 0  # response tokens scored
+    eval_set: str = ""  # digest of what was scored (the site: `quality_ledger`)
 
     @property
     def paired_examples(self) -> bool:
@@ -89,6 +91,7 @@ class EvalSummary:
     num_examples: int = 0
     replicas: tuple[str, ...] = ()
     paired: PairedGain | None = None
+    entries: tuple[LossEntry, ...] = ()  # what it summarises (per replica and domain)
 
 
 def _wmean(pairs: Iterable[tuple[float, int]]) -> float | None:
@@ -125,6 +128,7 @@ def summarize(entries: Iterable[LossEntry]) -> EvalSummary:
         num_examples=sum(e.num_examples for e in usable),
         replicas=tuple(sorted({e.replica_id for e in usable})),
         paired=paired_gain(usable),
+        entries=tuple(usable),
     )
 
 

@@ -74,15 +74,15 @@ def choose_evaluators(
     max_evaluators: int | None,
     exclude: Collection[str] = (),
 ) -> list[str]:
-    """The replicas that score a round's versions for the promotion gate: its participants (they hold
-    the domain's data) and then the other replicas holding it, none of `exclude` (a participant whose
-    update the round refused), at most `max_evaluators` (None: all), in name order within each group so
-    the same replicas judge successive rounds (each reuses its score of the version it judged as the next
-    round's current one). Every evaluation scores up to `eval_max_tokens` held-out tokens on its replica
+    """The replicas that score a round's versions for the promotion gate: the replicas holding the
+    domain's data (its participants among them), none of `exclude` (a participant whose update the round
+    refused), at most `max_evaluators` (None: all), the first in name order whoever trained: the same
+    replicas, so the same held-out sites, judge successive rounds, each reusing its score of the version it
+    judged as the next round's current one, and a version's quality is measured where its parent's was
+    (`quality_ledger`). Every evaluation scores up to `eval_max_tokens` held-out tokens on its replica
     while that replica serves, so the cap keeps the gate's work per round fixed as the cluster grows
     instead of growing with every holder."""
-    first = sorted(set(participants) - set(exclude))
-    ordered = first + sorted(set(holders) - set(participants) - set(exclude))
+    ordered = sorted((set(participants) | set(holders)) - set(exclude))
     return ordered if max_evaluators is None else ordered[: max(1, max_evaluators)]
 
 

@@ -56,7 +56,7 @@ from collm_aggregator.machine import (
     RoundMachine,
     RoundRules,
 )
-from collm_aggregator.scoring import CandidateScoring
+from collm_aggregator.scoring import CandidateScoring, record_round_quality
 from collm_aggregator.settings import AggregatorSettings
 from collm_aggregator.strategies import Strategy, WeightedUpdate, product_error, rebase_aggregate
 from collm_aggregator.validation import (
@@ -128,6 +128,8 @@ class RoundDeps:
     # The runners of the adapter's earlier rounds that have not ended (async rounds: the previous round
     # aggregates, evaluates and publishes while this one collects).
     earlier_rounds: Callable[[str, int], Sequence[RoundRunner]] = lambda _a, _rid: ()
+    # Told of each publication (adapter, version, parent): the task-metric probe (`quality_probe`).
+    published: Callable[[str, int, int | None], None] = lambda _a, _v, _p: None
 
 
 @dataclass
@@ -148,6 +150,7 @@ class RoundRunner:
     _tensors: dict[str, _Accepted] = field(default_factory=dict)
     _seen: dict[str, str] = field(default_factory=dict)
     _expected: Expected | None = None
+    _new_quality: dict[str, float] = field(default_factory=dict)  # the published version's (store record)
     _older: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     _base: AdapterWeights | None = None
     _summary: EvalSummary | None = None
@@ -225,6 +228,7 @@ class RoundRunner:
             gain_diff_nats=paired.diff_nats if paired is not None else None,
             gain_se_nats=paired.se_nats if paired is not None else None,
             gain_examples=paired.examples if paired is not None else 0,
+            new_version_quality=dict(self._new_quality),
         )
 
     async def _announce(self) -> None:
@@ -756,9 +760,14 @@ class RoundRunner:
         metrics.PUBLICATIONS.labels("round").inc()
         summary = self._summary
         if summary is not None:
-            with contextlib.suppress(Exception):
-                await store.record_quality(m.adapter, rec.version, summary.domains_after)
-                await store.record_quality(m.adapter, m.base_version, summary.domains_before)
+            try:
+                self._new_quality = await record_round_quality(
+                    store, m.adapter, rec.version, m.base_version, summary.entries
+                )
+            except Exception as exc:  # noqa: BLE001 - the version is published; its record is best effort
+                log.warning("round %s: quality of %s@v%d not recorded: %s", self.round_id, m.adapter,
+                            rec.version, exc)  # fmt: skip
+        self.deps.published(m.adapter, rec.version, m.base_version)
         event = AdapterPublished(
             name=m.adapter,
             version=rec.version,

@@ -1,13 +1,15 @@
 """A round's federated evaluation: the candidate and the current version scored on the replicas.
 
-The evaluators are the round's (`RoundDeps.eval_replicas`: participants first, then other holders of
-the adapter's domains) less any replica whose update the round refused. The current version is scored
-while participants train (`score_current`, kept for the round); after the close each evaluator scores
-only the candidate and the two are paired on the same eval set (equal digests), or, when its held-out set
-changed or it was not pre-scored, it scores both together (`evaluate`). Each request carries the
-deadline the replica paces its scoring to (`eval_timeout_s`); a replica that fails is left out. A round
-rebased onto a newer version (async rounds, `rebase`) is judged against that one, whose scores as the
-candidate of the round that published it stand for the pre-scores.
+The evaluators are the round's (`RoundDeps.eval_replicas`: the first holders of the adapter's domains by
+name, so the same sites round after round) less any replica whose update the round refused. The current
+version is scored while participants train (`score_current`, kept for the round); after the close each
+evaluator scores only the candidate and the two are paired on the same eval set (equal digests), or,
+when its held-out set changed or it was not pre-scored, it scores both together (`evaluate`). Each
+request carries the deadline the replica paces its scoring to (`eval_timeout_s`); a replica that fails
+is left out. A round rebased onto a newer version (async rounds, `rebase`) is judged against that one,
+whose scores as the candidate of the round that published it stand for the pre-scores. A published
+round's scores are recorded per site and chained into the version's comparable loss
+(`record_round_quality`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 from collm_aggregator import metrics
 from collm_aggregator.evaluation import EvalSummary, LossEntry, ScoredDomain, pair_with_current, summarize
 from collm_aggregator.machine import RoundMachine
+from collm_aggregator.quality_ledger import SiteScore, chained
 from collm_common import subjects
 from collm_common.bus import BusError
+from collm_common.store import AdapterStore
 from collm_common.wire.rounds import EvalReport, EvaluateCandidate, RoundPlan
 
 if TYPE_CHECKING:
@@ -179,6 +183,8 @@ class CandidateScoring:
                 tuple(d.example_tokens),
                 tuple(d.candidate_example_loss),
                 tuple(d.current_example_loss),
+                tokens=d.num_tokens,
+                eval_set=d.eval_set,
             )  # fmt: skip
             for r in reports
             for d in r.losses
@@ -188,3 +194,30 @@ class CandidateScoring:
             if v is not None and math.isfinite(v):
                 metrics.EVAL_LOSS.labels(self.plan.adapter, which).set(v)
         return summary
+
+
+async def record_round_quality(
+    store: AdapterStore, adapter: str, version: int, parent: int | None, entries: Sequence[LossEntry]
+) -> dict[str, float]:
+    """Record a published round's scores per site for the new version and its parent, and the new
+    version's comparable loss per domain chained onto the parent's (`quality_ledger.chained`; the
+    parent's own first scores anchor it); returns the new version's."""
+    after = [SiteScore(e.domain, e.replica_id, e.eval_set, e.candidate_loss, e.tokens, e.num_examples)
+             for e in entries]  # fmt: skip
+    before = [
+        SiteScore(e.domain, e.replica_id, e.eval_set, e.current_loss, e.tokens, e.num_examples)
+        for e in entries
+        if e.current_loss is not None
+    ]
+    parent_quality = await store.quality(adapter, parent) if parent is not None else {}
+    ch = chained(parent_quality, before, after)
+    if parent is not None:
+        await store.record_site_quality(adapter, parent, {s.key: s.to_json() for s in before})
+        anchors = {d: v for d, v in ch.parent_quality.items() if d not in parent_quality}
+        await store.record_quality(adapter, parent, anchors)
+    await store.record_site_quality(adapter, version, {s.key: s.to_json() for s in after})
+    await store.record_quality(adapter, version, ch.quality)
+    if ch.restarted and parent_quality:
+        log.info("%s@v%d: no site scored it and v%s both for %s; its quality restarts there",
+                 adapter, version, parent, ", ".join(ch.restarted))  # fmt: skip
+    return ch.quality

@@ -20,8 +20,9 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Coroutine, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError
 
@@ -39,6 +40,7 @@ from collm_aggregator.planner import (
     default_plans,
     eligible,
 )
+from collm_aggregator.quality_probe import QualityProbe
 from collm_aggregator.runner import RoundDeps, RoundRunner
 from collm_aggregator.settings import AggregatorSettings
 from collm_aggregator.strategies import make_strategy
@@ -128,6 +130,7 @@ class Aggregator:
         self._open_lock = asyncio.Lock()
         self.svc: MicroService | None = None
         self.intake = UpdateIntake(settings, bus, store, self.records, clock, self.runners)
+        self.probe = QualityProbe(bus, store, settings, clock, self.eval_replicas, self._spawn_task)
 
     # --- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -166,6 +169,11 @@ class Aggregator:
         self._tasks.clear()
         await self.intake.close()
 
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _spawn(self, runner: RoundRunner) -> None:
         self.runners[runner.round_id] = runner
         metrics.ACTIVE_ROUNDS.set(len(self.runners))
@@ -189,6 +197,7 @@ class Aggregator:
             on_final=self._round_done,
             lead=self.lead,
             earlier_rounds=self._earlier_rounds,
+            published=self.probe.published,
         )
 
     def _earlier_rounds(self, adapter: str, round_id: int) -> list[RoundRunner]:
@@ -228,7 +237,7 @@ class Aggregator:
     async def eval_replicas(
         self, adapter: str, participants: Sequence[str], exclude: Collection[str] = ()
     ) -> list[str]:
-        """Participants, then live replicas with local data for the adapter's domains, none of `exclude`,
+        """Live replicas with local data for the adapter's domains and the participants, none of `exclude`,
         at most `eval_max_replicas` (`choose_evaluators`)."""
         domains = await self.adapter_domains(adapter)
         live = eligible(

@@ -94,9 +94,27 @@ class AggregatorSettings(CommonSettings):
     eval_max_replicas: int | None = Field(
         4,
         ge=1,
-        description="Replicas that score each round's versions at most: the participants first, then other "
-        "replicas holding the adapter's domain data (None: every one). Each evaluation is work on a serving "
+        description="Replicas that score each round's versions at most: the first by name of the replicas "
+        "holding the adapter's domain data, whoever trained, so the same held-out sites judge successive "
+        "versions (None: every one). Each evaluation is work on a serving "
         "replica, so the cap keeps the gate's cost per round fixed as the cluster grows.",
+    )
+    eval_task_examples: int = Field(
+        8,
+        ge=0,
+        le=64,
+        description="Task metrics of published versions (intent accuracy, final-answer accuracy, ROUGE-L; "
+        "the replicas' `task_metrics`): each evaluator generates greedy answers to this many of its first "
+        "held-out examples per domain and scores them (`quality_probe`); 0: loss only.",
+    )
+    eval_task_interval_s: float = Field(
+        300.0,
+        ge=0,
+        description="An adapter's published versions have their task metrics probed at most this often "
+        "(the generations are served beside users' requests).",
+    )
+    eval_task_timeout_s: float = Field(
+        300.0, gt=0, description="How long to wait for one replica's task-metric generations."
     )
     eval_prescore_current: bool = Field(
         True,

@@ -74,6 +74,13 @@ class CoordinatorSettings(CommonSettings):
         description="Long-term SLO attainment target: the knob users set. Below it Z prices SLO risk; "
         "above it the headroom lets training shares grow until attainment comes down to it.",
     )
+    coordinator_starvation_floor_s: float = Field(
+        180.0,
+        gt=0,
+        description="An adapter with local data that has had no round planned for this long gets one share "
+        "step on its best participant at the next slow tick even when its expected gain does not pay the "
+        "SLO-risk penalty (never on a replica at SLO risk, never past the utilisation cap).",
+    )
     coordinator_util_cap: float = Field(
         0.9, gt=0, le=1, description="Serving utilisation that forecast load plus training may not exceed."
     )

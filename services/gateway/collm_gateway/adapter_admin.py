@@ -20,8 +20,10 @@ adapter metadata (the owner tenant) and the listing:
   `GET /v1/adapters/{name}/versions` still shows them to an admin, and a later load or a rollback
   brings the name back.
 * **versions**: every version with digest, size, source, parent, created time, whether it is current,
-  whether retention pruned its blob, and its quality record (held-out eval loss per domain, written
-  by the aggregator's evaluation gate). Tenant-scoped: a non-admin sees only adapters it may use.
+  whether retention pruned its blob, its quality record (`quality`: the comparable held-out loss per
+  domain, chained over the same sites by the aggregator's `quality_ledger`) and its task metric per
+  domain when probed (`task`: metric, score in [0, 1], examples, sites). Tenant-scoped: a non-admin
+  sees only adapters it may use.
 """
 
 from __future__ import annotations
@@ -153,7 +155,12 @@ def version_info_json(info: AdapterVersionInfo, owner: str | None) -> dict[str, 
     }
 
 
-def version_json(rec: VersionRecord, current: int | None, quality: dict[str, float]) -> dict[str, Any]:
+def version_json(
+    rec: VersionRecord,
+    current: int | None,
+    quality: dict[str, float],
+    task: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     return {
         "object": "adapter_version",
         "id": rec.id,
@@ -168,6 +175,7 @@ def version_json(rec: VersionRecord, current: int | None, quality: dict[str, flo
         "current": rec.version == current,
         "pruned": rec.pruned,
         "quality": dict(sorted(quality.items())),
+        "task": dict(sorted((task or {}).items())),
     }
 
 
@@ -266,7 +274,9 @@ class AdapterAdmin:
             current = await self.store.current(name)
             data = []
             for rec in await self.store.list_versions(name):
-                data.append(version_json(rec, current, await self.store.quality(name, rec.version)))
+                quality = await self.store.quality(name, rec.version)
+                task = await self.store.task_quality(name, rec.version)
+                data.append(version_json(rec, current, quality, task))
             listed = name in await self.store.list_adapters()
         except (StoreError, RedisError, OSError) as exc:
             raise store_down(exc, self.settings.retry_after_s) from None

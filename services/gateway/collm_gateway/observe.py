@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
+from collm_common.slo import meets_slo
 from collm_gateway import metrics
 
 log = logging.getLogger("collm_gateway.requests")
@@ -50,11 +51,7 @@ def is_good(
     slo_ttft_ms: float | None,
     slo_tpot_ms: float | None,
 ) -> bool:
-    if status != 200 or ttft_ms is None:
-        return False
-    if slo_ttft_ms is not None and ttft_ms > slo_ttft_ms:
-        return False
-    return not (slo_tpot_ms is not None and tpot_ms is not None and tpot_ms > slo_tpot_ms)
+    return status == 200 and meets_slo(ttft_ms, tpot_ms, slo_ttft_ms, slo_tpot_ms)
 
 
 @dataclass

@@ -93,7 +93,7 @@ class GatewaySettings(CommonSettings):
         description="Largest list of prompts one `/v1/completions` request may send (each answered by its "
         "own choices, as OpenAI and vLLM do; LangChain's batch sends 20); more gets 400.",
     )
-    # --- API keys, tenants, rate limits (see collm_gateway/keys.py and README "Keys, tenants, admin") ----
+    # --- API keys, tenants, rate limits (see collm_gateway/keys.py and docs/api.md) ----
     api_keys: dict[str, ApiKeySpec] = Field(
         default_factory=dict,
         description='API keys, JSON {"<sha256 hex of the key>": {"tenant": "acme", "admin": false, '

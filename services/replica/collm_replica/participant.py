@@ -13,7 +13,8 @@
   deadline (`UPDATE_RETRY_BOUND_S` for a round without one); an update that could not be stored or
   announced by then is logged and counted as not sent (`collm_replica_round_updates_total{outcome}`).
 * `evaluate(EvaluateCandidate)`: held-out losses of a candidate (a blob under `candidate_key`, or a stored
-  version) and of the current version on the local eval split, per domain (`EvalReport`).
+  version) and of the current version on the local eval split, per domain (`EvalReport`); of a stored
+  version, with `task_examples`, also its task metric per domain (`task_eval.TaskEvaluator`).
 
 Refusals are `ReplicaError`s: 404 unknown adapter, version or blob; 409 a job that cannot start (no local
 data); 422 a blob that is not an adapter of this base model.
@@ -53,6 +54,7 @@ from collm_replica.errors import ReplicaError
 from collm_replica.lora_bank import AdapterMismatch, LiveLora
 from collm_replica.models import LoadedModel
 from collm_replica.own_progress import OwnProgress, sent_tensors, start_point
+from collm_replica.task_eval import TaskEvaluator
 from collm_replica.tasks import Tasks
 from collm_replica.training import JobSpec
 
@@ -96,8 +98,10 @@ class Participant:
         bus: Bus,
         adapters: AdapterManager,
         tasks: Tasks,
+        task_metrics: dict[str, str] | None = None,
     ) -> None:
         self.rid = replica_id
+        self.task_eval = TaskEvaluator(engine, adapters, loaded.tokenizer, task_metrics or {})
         self.loaded = loaded
         self.engine = engine
         self.store = store
@@ -367,6 +371,11 @@ class Participant:
             )
         except AdapterMismatch as exc:
             raise ReplicaError(422, str(exc), "invalid_adapter") from None
+        tasks = (
+            await self.task_eval.score(req.adapter, req.candidate_version, req.task_examples)
+            if req.task_examples > 0 and req.candidate_version is not None
+            else {}
+        )
         cand_run = runs["candidate"]
         cur_run = runs.get("current")
         cand_loss = cand_run.per_domain()
@@ -386,6 +395,11 @@ class Participant:
                     example_tokens=tokens,
                     candidate_example_loss=cand_examples,
                     current_example_loss=cur_examples,
+                    **(
+                        {"task_metric": t.metric, "task_score": t.score, "task_examples": t.examples}
+                        if (t := tasks.get(d)) is not None
+                        else {}
+                    ),
                 )
             )
         return EvalReport(replica_id=self.rid, adapter=req.adapter, losses=losses)

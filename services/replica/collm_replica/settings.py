@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from collm_common.lora import LoraSpec
 from collm_common.settings import CommonSettings
 from collm_common.subjects import check_token
+from collm_replica.task_metrics import METRICS
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -173,6 +174,17 @@ class ReplicaSettings(CommonSettings):
         "`float32`: the model's dtype. Inference and training use the copy only with `matmul_dtype` "
         "bfloat16, which makes evaluations bf16 too.",
     )
+    task_metrics: dict[str, str] = Field(
+        default_factory=lambda: {
+            "customer_support": "intent_accuracy",
+            "math": "answer_accuracy",
+            "medical": "rouge_l",
+        },
+        description="The task metric scored per domain when a version's quality is probed (JSON object, "
+        "domain -> one of intent_accuracy, answer_accuracy, rouge_l; `collm_replica.task_metrics`): "
+        "greedy answers to the domain's first held-out examples, served by this replica. A domain not "
+        "named has loss only.",
+    )
     round_deadline_margin_s: float = Field(
         3.0, ge=0, description="A round's training stops this long before its deadline to send the update."
     )
@@ -181,6 +193,14 @@ class ReplicaSettings(CommonSettings):
     @classmethod
     def _token(cls, v: str) -> str:
         return check_token(v, "replica id")
+
+    @field_validator("task_metrics")
+    @classmethod
+    def _metrics(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = sorted(m for m in v.values() if m not in METRICS)
+        if bad:
+            raise ValueError(f"task_metrics: unknown metric {bad[0]!r} (known: {', '.join(sorted(METRICS))})")
+        return v
 
     @field_validator("lora_target_modules")
     @classmethod

@@ -186,7 +186,9 @@ class Replica:
             loaded, EngineConfig.from_settings(settings), dataset=load_local_dataset(settings)
         )
         self.adapters = AdapterManager(settings, loaded, self.engine, store, bus, self.tasks)
-        self.participant = Participant(self.rid, loaded, self.engine, store, bus, self.adapters, self.tasks)
+        self.participant = Participant(
+            self.rid, loaded, self.engine, store, bus, self.adapters, self.tasks, settings.task_metrics
+        )
         self.engine.on_job_event = self.participant.on_job_event_threadsafe
         self.samples = SamplesConsumer(settings, bus, self.engine)
         self.step_log = StepLog(settings.step_log_path) if settings.step_log_path is not None else None

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import pytest_asyncio
@@ -41,6 +42,7 @@ from tests.doubles.participant import BASE_MODEL, ParticipantBehaviour, Particip
 
 pytestmark = pytest.mark.integration
 ADAPTER = "med"
+T = TypeVar("T")
 
 
 def settings(nats_url: str, redis_url: str, prefix: str, **kw: object) -> AggregatorSettings:
@@ -53,6 +55,7 @@ def settings(nats_url: str, redis_url: str, prefix: str, **kw: object) -> Aggreg
         "eval_timeout_s": 5,
         "control_timeout_s": 2,
         "consumer_name": f"agg-{prefix}",
+        "eval_task_examples": 0,  # the task-metric probe asks more evaluations; one test turns it on
     }
     base.update(kw)
     return AggregatorSettings(**base)  # type: ignore[arg-type]
@@ -149,6 +152,16 @@ class Cluster:
         )
 
 
+async def wait_for_async(probe: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = await probe()
+        if v:
+            return v
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
 async def wait_for(probe: Callable[[], object], timeout_s: float) -> object:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -197,7 +210,14 @@ async def test_round_publishes_despite_poisoned_updates_and_rollback_never_overw
     assert await cluster.store.current(ADAPTER) == 2
     rec = await cluster.store.get_version(ADAPTER, 2)
     assert (rec.source, rec.round_id, rec.parent) == ("round", 1, 1)
-    assert set(await cluster.store.quality(ADAPTER, 2)) == {"d0", "d1", "d2"}
+    # Each version's loss per site (a replica's share of a domain), and one comparable number per domain:
+    # v1 anchors at its own scores, v2 = v1 + the change on the same sites.
+    q1, q2 = await cluster.store.quality(ADAPTER, 1), await cluster.store.quality(ADAPTER, 2)
+    assert set(q2) == {"d0", "d1", "d2"} and q2 == pytest.approx(out.domain_losses_after)
+    assert q1 == pytest.approx(out.domain_losses_before) and out.new_version_quality == q2
+    sites = await cluster.store.site_quality(ADAPTER, 2)
+    assert sorted(sites) == [f"d{i}|r{i}|held-out-1" for i in range(3)]
+    assert sites["d0|r0|held-out-1"]["loss"] == pytest.approx(out.domain_losses_after["d0"])
     # Every participant that listens swapped the new version in (digest-checked load).
     await wait_for(lambda: all(cluster.doubles[r].served.get(ADAPTER) == 2 for r in ("r0", "r1", "r2")), 5)
     # Every update was acknowledged once it was recorded: nothing pending, nothing redelivered.
@@ -892,3 +912,32 @@ async def test_async_round_opens_while_the_last_one_evaluates_and_is_rebased_ont
     for k, v3_k in tensors[3].items():
         change = scale * sum(u[k] - tensors[1][k] for u in updates) / 2
         assert (v3_k - (tensors[2][k] + change)).abs().max().item() < 1e-5, k
+
+
+async def test_versions_are_compared_on_the_same_sites_and_probed_for_task_metrics(cluster: Cluster) -> None:
+    """Round 2 is scored on r0 only (r1 is down): v3's recorded loss is v2's plus the change on r0,
+    not r0's own level. After each publication the evaluators score the new version's task metric,
+    and v1's when it has none."""
+    await cluster.seed_v1()
+    await cluster.start_aggregator(eval_task_examples=4, eval_task_interval_s=0)
+    r0 = await cluster.add("r0", domain="d", eval_examples=10)
+    r1 = await cluster.add("r1", domain="d", eval_examples=30)  # its own target: another loss level
+    out1 = await cluster.wait_final((await cluster.open(["r0", "r1"], quorum=2)).round_id)
+    assert out1.state == "published" and out1.new_version == 2
+    task = await wait_for_async(lambda: cluster.store.task_quality(ADAPTER, 2), 10)
+    assert task["d"]["metric"] == "answer_accuracy" and task["d"]["examples"] == 8 and task["d"]["sites"] == 2
+    assert (await cluster.store.task_quality(ADAPTER, 1))["d"]["score"] < task["d"]["score"]
+    probes = [e for e in r0.evaluated if e.task_examples]
+    assert [(e.candidate_version, e.task_examples) for e in probes] == [(1, 4), (2, 4)]
+
+    q2 = (await cluster.store.quality(ADAPTER, 2))["d"]
+    await r1.stop()  # r1 leaves: round 2 is trained and scored by r0 alone
+    cluster.doubles.pop("r1")
+    out2 = await cluster.wait_final((await cluster.open(["r0"], quorum=1)).round_id)
+    assert out2.state == "published" and out2.new_version == 3
+    on_r0 = await cluster.store.site_quality(ADAPTER, 3)
+    assert list(on_r0) == ["d|r0|held-out-1"]
+    change = on_r0["d|r0|held-out-1"]["loss"] - out2.domain_losses_before["d"]
+    q3 = (await cluster.store.quality(ADAPTER, 3))["d"]
+    assert q3 == pytest.approx(q2 + change) and out2.new_version_quality["d"] == pytest.approx(q3)
+    assert q3 != pytest.approx(on_r0["d|r0|held-out-1"]["loss"])  # not r0's level alone

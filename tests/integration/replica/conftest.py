@@ -78,6 +78,7 @@ async def replica(nats_server, redis_server, redis_prefix, tmp_path: Path) -> As
         publish_every_steps=2,
         round_deadline_margin_s=0.5,
         ft_share_default=0.5,
+        task_metrics={"med": "rouge_l"},
     )
     stopping = asyncio.Event()
     holder: dict[str, Replica] = {}

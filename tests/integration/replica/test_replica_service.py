@@ -30,7 +30,7 @@ from collm_common.wire.inference import (
     GenerateRequest,
     SamplingParams,
 )
-from collm_common.wire.rounds import EvalReport, EvaluateCandidate, LocalUpdate
+from collm_common.wire.rounds import DomainLoss, EvalReport, EvaluateCandidate, LocalUpdate
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_replica.lora_bank import LiveLora
 from tests.integration.replica.conftest import REPLICA_ID, Running, eventually
@@ -344,6 +344,36 @@ async def test_evaluate_returns_losses(replica: Running) -> None:
             EvalReport,
         )
     assert err.value.code == 422
+
+
+async def test_evaluate_scores_a_stored_versions_task_metric_by_generating(replica: Running) -> None:
+    """With `task_examples`, a stored version's first held-out examples are answered greedily by that very
+    version through the engine (internal requests: not in the SLO telemetry) and scored; the same
+    version scores the same (greedy, same examples)."""
+    await replica.store.publish(
+        "med", adapter_blob(replica, 1, 0.0), expected_current=None, base_model="tiny", source="create"
+    )
+    engine = replica.replica.engine
+    arrivals, generated = engine.arrivals_total, engine.generated_tokens_total
+    finished = engine.snapshot().latency.get("finished", 0)
+    req = EvaluateCandidate(
+        adapter="med", candidate_key="", candidate_sha256="", candidate_version=1, score_current=False,
+        max_examples=4, task_examples=3,
+    )  # fmt: skip
+
+    async def ask(r: EvaluateCandidate) -> DomainLoss:
+        rep = await replica.bus.request(subjects.replica(REPLICA_ID, "evaluate"), r, EvalReport, timeout_s=60)
+        return rep.losses[0]
+
+    d = await ask(req)
+    assert (d.domain, d.task_metric, d.task_examples) == ("med", "rouge_l", 3)
+    assert d.task_score is not None and 0.0 <= d.task_score <= 1.0
+    assert (await ask(req)).task_score == d.task_score
+    assert engine.arrivals_total == arrivals and engine.snapshot().latency.get("finished", 0) == finished
+    assert engine.generated_tokens_total == generated  # not serving demand in the telemetry
+    # Without `task_examples`, or for a candidate blob, loss only.
+    plain = await ask(req.model_copy(update={"task_examples": 0}))
+    assert (plain.task_metric, plain.task_score, plain.task_examples) == ("", None, 0)
 
 
 async def test_new_samples_are_persisted_and_used(replica: Running) -> None:

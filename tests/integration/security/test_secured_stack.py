@@ -261,7 +261,9 @@ async def test_the_stack_serves_and_runs_a_round_with_least_privilege(
 
                 await eventually(serves, 30, f"{rid} serving {want}")
             text, served = await asyncio.to_thread(chat, stack, ADAPTER)
-            assert text and served == want
+            # That version or a later one: the adapter's next round (async rounds) may have published since.
+            name, _, version = served.partition("@v")
+            assert text and name == ADAPTER and int(version) >= final.new_version, served
         # A replica asked to create a new adapter writes its v1 to the store but may not announce it.
         reply = await operator.request(
             subjects.replica("r0", "control"), StartTraining(adapter=FRESH, token_budget=8), ControlReply, 30

@@ -185,24 +185,16 @@ def test_built_in_plan_skips_with_reasons() -> None:
     assert "0 replica(s)" in reasons["c"]
 
 
-def test_evaluators_are_the_participants_then_other_holders_up_to_the_cap() -> None:
+def test_evaluators_are_the_first_holders_by_name_whoever_trained() -> None:
     holders = [f"r{i:02d}" for i in range(32)]
-    # Participants first (even one that holds no data here), then holders in name order.
-    assert choose_evaluators(["r20", "x9"], holders, 4) == ["r20", "x9", "r00", "r01"]
-    assert choose_evaluators(["r20", "x9"], holders, None) == [
-        "r20",
-        "x9",
-        *[h for h in holders if h != "r20"],
-    ]
-    # More participants than the cap: the first by name; the same replicas round after round.
+    # The same sites judge every round: holders (participants among them) in name order, up to the cap.
+    assert choose_evaluators(["r20", "x9"], holders, 4) == ["r00", "r01", "r02", "r03"]
+    assert choose_evaluators(["r07"], holders, 4) == choose_evaluators(["r20", "r21"], holders, 4)
+    assert choose_evaluators(["r20", "x9"], holders, None) == [*holders, "x9"]
+    # Whatever order the lists come in.
     parts = ["r07", "r03", "r05", "r01", "r02"]
-    assert choose_evaluators(parts, holders, 4) == ["r01", "r02", "r03", "r05"]
-    assert choose_evaluators(list(reversed(parts)), list(reversed(holders)), 4) == [
-        "r01",
-        "r02",
-        "r03",
-        "r05",
-    ]
+    first = ["r00", "r01", "r02", "r03"]
+    assert choose_evaluators(list(reversed(parts)), list(reversed(holders)), 4) == first
     # A participant whose update was refused neither judges nor takes a place under the cap.
     assert choose_evaluators(["a", "evil", "b"], ["c", "d", "evil"], 3, exclude={"evil"}) == ["a", "b", "c"]
     assert choose_evaluators([], ["b", "a"], 4) == ["a", "b"]

@@ -1,4 +1,5 @@
-"""The README's settings tables are generated from the settings classes and must match them."""
+"""docs/settings.md's tables are generated from the settings classes and must match them; the README starts
+with the two commands."""
 
 from pathlib import Path
 
@@ -8,16 +9,18 @@ from collm_ops.settings_doc import all_env_names, splice
 
 pytestmark = pytest.mark.unit
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+ROOT = Path(__file__).resolve().parents[3]
+README = ROOT / "README.md"
+SETTINGS = ROOT / "docs" / "settings.md"
 
 
-def test_readme_settings_block_is_current() -> None:
-    text = README.read_text()
-    assert splice(text) == text, "run: .venv/bin/python -m collm_ops.settings_doc --write README.md"
+def test_settings_block_is_current() -> None:
+    text = SETTINGS.read_text()
+    assert splice(text) == text, "run: .venv/bin/python -m collm_ops.settings_doc --write docs/settings.md"
 
 
-def test_readme_names_every_setting() -> None:
-    text = README.read_text()
+def test_settings_page_names_every_setting() -> None:
+    text = SETTINGS.read_text()
     missing = sorted(n for n in all_env_names() if f"`{n}`" not in text)
     assert not missing, missing
 

@@ -168,3 +168,36 @@ def test_adapters_without_a_known_version_are_skipped() -> None:
         t += 1.0
     assert [s.adapter for s in dd.slow.skipped] == ["law"]
     assert "no version" in dd.slow.skipped[0].reason
+
+
+def test_the_starvation_floor_gives_an_adapter_left_without_rounds_one_step() -> None:
+    """A high price on SLO risk plans nothing; once an adapter has waited `starvation_floor_s` without a
+    round, the next slow tick gives it one share step anyway (never on a replica at risk)."""
+    cfg = config(starvation_floor_s=180.0)
+    core = CoordinatorCore(cfg, "collm")
+    slow = []
+    t = 0.0
+    while t <= 400.0:
+        core.state.target.virtual_queue = 50.0  # every step's gain is below its risk penalty
+        d = tick(
+            core, t,
+            obs("r0", t, busy=0.5, domain="med", samples=300),
+            obs("r1", t, busy=0.5, domain="bank", samples=300),
+        )  # fmt: skip
+        if d.slow is not None:
+            slow.append(d.slow)
+            for p in d.slow.plans:  # the round ends at once: the adapter waits again from its plan
+                core.state.rounds.pop(p.adapter, None)
+        t += 1.0
+    planned = [p for s in slow for p in s.plans]
+    assert not slow[0].plans, "the risk penalty alone plans nothing"
+    assert planned, "the floor planned the waiting adapters"
+    by_adapter: dict[str, list[float]] = {}
+    for p in planned:
+        assert "starvation floor" in p.reason and len(p.participants) == 1
+        assert p.participants[0].share == pytest.approx(cfg.share_step)
+        by_adapter.setdefault(p.adapter, []).append(p.opened_s)
+    assert set(by_adapter) == {"med", "bank"}
+    for times in by_adapter.values():
+        assert times[0] >= cfg.starvation_floor_s  # waited the floor since it was first seen (t = 0)
+        assert all(b - a >= cfg.starvation_floor_s for a, b in zip(times, times[1:], strict=False))

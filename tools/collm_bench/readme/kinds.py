@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from collm_bench import adaptation
+from collm_bench import adaptation, chaos
 from collm_bench.frontier import render as frontier
 from collm_bench.frontier import step as frontier_step
 
@@ -65,6 +65,7 @@ KINDS: dict[str, Kind] = {
     "calibration": Kind(engine.calibration_table, files=None),
     "faults-scenarios": Kind(_one(lambda doc: faults.scenarios_table(doc["reports"]))),
     "faults-supervision": Kind(_one(faults.supervision_table)),
+    "faults-chaos": Kind(_one(chaos.table)),
     "federated-synthetic": Kind(_one(federated.synthetic_table)),
     "frontier": Kind(frontier.goals_table, files=None, plots=_one_plot(frontier.plot)),
     "frontier-step": Kind(_one(frontier_step.table), plots=_one_plot(frontier_step.plot)),

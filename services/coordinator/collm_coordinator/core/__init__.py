@@ -27,6 +27,8 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
     goes negative while attainment stays above the target: headroom h = min(1, headroom_gain * -q)
     (target.py).
   Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
+  Starvation floor: an adapter that has had no round planned for `starvation_floor_s` gets one share
+  step on its best candidate with room, whatever the risk penalty (never past util_cap).
   An adapter left without a plan because every replica holding its data was at risk at the tick is
   planned at the first fast tick where one of them no longer is, and one whose previous round was still
   in flight (training, or its candidate being evaluated) at the first fast tick after that round ends
@@ -54,7 +56,8 @@ per second / 1000), not its busy time (one running request keeps a batching engi
 
 Knobs (CoreConfig; the service's `COLLM_COORDINATOR_<KNOB>` settings): fast_interval_s, slow_interval_s,
 round_deadline_s, rounds, stale_after_s, warmup_s, outcome_grace_s, evaluation_grace_s, attainment_target,
-util_cap, quality_weight_v (V), virtual_queue_gain, max_virtual_queue, headroom_gain, spend_gain,
+util_cap, quality_weight_v (V), virtual_queue_gain, max_virtual_queue, starvation_floor_s, headroom_gain,
+spend_gain,
 spend_rise_per_s, max_share, share_step, share_recover_per_tick, share_ttl_s, routing_ttl_s,
 queue_risk_frac, risk_attainment, risk_attainment_z, non_resident_factor, publish_weights, ttft_slo_ms,
 tpot_slo_ms, slo_risk_frac, forecast_window_s, burst_headroom_sigmas, recent_window_s, backlog_horizon_s,

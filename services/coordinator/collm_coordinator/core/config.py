@@ -68,6 +68,10 @@ class CoreConfig:
     # back within minutes of attainment recovering (3 / (gain x (attainment - target)) rounds), not after
     # as long as the shortfall lasted.
     max_virtual_queue: float = 3.0
+    # An adapter with data that has had no round planned for this long gets one share step on its best
+    # participant at the next slow tick even when its gain does not pay the risk penalty (never on a
+    # replica at SLO risk, never past util_cap): no adapter waits for minutes behind the others.
+    starvation_floor_s: float = 180.0
     # --- fast loop -----------------------------------------------------------------------------------
     max_share: float = 1.0
     share_step: float = 0.05

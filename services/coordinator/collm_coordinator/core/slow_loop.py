@@ -236,6 +236,27 @@ def collm_slow(view: ClusterView) -> SlowDecision:
         heapq.heappush(heap, (-marginal(c), seq, adapter, rid))
         seq += 1
 
+    # The starvation floor: an adapter left without a share for `starvation_floor_s` gets one step on
+    # its candidate with the largest marginal gain that has room, whatever the risk penalty.
+    floored: set[str] = set()
+    for adapter, _, _ in ready:
+        waited_s = view.now_s - view.last_planned_s.get(adapter, view.now_s)
+        if x[adapter] > 0 or waited_s < cfg.starvation_floor_s:
+            continue
+        fits = [
+            c
+            for (a, rid), c in cands.items()
+            if a == adapter and share[rid] + cfg.share_step <= room[rid] + 1e-9
+        ]
+        if not fits or util(cfg.share_step) > cfg.util_cap:
+            continue
+        c = max(fits, key=lambda c: (marginal(c), c.replica_id))
+        x[adapter] += c.step_tokens(t_s, cfg.share_step)
+        c.share += cfg.share_step
+        share[c.replica_id] += cfg.share_step
+        free_sum = None
+        floored.add(adapter)
+
     plans: list[RoundPlanDecision] = []
     for adapter, version, _ in ready:
         rows: list[tuple[str, int, float, float, str]] = []
@@ -271,11 +292,9 @@ def collm_slow(view: ClusterView) -> SlowDecision:
         total_gain = log_gain(q.gain_coefficient, cfg.quality_token_scale, q.trained_tokens, x[adapter])
         per = total_gain / len(rows)
         rows = [(r, b, s, per, why) for r, b, s, _, why in rows]
-        plans.append(
-            make_plan(
-                view, adapter, version, rows, f"{head}; expected gain {total_gain:.4f} nats; stop: {stop}"
-            )
-        )
+        floor = f"; starvation floor: no round for {cfg.starvation_floor_s:g} s" if adapter in floored else ""
+        why = f"{head}; expected gain {total_gain:.4f} nats; stop: {stop}{floor}"
+        plans.append(make_plan(view, adapter, version, rows, why))
     return SlowDecision(
         tuple(plans), tuple(skipped), demand, view.forecast_arrivals_per_s, Z, f"{head}; stop: {stop}"
     )

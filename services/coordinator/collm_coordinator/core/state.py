@@ -108,6 +108,8 @@ class ClusterView:
     headroom: float = 0.0
     # The part of a share trained beyond the requests' slack (AttainmentTarget.spend).
     spend: float = 0.0
+    # Per adapter: when its last round was planned, or when it was first seen (the starvation floor).
+    last_planned_s: Mapping[str, float] = field(default_factory=dict)
 
     def displaced(self, share: float) -> float:
         """The serving capacity a training share takes in the loops' utilisation model: (1 - h) x share."""
@@ -198,6 +200,8 @@ class ClusterState:
         self.adapter_inflight_ewma: dict[str, float] = {}
         # Samples a replica held when it last finished a round of an adapter (freshness).
         self.samples_at_last_round: dict[tuple[str, str], int] = {}
+        # Per adapter: when its last round was planned, or when it was first seen (starvation floor).
+        self.last_planned_s: dict[str, float] = {}
         self.shares: dict[str, float] = {}
         # Ids of rounds seen to finish, oldest first (bounded by CLOSED_ROUNDS_KEPT).
         self.closed_rounds: dict[int, None] = {}
@@ -323,6 +327,7 @@ class ClusterState:
 
     def add_plan(self, plan: RoundPlanDecision, data_tokens: Mapping[str, float]) -> None:
         self.rounds[plan.adapter] = ActiveRound(plan.adapter, plan, data_tokens=dict(data_tokens))
+        self.last_planned_s[plan.adapter] = plan.opened_s
 
     # --- derived quantities -----------------------------------------------------------------------
     def live_ids(self, now_s: float) -> list[str]:
@@ -532,6 +537,7 @@ class ClusterState:
             adapter_demand=adapter_demand,
             adapter_domains=domains,
             data_tokens=data,
+            last_planned_s={a: self.last_planned_s.setdefault(a, now_s) for a in domains},
         )
 
     def _versions_from_telemetry(self, live: Mapping[str, ReplicaObservation]) -> dict[str, int]:

@@ -97,6 +97,7 @@ async def load_adapter(store: AdapterStore, name: str, max_versions: int) -> Ada
                 parent=rec.parent,
                 pruned=rec.pruned,
                 quality=await store.quality(name, n),
+                task=await store.task_quality(name, n),
             )
         )
     return AdapterInfo(name, owner, current, tuple(versions))

@@ -121,6 +121,7 @@ class VersionInfo:
     parent: int | None = None
     pruned: bool = False
     quality: Mapping[str, float] = field(default_factory=dict)
+    task: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # domain -> metric, score, ...
 
 
 @dataclass(frozen=True)
@@ -318,6 +319,14 @@ def adapter_view(a: AdapterInfo) -> dict[str, Any]:
                 "pruned": v.pruned,
                 "current": v.version == a.current,
                 "quality": losses(v.quality),
+                "task": {
+                    d: {
+                        "metric": str(t.get("metric", "")),
+                        "score": num(t.get("score")),
+                        "examples": int(t.get("examples", 0)),
+                    }
+                    for d, t in sorted(v.task.items())
+                },
             }
             for v in a.versions
         ],

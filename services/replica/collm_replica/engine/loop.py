@@ -47,6 +47,7 @@ import torch
 
 from collm_common.data import Example, LocalDataset
 from collm_common.lora import AdapterWeights
+from collm_common.slo import meets_slo
 from collm_common.step_log import BackgroundWork, InferenceStep
 from collm_common.wire.inference import (
     Accepted,
@@ -327,7 +328,8 @@ class _Serving:
             self._inbox.append(seq)
             self._active[req.request_id] = seq
             self._n_waiting += 1
-            self.arrivals_total += 1
+            if not req.internal:
+                self.arrivals_total += 1
         if req.span is not None:
             req.span.set_attribute("collm.adapter.version", version_id)
             req.span.add_event("queued", {"queue_position": accepted.queue_position})
@@ -401,11 +403,13 @@ class _Serving:
         prefill_tokens = 0
         chunks: list[tuple[int, int]] = []  # (tokens, earlier tokens) of each prefill chunk
         decode_context = 0  # tokens of context before the decoding sequences' new tokens
+        internal_prefill = 0  # of prefill_tokens, the replica's own (left out of the serving counters)
         for seq, n in work:
             assert seq.kv is not None
             toks = seq.next_tokens(n)
             if seq.prompt_len + len(seq.output) - seq.computed > 1:  # a prefill (or recompute) chunk
                 prefill_tokens += len(toks)
+                internal_prefill += len(toks) if seq.req.internal else 0
                 chunks.append((len(toks), seq.computed))
             else:
                 decode_context += seq.computed
@@ -417,7 +421,7 @@ class _Serving:
         self.forward_ms_total += ms
         n_tokens = sum(len(f.token_ids) for f in fitems)
         self.step_costs.observe(len(fitems), n_tokens, prefill_tokens, ms)
-        self.prefill_tokens_total += prefill_tokens
+        self.prefill_tokens_total += prefill_tokens - internal_prefill
         now = self.clock()
         for (seq, n), lg in zip(work, logits, strict=True):
             if seq.done:
@@ -506,7 +510,8 @@ class _Serving:
                 seq.req.span.add_event("first_token", {"ttft_ms": (now - seq.t_arrival) * 1e3})
         seq.t_last = now
         seq.output.append(tok)
-        self.generated_tokens_total += 1
+        if not seq.req.internal:
+            self.generated_tokens_total += 1
         if tok in seq.eos:
             tail = seq.stops.flush()
             if tail:
@@ -605,8 +610,11 @@ class _Serving:
                 choices=ends if g.n > 1 else None,
             )
         )
-        if reason in ("stop", "length"):
-            good = ttft_ms <= seq.ttft_slo * 1e3 and (len(seq.output) <= 1 or tpot_ms <= seq.tpot_slo * 1e3)
+        if seq.req.internal:
+            pass
+        elif reason in ("stop", "length"):
+            tpot = tpot_ms if len(seq.output) > 1 else None
+            good = meets_slo(ttft_ms, tpot, seq.ttft_slo * 1e3, seq.tpot_slo * 1e3)
             with self._lock:
                 self.window.add(FinishedSample(now, ttft_ms, tpot_ms if len(seq.output) > 1 else None, good))
         elif reason == "deadline":  # dropped from the queue at its deadline: a miss, without latencies
@@ -1019,7 +1027,8 @@ class Engine(_Serving):
             while self._inbox:
                 seq = self._inbox.popleft()
                 self.waiting.append(seq)
-                self._arrivals.record(now, seq.ttft_slo * 1e3)
+                if not seq.req.internal:
+                    self._arrivals.record(now, seq.ttft_slo * 1e3)
                 self._prompt_tokens_ewma = 0.9 * self._prompt_tokens_ewma + 0.1 * seq.prompt_len
         while True:
             try:

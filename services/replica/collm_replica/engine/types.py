@@ -144,6 +144,10 @@ class EngineRequest:
     tpot_slo_ms: float | None = None
     deadline_unix_s: float | None = None
     span: Any = None  # an OpenTelemetry span started by the service (context captured at admission)
+    # The replica's own work (task-metric generations): served like any request, but left out of the
+    # latency window, the arrival statistics and the token counters that the SLO telemetry, the
+    # co-scheduler and the coordinator's load model read (it is not serving demand).
+    internal: bool = False
 
     def sampling_config(self, index: int = 0) -> SamplingConfig:
         """Choice `index`'s sampling (a seeded request's choice i draws with seed + i)."""

@@ -1,0 +1,31 @@
+"""Whether a request met its latency SLOs: the one rule the engine, the gateway, the simulator and the
+benchmarks all apply (pure).
+
+A completed request meets its SLOs when it has a first token, its TTFT is at most its TTFT SLO and its
+TPOT (defined from its second token on) at most its TPOT SLO; an SLO that is not set (None) holds, and
+so does the TPOT SLO of an answer of one token. `missed_slos` says which were missed (the benchmarks'
+reasons); `meets_slo` whether none was. Whether the request completed at all (its status) is the
+caller's part: a request that failed, was refused or timed out is never good.
+"""
+
+from __future__ import annotations
+
+
+def missed_slos(
+    ttft_ms: float | None, tpot_ms: float | None, ttft_slo_ms: float | None, tpot_slo_ms: float | None
+) -> tuple[str, ...]:
+    """The SLOs a completed request missed, in order: "no_ttft" (no first token), "ttft", "tpot"."""
+    if ttft_ms is None:
+        return ("no_ttft",)
+    missed = []
+    if ttft_slo_ms is not None and ttft_ms > ttft_slo_ms:
+        missed.append("ttft")
+    if tpot_slo_ms is not None and tpot_ms is not None and tpot_ms > tpot_slo_ms:
+        missed.append("tpot")
+    return tuple(missed)
+
+
+def meets_slo(
+    ttft_ms: float | None, tpot_ms: float | None, ttft_slo_ms: float | None, tpot_slo_ms: float | None
+) -> bool:
+    return not missed_slos(ttft_ms, tpot_ms, ttft_slo_ms, tpot_slo_ms)
