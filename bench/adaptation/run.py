@@ -271,7 +271,7 @@ async def _after_chaos(stack: Any, monkey: Any, run_dir: Path) -> dict[str, Any]
 
     t = time.monotonic()
     async with httpx.AsyncClient(timeout=10.0) as http:
-        while time.monotonic() - t < 180 and not (await monkey._ready(http) and await monkey._probe(http)):
+        while time.monotonic() - t < 180 and not (await monkey.ready(http) and await monkey.probe(http)):
             await asyncio.sleep(1.0)
     settled_s = round(time.monotonic() - t, 1)
     accepted = set(monkey.accepted)

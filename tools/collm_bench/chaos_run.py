@@ -103,19 +103,19 @@ class ChaosRun:
         while time.monotonic() - killed_s < self.recovery_timeout_s:
             st = self._services().get(target, {})
             if st.get("pid") not in (None, old_pid) and st.get("state") == "running":
-                if await self._ready(http) and await self._probe(http):
+                if await self.ready(http) and await self.probe(http):
                     return round(time.monotonic() - killed_s, 2)
             await asyncio.sleep(0.5)
         return None
 
-    async def _ready(self, http: httpx.AsyncClient) -> bool:
+    async def ready(self, http: httpx.AsyncClient) -> bool:
         try:
             r = await http.get(f"{self.url}/readyz")
             return r.status_code == 200 and self.replicas <= set(r.json().get("replicas", []))
         except (httpx.HTTPError, ValueError):
             return False
 
-    async def _probe(self, http: httpx.AsyncClient) -> bool:
+    async def probe(self, http: httpx.AsyncClient) -> bool:
         try:
             r = await http.post(
                 f"{self.url}/v1/chat/completions", json={"model": self.domains[0], **PROBE}, timeout=30.0

@@ -7,6 +7,8 @@ Verbs (all async, on the service's event loop; the engine's slot table stays ins
   (`Engine.install_version`, a shadow swap at the next iteration boundary); concurrent loads of one
   version share one fetch; counted in `collm_replica_adapter_swaps_total{source}`;
 * `ensure(name, version=None)`: `name@vN` resident (None: the store's current version, made current);
+* `submit(request, sink, version)`: the request into the engine, its adapter version loaded when it is
+  not resident (503 when it cannot be kept resident);
 * `prefetch(name, version, make_current)`: `load` in the background, a failure only logged;
 * `on_published(event)`: a newer current version of an adapter this replica serves or trains is loaded;
 * `sync()` / `run_sync(interval_s)`: the store's current pointers re-read (lost events, reconnects; an
@@ -33,14 +35,15 @@ from collm_common.lora import decode_adapter, encode_adapter
 from collm_common.store import AdapterStore, Conflict, CorruptBlob, NotFound, StoreError, version_id
 from collm_common.wire.adapters import AdapterPublished
 from collm_replica import metrics
-from collm_replica.engine import Engine
-from collm_replica.errors import ReplicaError
+from collm_replica.engine import Engine, EngineRequest
+from collm_replica.errors import NotResident, ReplicaError
 from collm_replica.lora_bank import AdapterMismatch, LiveLora
 from collm_replica.models import LoadedModel
 from collm_replica.settings import ReplicaSettings
 from collm_replica.tasks import Tasks
 
 log = logging.getLogger(__name__)
+ADMISSION_ATTEMPTS = 3  # submissions of a request whose adapter version had to be loaded first
 
 
 class AdapterManager:
@@ -111,6 +114,20 @@ class AdapterManager:
             raise
         finally:
             self._loads.pop(vid, None)
+
+    async def submit(self, req: EngineRequest, sink: Any, version: int | None = None) -> None:
+        """Submit `req` to the engine; while its adapter version (`version`, None: the current) is not
+        resident, load it and try again, at most `ADMISSION_ATTEMPTS` times (then 503)."""
+        for attempt in range(ADMISSION_ATTEMPTS):
+            try:
+                self.engine.submit(req, sink)
+                return
+            except NotResident:
+                if attempt == ADMISSION_ATTEMPTS - 1:
+                    msg = "adapter could not be kept resident"
+                    raise ReplicaError(503, msg, "service_unavailable") from None
+                assert req.adapter is not None
+                await self.ensure(req.adapter, version)
 
     async def ensure(self, name: str, version: int | None = None) -> str:
         """Make `name@vN` (None: the store's current) resident; returns its version id."""

@@ -21,11 +21,9 @@ from collm_common.store import version_id
 from collm_common.wire.inference import ChatMessage
 from collm_replica.adapters import AdapterManager
 from collm_replica.engine import Engine, EngineRequest
-from collm_replica.errors import NotResident, ReplicaError
+from collm_replica.errors import ReplicaError
 from collm_replica.task_metrics import METRICS, TaskMetric
 from collm_replica.tokenization import chat_ids
-
-ADMISSION_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -87,16 +85,7 @@ class TaskEvaluator:
         def sink(ev: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        for attempt in range(ADMISSION_ATTEMPTS):
-            try:
-                self.engine.submit(req, sink)
-                break
-            except NotResident:
-                if attempt == ADMISSION_ATTEMPTS - 1:
-                    raise ReplicaError(
-                        503, "adapter could not be kept resident", "service_unavailable"
-                    ) from None
-                await self.adapters.ensure(adapter, version)
+        await self.adapters.submit(req, sink, version)
         text: list[str] = []
         while True:
             ev = await events.get()

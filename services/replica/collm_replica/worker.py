@@ -79,7 +79,7 @@ from collm_common.wire.tokenize import (
 from collm_replica import __version__, metrics, observe, vllm_metrics
 from collm_replica.adapters import AdapterManager
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
-from collm_replica.errors import NotResident, ReplicaError, context_length_exceeded
+from collm_replica.errors import ReplicaError, context_length_exceeded
 from collm_replica.models import LoadedModel, load_model
 from collm_replica.participant import Participant
 from collm_replica.samples import SamplesConsumer, load_local_dataset
@@ -92,7 +92,6 @@ log = logging.getLogger(__name__)
 request_log = logging.getLogger("collm_replica.requests")  # one line per finished request
 
 # Admission attempts of a request whose adapter version is not resident (loaded between attempts).
-ADMISSION_ATTEMPTS = 3
 
 
 def prompt_ids(gr: GenerateRequest, loaded: LoadedModel) -> list[int]:
@@ -265,21 +264,12 @@ class Replica:
             else prompt_ids(gr, self.loaded)
         )
         er = engine_request(gr, ids, span, int(self.loaded.config.vocab_size))
-        for attempt in range(ADMISSION_ATTEMPTS):
-            try:
-                self.engine.submit(er, sink)
-                return
-            except NotResident:
-                if attempt == ADMISSION_ATTEMPTS - 1:
-                    raise ReplicaError(
-                        503, "adapter could not be kept resident", "service_unavailable"
-                    ) from None
-                assert gr.adapter is not None
-                await self.adapters.ensure(gr.adapter, gr.adapter_version)
-            except ReplicaError as err:
-                if err.error_code == CONTEXT_LENGTH_EXCEEDED and err.param is None:
-                    err.param = "messages" if gr.messages else "prompt"  # the field as the client sent it
-                raise
+        try:
+            await self.adapters.submit(er, sink, gr.adapter_version)
+        except ReplicaError as err:
+            if err.error_code == CONTEXT_LENGTH_EXCEEDED and err.param is None:
+                err.param = "messages" if gr.messages else "prompt"  # the field as the client sent it
+            raise
 
     async def _generate(self, gr: GenerateRequest, headers: Mapping[str, str]) -> AsyncIterator[Any]:
         span = self.tracer.start_span(
