@@ -3,7 +3,7 @@
     flock /tmp/collm-heavy.lock .venv/bin/python bench/sim/routing_check.py \\
         --calibration bench/calibration/smollm2.json
 
-Same workload and seed as the sweep (conv trace, 8 replicas), at fractions of the estimated capacity;
+Conv trace, 8 replicas, seed 0, at fractions of the estimated capacity;
 prints goodput, attainment and fine-tuning tokens for `publish_weights` false (the gateway routes
 least-loaded) and true (the gateway's weighted draw on the coordinator's weights), and writes
 `bench/results/sim/routing_check.json`.
@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collm_bench.headline.rates import workload_capacity_rps
 
-from sweep import capacity_per_replica  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = EngineSpec()
     ttft = 3.0 * cal.cost.prefill_ms(int(np.percentile(probe.input_tokens, 99)))
     tpot = 3.0 * cal.cost.decode_ms(eng.max_batch)
-    cap = capacity_per_replica(cal, probe, eng.max_batch) * args.replicas
+    cap = workload_capacity_rps(cal, probe, eng.max_batch, args.replicas)
     rows = []
     for frac in [float(x) for x in args.fractions.split(",")]:
         rate = round(cap * frac, 3)

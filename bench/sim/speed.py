@@ -17,10 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collm_bench.headline.rates import workload_capacity_rps
 
-from sweep import capacity_per_replica  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = build_workload(
         WorkloadSpec(**base, rate_rps=1.0, duration_s=600.0), tuple(q.domain for q in cal.quality)
     )
-    per_replica = capacity_per_replica(cal, probe, EngineSpec().max_batch)
+    per_replica = workload_capacity_rps(cal, probe, EngineSpec().max_batch, 1)
     rows = []
     for n, duration in zip(sizes, durations, strict=True):
         rate = round(args.load * per_replica * n, 3)

@@ -251,6 +251,9 @@ class Simulation:
         self.published_tokens = 0.0
         self.quality_timeline: list[tuple[float, dict[str, float]]] = [(0.0, self._gains())]
         self.share_samples: list[float] = []
+        # Per fast tick and replica: a training share in force, and a round job held with it.
+        self.share_ticks = 0
+        self.share_job_ticks = 0
         self.z_samples: list[float] = []
         # Versions each replica has scored (adapter, version): the engine's cache of evaluations.
         self._scored: dict[str, set[tuple[str, int]]] = {rid: set() for rid in self.ids}
@@ -426,6 +429,10 @@ class Simulation:
                 if not rep.idle or (s.share > 0 and rep.has_job):
                     self._wake(rep, t)
             self.share_samples.append(sum(s.share for s in fast.shares))
+            for rep in self.replicas.values():
+                if rep.share_now(t) > 0:
+                    self.share_ticks += 1
+                    self.share_job_ticks += rep.has_job
             self.z_samples.append(d.diagnostics.virtual_queue)
         return max(d.next_tick_s, t + 1e-6)
 
@@ -670,6 +677,9 @@ class Simulation:
                 if self.replicas and self.now > 0
                 else 0.0
             ),
+            # Of the fast ticks at which a replica has a training share in force, the share at which it
+            # holds a round job (None: no share ever).
+            "job_time_of_share_frac": (self.share_job_ticks / self.share_ticks if self.share_ticks else None),
             "busy_s_by_replica": {
                 rid: {k: round(ms / 1e3, 3) for k, ms in rep.busy_ms.items()}
                 for rid, rep in self.replicas.items()

@@ -403,6 +403,10 @@ class SimReplica:
         self.share_expires_s = expires_s
         self.spend = spend
 
+    def share_now(self, now: float) -> float:
+        """The training share in force at `now`: the coordinator's until its TTL, then the default."""
+        return effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)[0]
+
     def start_job(
         self, adapter: str, round_id: int, base_version: int, budget: int, deadline_s: float, now: float
     ) -> None:

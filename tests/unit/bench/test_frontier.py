@@ -367,4 +367,5 @@ def test_a_sync_rounds_result_gets_its_own_file_name() -> None:
 
     assert result_path(Path("out"), "sim", "conv", 8).name == "sim-conv-8r.json"
     assert result_path(Path("out"), "sim", "conv", 8, "sync").name == "sim-conv-8r-sync.json"
+    assert result_path(Path("out"), "sim", "code", 8, "async", 0.9).name == "sim-code-8r-alone0.9.json"
     assert result_path(Path("out"), "live", "x/trace.csv", 2, "async").name == "live-trace-2r.json"

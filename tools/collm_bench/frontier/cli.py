@@ -7,6 +7,7 @@
     python -m collm_bench frontier --render bench/results/frontier/sim-conv-64r.json   # table and figure
     python -m collm_bench frontier --agree bench/results/frontier/live-conv-2r.json    # sim vs live
     python -m collm_bench frontier --sim --step-load 0.3,0.7,0.3   # collm under a step in load
+    python -m collm_bench frontier --sim --robustness   # one setting per policy at 0.3, 0.5, 0.7 and a step
 
 Writes `OUT/<sim|live>-<trace>-<N>r.json` (points, frontiers, goals, config, trace label) and the figure
 beside it (`.png`), and prints the table. Exit status: 0 done (goals met or not: the table says), 2
@@ -29,7 +30,7 @@ from collm_bench.headline.setup import SetupError
 from collm_bench.headline.signals import interrupt_on_sigterm
 
 from . import points as pts
-from . import step
+from . import robust, step
 from .agree import agreement
 from .live import LiveFrontierConfig, live_frontier
 from .render import markdown, plot
@@ -86,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --sim: collm under these load fractions in turn (e.g. 0.3,0.7,0.3), not the grid",
     )
     p.add_argument("--step-s", type=float, default=600.0, help="with --step-load: seconds of each load")
+    p.add_argument(
+        "--robustness",
+        action="store_true",
+        help="with --sim: one setting per policy at each of --loads and under the step --step-load "
+        "(default 0.3,0.7,0.3), --window-s each (default 1800)",
+    )
+    p.add_argument("--loads", default=None, help="with --robustness: constant loads (0.3,0.5,0.7)")
+    p.add_argument(
+        "--robustness-from",
+        type=Path,
+        default=DEFAULT_OUT / "sim-conv-8r.json",
+        metavar="FILE",
+        help="with --robustness: the frontier whose points choose fixed_ratio's K and separate's split",
+    )
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     p.add_argument(
         "--fixed-shares", default=None, help="fixed_ratio's training shares (0.05,0.1,0.2,0.333,0.5)"
@@ -173,10 +188,14 @@ def finish(results: dict[str, Any], path: Path, out: TextIO) -> None:
     out.write(f"[frontier] {path}\n[frontier] {png}\n")
 
 
-def result_path(out_dir: Path, mode: str, trace: str, replicas: int, rounds: str = "async") -> Path:
-    """`<mode>-<trace>-<N>r.json`, with `-sync` when the rounds are synchronous."""
+def result_path(
+    out_dir: Path, mode: str, trace: str, replicas: int, rounds: str = "async", alone: float | None = None
+) -> Path:
+    """`<mode>-<trace>-<N>r.json`, with `-sync` when the rounds are synchronous and `-alone<A>` when the
+    rate is the one where serving alone attains A."""
     name = Path(trace).stem if trace.endswith((".csv", ".jsonl")) else trace
-    return out_dir / f"{mode}-{name}-{replicas}r{'-sync' if rounds == 'sync' else ''}.json"
+    tail = ("-sync" if rounds == "sync" else "") + ("" if alone is None else f"-alone{alone:g}")
+    return out_dir / f"{mode}-{name}-{replicas}r{tail}.json"
 
 
 def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO) -> int:
@@ -204,6 +223,21 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
 
     command = ("python -m collm_bench frontier " + " ".join(argv)).strip()
     say(command)
+    if args.robustness:
+        if not args.sim:
+            raise ValueError("--robustness runs in the simulator: add --sim")
+        replicas = args.replicas or 8
+        cfg = headline_config(args, replicas, args.window_s or 1800.0)
+        source = json.loads(args.robustness_from.read_text(encoding="utf-8"))
+        loads = _floats(args.loads, robust.LOADS)
+        steps = _floats(args.step_load, robust.STEP)
+        full = args.robustness_from.resolve()
+        chosen_from = str(full.relative_to(REPO)) if full.is_relative_to(REPO) else str(full)
+        doc = robust.robustness(cfg, source, chosen_from, loads, steps, usable_jobs(args.jobs), say)
+        doc["command"] = command
+        path = robust.write(doc, result_path(args.out_dir, "sim-robust", args.trace, replicas, cfg.rounds))
+        out.write(f"\n{robust.table(doc)}\n\n[frontier] {path}\n[frontier] {path.with_suffix('.png')}\n")
+        return 0
     if args.sim and args.step_load:
         replicas = args.replicas or 8
         fracs = _floats(args.step_load, ())
@@ -223,7 +257,8 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
             cfg, knobs, args.load, args.rate, usable_jobs(args.jobs), say, args.alone_attainment
         )
         results["command"] = command
-        finish(results, result_path(args.out_dir, "sim", args.trace, replicas, cfg.rounds), out)
+        alone = args.alone_attainment if args.rate is None else None
+        finish(results, result_path(args.out_dir, "sim", args.trace, replicas, cfg.rounds, alone), out)
         return 0
     live = LiveFrontierConfig.from_args(args, policies)
     cfg = headline_config(args, live.replicas, live.window_s)

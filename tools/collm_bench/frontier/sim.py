@@ -82,6 +82,10 @@ def run_point(cfg: HeadlineConfig, cal: Calibration, rate_rps: float, slo: Slo, 
         "rounds": run["sim"]["rounds"],
         # Replica-seconds holding a round's training job, of all replica-seconds.
         "job_time_frac": round(run["sim"]["job_time_frac"], 4),
+        # Of the replica-time with a training share in force, the part holding a job (fast-tick samples).
+        "job_time_of_share_frac": (
+            None if (f := run["sim"]["job_time_of_share_frac"]) is None else round(f, 4)
+        ),
         "wall_s": round(time.monotonic() - t0, 1),
     }
 

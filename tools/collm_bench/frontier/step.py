@@ -33,6 +33,7 @@ BIN_S = 60.0
 class StepKnob:
     label: str
     core: Mapping[str, float]
+    policy: str = "collm"
 
 
 def default_knobs(default_target: float) -> list[StepKnob]:
@@ -73,13 +74,14 @@ def _workload(
 def run_knob(
     cfg: HeadlineConfig, cal: Calibration, slo: Slo, rates: Sequence[float], step_s: float, knob: StepKnob
 ) -> dict[str, Any]:
-    """One knob over the whole step sequence: its per-minute series and fine-tuning tokens."""
+    """One knob over the whole step sequence: its per-minute series, attainment over all of it, fine-tuning
+    tokens, and the served quality gain per domain after each publication (`quality_timeline`, [s, gains])."""
     from collm_bench.goodput import is_good
     from collm_bench.headline.predict import sim_config
     from collm_sim.cluster import Simulation
 
     (source,) = setup.resolve_sources(cfg)
-    sim_cfg = sim_config(cfg, source, rates[0], slo, "collm", cfg.train_examples, None, None, knob.core)
+    sim_cfg = sim_config(cfg, source, rates[0], slo, knob.policy, cfg.train_examples, None, None, knob.core)
     sim = Simulation(sim_cfg, cal, workload=_workload(cfg, source, slo, rates, step_s))
     ticks: list[tuple[float, float, float, float]] = []
     on_tick = sim.core.on_tick
@@ -119,7 +121,30 @@ def run_knob(
                 "total_share": mean(3),
             }
         )
-    return {"knob": knob.label, "core": dict(knob.core), "ft_tokens": res.sim["ft_tokens"], "series": series}
+    return {
+        "knob": knob.label,
+        "policy": knob.policy,
+        "core": dict(knob.core),
+        "ft_tokens": res.sim["ft_tokens"],
+        "attainment": round(sum(good) / sum(total), 4) if sum(total) else None,
+        "series": series,
+        "quality_timeline": res.sim["quality_timeline"],
+    }
+
+
+def sim_setup(cfg: HeadlineConfig, what: str) -> tuple[float, Calibration, setup.TraceSource, Slo, float]:
+    """What a simulated run of `cfg` needs: the coordinator's default attainment target, the calibration
+    (default quality curves for domains it lacks), the trace, the SLO and the capacity estimate (req/s)."""
+    if cfg.calibration is None or not Path(cfg.calibration).is_file():
+        raise setup.SetupError(f"{what} needs a calibration (got {cfg.calibration})")
+    from collm_coordinator.core import CoreConfig
+
+    from .sim import capacity_rps, max_batch
+
+    cal, _ = with_default_curves(Calibration.load(cfg.calibration), cfg.domains)
+    (source,) = setup.resolve_sources(cfg)
+    slo = setup.slo_for(cfg, source, cal, max_batch())
+    return CoreConfig().attainment_target, cal, source, slo, capacity_rps(cfg, cal, source)
 
 
 def step_load(
@@ -129,17 +154,7 @@ def step_load(
     say: Callable[[str], None],
 ) -> dict[str, Any]:
     """The result file's content: every knob of `default_knobs` under the step sequence."""
-    if cfg.calibration is None or not Path(cfg.calibration).is_file():
-        raise setup.SetupError(f"the step-load run needs a calibration (got {cfg.calibration})")
-    from collm_coordinator.core import CoreConfig
-
-    from .sim import capacity_rps, max_batch
-
-    default_target = CoreConfig().attainment_target
-    cal, _ = with_default_curves(Calibration.load(cfg.calibration), cfg.domains)
-    (source,) = setup.resolve_sources(cfg)
-    slo = setup.slo_for(cfg, source, cal, max_batch())
-    cap_rps = capacity_rps(cfg, cal, source)
+    default_target, cal, source, slo, cap_rps = sim_setup(cfg, "the step-load run")
     rates = [f * cap_rps for f in fractions]
     steps = " -> ".join(f"{f:g}" for f in fractions)
     say(
@@ -151,7 +166,7 @@ def step_load(
     for knob in default_knobs(default_target):
         run = run_knob(cfg, cal, slo, rates, step_s, knob)
         say(f"  collm {knob.label:<24} ft tokens {run['ft_tokens']}")
-        runs.append(run)
+        runs.append({k: v for k, v in run.items() if k not in ("policy", "attainment", "quality_timeline")})
     return {
         "schema": SCHEMA,
         "trace": {"name": source.name, "label": source.label(cfg)},

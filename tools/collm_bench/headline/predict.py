@@ -189,6 +189,7 @@ def simulate_run(
         "quality_gain_mix",
         "trained_tokens_by_domain",
         "job_time_frac",
+        "job_time_of_share_frac",
         "job_s",
         "tokens_past_measured_by_domain",
         "mean_total_share",

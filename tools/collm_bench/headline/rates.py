@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # attainment(policy, n_requests) -> SLO attainment of that policy's simulated run.
 AttainmentFn = Callable[[str, int], float]
@@ -161,3 +162,16 @@ def capacity_estimate_rps(
     if per_req_ms <= 0:
         return math.inf
     return replicas * 1000.0 / per_req_ms
+
+
+def workload_capacity_rps(cal: Any, wl: Any, max_batch: int, replicas: int) -> float:
+    """`capacity_estimate_rps` for a simulator workload's mean lengths and a calibration's costs."""
+    return capacity_estimate_rps(
+        cal.cost.prefill_ms_per_token,
+        cal.cost.decode_ms(max_batch),
+        max_batch,
+        cal.cost.lora_overhead_frac_per_adapter,
+        float(wl.input_tokens.mean()),
+        float(wl.output_tokens.mean()),
+        replicas,
+    )

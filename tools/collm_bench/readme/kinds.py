@@ -14,6 +14,7 @@ from typing import Any
 
 from collm_bench import adaptation, chaos
 from collm_bench.frontier import render as frontier
+from collm_bench.frontier import robust as frontier_robust
 from collm_bench.frontier import step as frontier_step
 
 from . import engine, faults, federated, gate, gateway, sim
@@ -55,7 +56,6 @@ KINDS: dict[str, Kind] = {
     "gate-noise": Kind(_one(gate.table)),
     "gateway-overhead": Kind(gateway.overhead_table, files=None),
     "gateway-overload": Kind(_one(gateway.overload_table)),
-    "sim-sweep": Kind(_one(sim.sweep_table), plots=sim.sweep_plots),
     "sim-speed": Kind(_one(sim.speed_table)),
     "sim-routing": Kind(_one(sim.routing_table)),
     "engine-summary": Kind(engine.summary_table, files=None),
@@ -69,6 +69,7 @@ KINDS: dict[str, Kind] = {
     "federated-synthetic": Kind(_one(federated.synthetic_table)),
     "frontier": Kind(frontier.goals_table, files=None, plots=_one_plot(frontier.plot)),
     "frontier-step": Kind(_one(frontier_step.table), plots=_one_plot(frontier_step.plot)),
+    "frontier-robust": Kind(_one(frontier_robust.table), plots=_one_plot(frontier_robust.plot)),
 }
 
 
