@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
+from collm_common.clock import Clock, WallClock
 from collm_common.settings import CommonSettings, sentinel_addresses
 from collm_common.subjects import check_token
 
@@ -140,9 +140,12 @@ return {1, ARGV[2]}
 
 
 class AdapterStore:
-    def __init__(self, redis: Redis, prefix: str = "collm", retention_versions: int = 5) -> None:
+    def __init__(
+        self, redis: Redis, prefix: str = "collm", retention_versions: int = 5, clock: Clock | None = None
+    ) -> None:
         if retention_versions < 1:
             raise ValueError("retention_versions must be >= 1")
+        self.clock = clock or WallClock()
         self.r = redis
         self.prefix = prefix
         self.retention_versions = retention_versions
@@ -156,9 +159,11 @@ class AdapterStore:
         return cls(client, prefix, retention_versions)
 
     @classmethod
-    def connect(cls, settings: CommonSettings, retention_versions: int = 5) -> AdapterStore:
-        """A service's store: `redis_client(settings)` under `redis_prefix`."""
-        return cls(redis_client(settings), settings.redis_prefix, retention_versions)
+    def connect(
+        cls, settings: CommonSettings, retention_versions: int = 5, clock: Clock | None = None
+    ) -> AdapterStore:
+        """A service's store: `redis_client(settings)` under `redis_prefix`, timestamps from `clock`."""
+        return cls(redis_client(settings), settings.redis_prefix, retention_versions, clock)
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -201,7 +206,7 @@ class AdapterStore:
             size_bytes=len(blob),
             base_model=base_model,
             source=source,
-            created_unix_s=time.time(),
+            created_unix_s=self.clock.now(),
             round_id=round_id,
             parent=parent,
             meta=dict(meta or {}),
@@ -275,7 +280,7 @@ class AdapterStore:
         """Move `current` from `expected` to `new` atomically, or raise Conflict / NotFound."""
         res = await self._cas(
             keys=[self._k(name, "current"), self._k(name, "v", str(new)), self.events_key],
-            args=["" if expected is None else str(expected), str(new), name, repr(time.time()), reason],
+            args=["" if expected is None else str(expected), str(new), name, repr(self.clock.now()), reason],
         )
         status = int(res[0])
         if status == 1:

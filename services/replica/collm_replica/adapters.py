@@ -31,6 +31,7 @@ from typing import Any
 
 from collm_common import subjects
 from collm_common.bus import Bus
+from collm_common.clock import Clock, WallClock
 from collm_common.lora import decode_adapter, encode_adapter
 from collm_common.store import AdapterStore, Conflict, CorruptBlob, NotFound, StoreError, version_id
 from collm_common.wire.adapters import AdapterPublished
@@ -57,8 +58,10 @@ class AdapterManager:
         store: AdapterStore,
         bus: Bus,
         tasks: Tasks,
+        clock: Clock | None = None,
     ) -> None:
         self.s = settings
+        self.clock = clock or WallClock()
         self.rid = settings.replica_id
         self.loaded = loaded
         self.engine = engine
@@ -214,7 +217,7 @@ class AdapterManager:
         """`sync` now and every `interval_s` until cancelled."""
         while True:
             await self.sync()
-            await asyncio.sleep(interval_s)
+            await self.clock.sleep(interval_s)
 
     async def create_initial(self, name: str) -> int:
         """Create `name@v1` (zero-B LoRA: the base model's behaviour) and announce it; returns its version

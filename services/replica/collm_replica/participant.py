@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from typing import Any, NamedTuple
 
 import redis.exceptions
@@ -33,6 +32,7 @@ import torch
 
 from collm_common import subjects, tracing
 from collm_common.bus import Bus
+from collm_common.clock import Clock, WallClock
 from collm_common.lora import decode_adapter, encode_adapter
 from collm_common.store import (
     AdapterStore,
@@ -78,12 +78,12 @@ class _RoundJob(NamedTuple):
     offset: dict[str, torch.Tensor]
 
 
-def _give_up_unix_s(deadline_unix_s: float | None) -> float:
+def _give_up_unix_s(deadline_unix_s: float | None, now_unix_s: float) -> float:
     """When retrying an update's upload or announcement stops: `UPDATE_SEND_MARGIN_S` before the
     round's deadline, or `UPDATE_RETRY_BOUND_S` from now for a round without one."""
     if deadline_unix_s is not None:
         return deadline_unix_s - UPDATE_SEND_MARGIN_S
-    return time.time() + UPDATE_RETRY_BOUND_S
+    return now_unix_s + UPDATE_RETRY_BOUND_S
 
 
 class Participant:
@@ -99,8 +99,10 @@ class Participant:
         adapters: AdapterManager,
         tasks: Tasks,
         task_metrics: dict[str, str] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.rid = replica_id
+        self.clock = clock or WallClock()
         self.task_eval = TaskEvaluator(engine, adapters, loaded.tokenizer, task_metrics or {})
         self.loaded = loaded
         self.engine = engine
@@ -236,10 +238,10 @@ class Participant:
             train_loss=ev.train_loss,
             eval_loss_before=ev.eval_loss_before,
             eval_loss_after=ev.eval_loss_after,
-            created_unix_s=time.time(),
+            created_unix_s=self.clock.now(),
         )
         headers = tracing.inject({"Nats-Msg-Id": f"update-{ev.round_id}-{self.rid}"})
-        give_up_s = _give_up_unix_s(deadline)
+        give_up_s = _give_up_unix_s(deadline, self.clock.now())
         delay_s = 0.1
         sent = False
         while not sent:
@@ -249,10 +251,10 @@ class Participant:
                 )
                 sent = True
             except Exception as exc:  # noqa: BLE001 - JetStream not ready: retry, dedupe makes it safe
-                if time.time() + delay_s > give_up_s:
+                if self.clock.now() + delay_s > give_up_s:
                     break
                 log.warning("publishing the update of round %d failed (%s); retrying", ev.round_id, exc)
-                await asyncio.sleep(delay_s)
+                await self.clock.sleep(delay_s)
                 delay_s = min(2 * delay_s, 1.0)
         self.round_role = "done"
         if not sent:
@@ -279,7 +281,7 @@ class Participant:
         take the update anyway, or for `UPDATE_RETRY_BOUND_S` when the round has no deadline. The blob is
         written once (SET NX): an attempt whose reply was lost leaves it stored, and the retry then finds
         it and announces it."""
-        give_up_s = _give_up_unix_s(deadline_unix_s)
+        give_up_s = _give_up_unix_s(deadline_unix_s, self.clock.now())
         delay_s = 0.1
         while True:
             try:
@@ -288,7 +290,7 @@ class Participant:
                 log.warning("update for round %d already stored; announcing it", round_id)
                 return self.store.update_key(round_id, self.rid), sha256_hex(blob)
             except STORE_UNREACHABLE as exc:
-                if time.time() + delay_s > give_up_s:
+                if self.clock.now() + delay_s > give_up_s:
                     metrics.ROUND_UPDATES.labels(self.rid, "not_sent_store_unreachable").inc()
                     until = (
                         f"until {UPDATE_SEND_MARGIN_S:g} s before the round's deadline"
@@ -302,7 +304,7 @@ class Participant:
                     return None
                 metrics.UPDATE_UPLOAD_RETRIES.labels(self.rid).inc()
                 log.warning("round %d: adapter store unreachable (%s); retrying the upload", round_id, exc)
-                await asyncio.sleep(delay_s)
+                await self.clock.sleep(delay_s)
                 delay_s = min(2 * delay_s, 1.0)
             except Exception:
                 metrics.ROUND_UPDATES.labels(self.rid, "not_sent_store_error").inc()

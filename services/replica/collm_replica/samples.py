@@ -17,6 +17,7 @@ from typing import Any
 
 from collm_common import subjects
 from collm_common.bus import Bus
+from collm_common.clock import Clock, WallClock
 from collm_common.data import Example, LocalDataset, load_dataset, read_file, write_jsonl
 from collm_common.wire import WireError, decode_payload
 from collm_common.wire.adapters import TrainingSample
@@ -89,8 +90,11 @@ def append_samples(path: Path, examples: list[Example]) -> None:
 class SamplesConsumer:
     """The durable consumer of this replica's training samples (see module docstring)."""
 
-    def __init__(self, settings: ReplicaSettings, bus: Bus, engine: Engine) -> None:
+    def __init__(
+        self, settings: ReplicaSettings, bus: Bus, engine: Engine, clock: Clock | None = None
+    ) -> None:
         self.s = settings
+        self.clock = clock or WallClock()
         self.bus = bus
         self.engine = engine
 
@@ -110,7 +114,7 @@ class SamplesConsumer:
                 )
             except Exception as exc:  # noqa: BLE001 - JetStream not ready yet
                 log.debug("samples consumer not ready: %s", exc)
-                await asyncio.sleep(2.0)
+                await self.clock.sleep(2.0)
         try:
             await self._consume(sub, path)
         finally:
@@ -127,7 +131,7 @@ class SamplesConsumer:
                 continue
             except Exception as exc:  # noqa: BLE001 - reconnecting
                 log.debug("samples fetch failed: %s", exc)
-                await asyncio.sleep(1.0)
+                await self.clock.sleep(1.0)
                 continue
             examples = []
             for m in msgs:

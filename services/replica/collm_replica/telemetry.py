@@ -8,8 +8,7 @@ publishes every `telemetry_interval_s` on `subjects.telemetry(id)` and answers o
 
 from __future__ import annotations
 
-import time
-
+from collm_common.clock import Clock, WallClock
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_replica import metrics, vllm_metrics
 from collm_replica.engine import EngineSnapshot
@@ -20,15 +19,18 @@ _RATES = ("gen", "pre", "arr", "ft", "infer_ms", "train_ms")
 class TelemetryBuilder:
     """See module docstring."""
 
-    def __init__(self, replica_id: str, model: str, interval_s: float, max_lora: int = 0) -> None:
+    def __init__(
+        self, replica_id: str, model: str, interval_s: float, max_lora: int = 0, clock: Clock | None = None
+    ) -> None:
         self.rid = replica_id
+        self.clock = clock or WallClock()
         self.model = model
         self.interval_s = interval_s
         self.max_lora = max_lora  # adapter slots, for vLLM's `vllm:lora_requests_info`
         self._last: dict[str, float] | None = None
 
     def build(self, snap: EngineSnapshot, round_role: str, round_id: int | None) -> ReplicaTelemetry:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         counters = {
             "gen": float(snap.generated_tokens_total),
             "pre": float(snap.prefill_tokens_total),
@@ -50,11 +52,11 @@ class TelemetryBuilder:
         metrics.ADAPTERS.labels(self.rid).set(len(snap.adapters))
         vllm_metrics.record_state(
             self.model, self.rid, snap.running, snap.queue_len, snap.kv_used_frac, snap.adapters,
-            self.max_lora, time.time(),
+            self.max_lora, self.clock.now(),
         )  # fmt: skip
         return ReplicaTelemetry(
             replica_id=self.rid,
-            ts_unix_s=time.time(),
+            ts_unix_s=self.clock.now(),
             interval_s=self.interval_s,
             model=self.model,
             queue_len=snap.queue_len,

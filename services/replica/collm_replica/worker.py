@@ -47,6 +47,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from collm_common import subjects, tracing
 from collm_common.bus import Bus, ServiceFailure, message_size
+from collm_common.clock import Clock, WallClock
 from collm_common.service import ServiceContext
 from collm_common.step_log import StepLog
 from collm_common.store import AdapterStore, version_id
@@ -174,8 +175,9 @@ class Replica:
     """One replica: its engine, adapter manager, round participant, NATS endpoints and background loops."""
 
     def __init__(self, settings: ReplicaSettings, loaded: LoadedModel, bus: Bus, store: AdapterStore,
-                 engine: Engine | None = None) -> None:  # fmt: skip
+                 engine: Engine | None = None, clock: Clock | None = None) -> None:  # fmt: skip
         self.s = settings
+        self.clock = clock or WallClock()
         self.rid = settings.replica_id
         self.loaded = loaded
         self.bus = bus
@@ -184,17 +186,18 @@ class Replica:
         self.engine = engine or Engine(
             loaded, EngineConfig.from_settings(settings), dataset=load_local_dataset(settings)
         )
-        self.adapters = AdapterManager(settings, loaded, self.engine, store, bus, self.tasks)
+        self.adapters = AdapterManager(settings, loaded, self.engine, store, bus, self.tasks, self.clock)
         self.participant = Participant(
-            self.rid, loaded, self.engine, store, bus, self.adapters, self.tasks, settings.task_metrics
-        )
+            self.rid, loaded, self.engine, store, bus, self.adapters, self.tasks, settings.task_metrics,
+            self.clock,
+        )  # fmt: skip
         self.engine.on_job_event = self.participant.on_job_event_threadsafe
-        self.samples = SamplesConsumer(settings, bus, self.engine)
+        self.samples = SamplesConsumer(settings, bus, self.engine, self.clock)
         self.step_log = StepLog(settings.step_log_path) if settings.step_log_path is not None else None
         if self.step_log is not None:
             self.engine.step_log = self.step_log.write
         self.telemetry_builder = TelemetryBuilder(
-            self.rid, loaded.name, settings.telemetry_interval_s, settings.max_resident_adapters
+            self.rid, loaded.name, settings.telemetry_interval_s, settings.max_resident_adapters, self.clock
         )
         self.tracer = tracing.tracer("collm.replica")
 
@@ -421,7 +424,7 @@ class Replica:
                 log.debug("telemetry not sent: %s", exc)
             if self.step_log is not None:
                 self.step_log.flush()
-            await asyncio.sleep(self.s.telemetry_interval_s)
+            await self.clock.sleep(self.s.telemetry_interval_s)
 
 
 def _error_reply(_req: Any, err: ServiceFailure) -> ErrorReply:
@@ -440,9 +443,9 @@ async def serve(ctx: ServiceContext[ReplicaSettings]) -> None:
         max_model_len=s.max_model_len, matmul_dtype=s.matmul_dtype,
     )  # fmt: skip
     bus = await ctx.stack.enter_async_context(await Bus.connect(s, f"collm-replica-{s.replica_id}"))
-    store = AdapterStore.connect(s)
+    store = AdapterStore.connect(s, clock=ctx.clock)
     ctx.stack.push_async_callback(store.close)
-    replica = Replica(s, loaded, bus, store)
+    replica = Replica(s, loaded, bus, store, clock=ctx.clock)
     await replica.start()
     ctx.stack.push_async_callback(replica.stop)
     await ctx.stopping.wait()
