@@ -54,17 +54,8 @@ Load units: a replica's load is the fraction of its full-batch capacity its toke
 decode tokens/s x decode_step_ms(max_batch) / max_batch + prefill tokens/s x prefill_ms_per_token (ms
 per second / 1000), not its busy time (one running request keeps a batching engine busy all the time).
 
-Knobs (CoreConfig; the service's `COLLM_COORDINATOR_<KNOB>` settings): fast_interval_s, slow_interval_s,
-round_deadline_s, rounds, stale_after_s, warmup_s, outcome_grace_s, evaluation_grace_s, attainment_target,
-util_cap, quality_weight_v (V), virtual_queue_gain, max_virtual_queue, starvation_floor_s, headroom_gain,
-spend_gain,
-spend_rise_per_s, max_share, share_step, share_recover_per_tick, share_ttl_s, routing_ttl_s,
-queue_risk_frac, risk_attainment, risk_attainment_z, non_resident_factor, publish_weights, ttft_slo_ms,
-tpot_slo_ms, slo_risk_frac, forecast_window_s, burst_headroom_sigmas, recent_window_s, backlog_horizon_s,
-burst_window_s, burst_spike_factor, burst_util, quality_token_scale (tau), quality_prior_gain,
-quality_prior_weight, data_tokens_per_sample, data_useful_epochs, stale_data_weight, learning_rate,
-quorum_frac, min_budget_tokens, probe_budget_tokens, probe_share, adapters; baselines:
-separate_train_frac, fixed_ratio_k, leftover_share.
+Knobs: `CoreConfig` (config.py), each declared once with its meaning and bounds; the service's
+`COLLM_COORDINATOR_<KNOB>` settings are made from them (`config.settings()`; docs/settings.md lists them).
 
 Baselines behind the same interface (baselines.py): `separate`, `fixed_ratio`, `leftover`.
 """
