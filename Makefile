@@ -50,8 +50,16 @@ compose-check: install
 compose-check-cluster: install
 	$(BIN)/python deploy/compose_check.py --cluster $(COMPOSE_CHECK_ARGS)
 
+# `make lint` (CI runs it before `make test`): ruff (errors, style, formatting) and vulture (unused code;
+# [tool.vulture] in pyproject.toml and tools/lint/vulture_whitelist.py) over everything, tests included;
+# pylint's duplicate-code check (copies of more than `min-similarity-lines` lines; [tool.pylint] in
+# pyproject.toml) over the non-test code, LINT_COPY_PATHS.
+LINT_COPY_PATHS := services libs tools bench deploy
 lint: install
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/vulture
+	$(BIN)/pylint $(LINT_COPY_PATHS)
 
 # `make clean`: run state and the generated files under bench/results/ (ignored by git); the committed
 # result files stay.

@@ -48,7 +48,6 @@ from nats.js import JetStreamContext
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import BaseModel, TypeAdapter
 
@@ -65,7 +64,6 @@ ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 STATUS_HEADER = "Status"
 
 T = TypeVar("T")
-R = TypeVar("R", bound=BaseModel)
 
 DEFAULT_INBOX_PREFIX = "_INBOX"
 _INBOX_USER = re.compile(r"[^\s.*>]+(?:\.[^\s.*>]+)*")
@@ -673,8 +671,3 @@ class StreamReplies:
         if err is not None:
             raise err
         return raw
-
-
-def span_error(span: trace.Span, exc: BaseException) -> None:
-    span.record_exception(exc)
-    span.set_status(Status(StatusCode.ERROR, str(exc)))

@@ -56,11 +56,6 @@ def replica(replica_id: str, verb: str) -> str:
     return subject("replica", check_token(replica_id, "replica id"), verb)
 
 
-def replica_group(replica_id: str) -> str:
-    """The NATS micro group prefix under which one replica's endpoints live."""
-    return subject("replica", check_token(replica_id, "replica id"))
-
-
 # --- telemetry --------------------------------------------------------------------------------------
 def telemetry(replica_id: str) -> str:
     return subject("telemetry", "replica", check_token(replica_id, "replica id"))

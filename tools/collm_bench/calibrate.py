@@ -61,7 +61,7 @@ K = TypeVar("K", bound=Hashable)
 
 @dataclass(frozen=True)
 class CostSizes:
-    """What `measure_costs` times (the defaults are the committed calibration's)."""
+    """What the calibration times (the defaults are the committed calibration's)."""
 
     prefill_tokens: tuple[int, ...] = (16, 64, 128, 256)
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24)
@@ -189,21 +189,13 @@ def random_adapter(
     return live.to_weights()
 
 
-def measure_costs(
-    loaded: LoadedModel, prompts: Sequence[Sequence[int]], sizes: CostSizes | None = None
-) -> CostMeasurement:
-    """The simulator's cost model of `loaded` on this machine (one process, torch's current threads)."""
-    sz = sizes or CostSizes()
-    return costs_from_timings(cost_timings(loaded, prompts, sz), sz)
-
-
 KINDS = ("prefill", "decode", "lora", "context", "chunk", "train", "eval")
 
 
 def cost_timings(
     loaded: LoadedModel, prompts: Sequence[Sequence[int]], sz: CostSizes, kinds: Sequence[str] = KINDS
 ) -> dict[str, dict[int, list[float]]]:
-    """Every timing of `measure_costs`: {kind: {size: [ms, ...]}}, kinds "prefill" (tokens), "decode"
+    """Every timing of one engine: {kind: {size: [ms, ...]}}, kinds "prefill" (tokens), "decode"
     (batch), "lora" (distinct adapters), "train" (tokens), "context" (decode context), "chunk" (start),
     "eval" (tokens); only those of `kinds` ("lora" needs "decode")."""
     if len(prompts) < sz.prompts_needed or min(len(p) for p in prompts) < sz.prompt_tokens_needed:
@@ -410,10 +402,11 @@ def measure_costs_together(
     while_loading: Callable[[], object] | None = None,
     timeout_s: float = 600.0,
 ) -> CostMeasurement:
-    """`measure_costs` with `processes` engines timed at once: this process (`loaded`) and
-    `processes - 1` spawned ones that load `spec` themselves (same torch threads), all released together
-    by a barrier once every one has loaded; the timings of all of them are pooled before each size is
-    reduced. `while_loading` runs here while the others load (work that is not timed)."""
+    """The simulator's cost model of `loaded` on this machine, with `processes` engines timed at once:
+    this process (`loaded`) and `processes - 1` spawned ones that load `spec` themselves (same torch
+    threads), all released together by a barrier once every one has loaded; the timings of all of them
+    are pooled before each size is reduced. `while_loading` runs here while the others load (work that
+    is not timed)."""
     sz = sizes or CostSizes()
     pooled = timings_together(loaded, spec, prompts, sz, processes, cache_dir, while_loading, timeout_s)
     return costs_from_timings(pooled, sz)
@@ -470,7 +463,7 @@ def timings_together(
 
 
 def costs_from_timings(raw: Mapping[str, Mapping[int, Sequence[float]]], sz: CostSizes) -> CostMeasurement:
-    """The cost model of `measure_costs`'s timings, each size reduced by `sz.statistic` (pure)."""
+    """The cost model of `cost_timings`' timings, each size reduced by `sz.statistic` (pure)."""
     statistic = sz.statistic
     pre = reduce_ms(raw["prefill"], statistic)
     decode = reduce_ms(raw["decode"], statistic)

@@ -18,15 +18,13 @@ Only `ok` requests can be good (see `goodput.py`).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 Status = Literal["ok", "error", "rejected", "timeout", "dropped"]
 STATUSES: tuple[str, ...] = ("ok", "error", "rejected", "timeout", "dropped")
-
-RECORD_SCHEMA = "collm-bench-request/1"
 
 
 @dataclass
@@ -103,7 +101,3 @@ def read_records(path: str | Path) -> list[RequestRecord]:
             except (json.JSONDecodeError, TypeError, ValueError) as e:
                 raise ValueError(f"{p}:{n}: not a request record ({e})") from e
     return out
-
-
-def iter_sorted(records: Iterable[RequestRecord]) -> Iterator[RequestRecord]:
-    yield from sorted(records, key=lambda r: r.index)

@@ -198,6 +198,3 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "maxProperties": 3,
     },
 }
-
-# What `response_format: {"type": "json_object"}` asks for: any JSON object.
-JSON_OBJECT: dict[str, Any] = {"type": "object"}

@@ -57,7 +57,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -74,7 +73,6 @@ from collm_ops.servers import ServerProcess, free_port, port_open, start_nats, s
 from collm_ops.supervise import SupervisionPolicy, Supervisor, describe_exit
 from collm_replica.naming import served_name
 
-SERVICE_ORDER = ("aggregator", "coordinator", "replica", "gateway")
 # Variables that name one process: never inherited (the launcher sets them per child, or leaves them unset).
 PER_PROCESS = frozenset(
     {
@@ -773,7 +771,3 @@ def describe(config: StackConfig) -> str:
             "otlp_endpoint": config.otlp_endpoint,
         }
     )
-
-
-def iter_children(stack: Stack) -> Iterator[Child]:
-    yield from stack.children

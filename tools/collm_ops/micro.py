@@ -60,10 +60,3 @@ async def gather(
         return sorted(replies, key=lambda r: (r.get("name", ""), r.get("id", "")))
     finally:
         await nc.close()
-
-
-async def ping_all(nats_url: str, name: str | None = None, timeout_s: float = 0.5) -> list[dict[str, Any]]:
-    try:
-        return await gather(nats_url, "PING", name, timeout_s)
-    except Exception:
-        return []

@@ -109,7 +109,6 @@ class _Service:
     last_returncode: int | None = None
     restart_at_s: float | None = None
     crash_looping: bool = False
-    recovered_pending: bool = False
 
 
 class Supervisor:

@@ -7,20 +7,13 @@ and as labelled counters (how often each reason was decided, for rates).
 
 from __future__ import annotations
 
+from typing import get_args
+
 from prometheus_client import Counter, Enum, Gauge, Histogram
 
-REASON_STATES = [
-    "slack",
-    "recovering",
-    "burst",
-    "slo_risk",
-    "stale",
-    "idle",
-    "serve_only",
-    "train_only",
-    "fixed_ratio",
-    "leftover",
-]
+from collm_coordinator.core.types import ReasonCode
+
+REASON_STATES = list(get_args(ReasonCode))  # every reason code the core decides, in its order
 POLICY_STATES = ["collm", "separate", "fixed_ratio", "leftover"]
 
 TICKS = Counter("collm_coordinator_ticks_total", "Coordinator loop runs", ["loop"])

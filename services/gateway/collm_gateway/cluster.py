@@ -129,6 +129,3 @@ class ClusterView:
 
     def total_in_flight(self) -> int:
         return sum(self._in_flight.values())
-
-    def weights_message(self) -> RoutingWeights | None:
-        return self._weights[0] if self._weights else None

@@ -118,10 +118,6 @@ class LoraBank:
             tuple[tuple[int, ...], int], dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
         ] = {}
 
-    @property
-    def bytes_per_slot(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
-
     def write(self, slot: int, weights: AdapterWeights) -> None:
         """Copy one version into `slot` (validated first, so a bad blob never half-writes a slot)."""
         if weights.spec.r > self.max_rank:
@@ -295,13 +291,3 @@ class LiveLora:
         return AdapterWeights(
             tensors=tensors, spec=self.spec, base_model=self.base_model, extra=dict(extra or {})
         )
-
-
-def weights_from_parsed(
-    parsed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], spec: LoraSpec, base_model: str
-) -> AdapterWeights:
-    tensors = {}
-    for (layer, mod), (a, b) in parsed.items():
-        tensors[lora_key(layer, MODULE_PATHS[mod], "A")] = a.detach().float().cpu().contiguous()
-        tensors[lora_key(layer, MODULE_PATHS[mod], "B")] = b.detach().float().cpu().contiguous()
-    return AdapterWeights(tensors=tensors, spec=spec, base_model=base_model)

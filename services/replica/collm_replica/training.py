@@ -51,10 +51,6 @@ class Rendered:
     ids: list[int]
     labels: list[int]  # -100 on prompt tokens
 
-    @property
-    def response_tokens(self) -> int:
-        return sum(1 for x in self.labels if x != -100)
-
 
 def render_example(
     tokenizer: Any, ex: Example, max_len: int, default_domain: str = "default"
@@ -401,7 +397,6 @@ class TrainingJob:
         self._wrap_up = PieceWork()  # work of `_finish_training` not yet reported by `work`
         self._wrap_up_bound: tuple[PieceCosts | None, float] = (None, math.inf)
         self._opt_pending = False
-        self.last_kind = ""  # what the last step did: "train" (a micro-step) or "eval" (an eval chunk)
         self.pending_refresh = False  # the engine should copy the live weights into a new shadow version
         self.finished_update = False  # a round job finished: the engine hands its weights to the service
         if not self.train_items:
@@ -517,20 +512,17 @@ class TrainingJob:
             ms, tokens = self._eval.run_piece(self.ex, self.pad_id, costs)
             out.eval_ms += ms
             out.eval_tokens += tokens
-            self.last_kind = "eval"
             if self._eval.done:
                 self._eval_finished()
         elif kind == "opt":
             ms = _run_timed("opt", 1, self._optimizer_step, costs)
             self._opt_pending = False
             out.train_ms += ms
-            self.last_kind = "train"
         else:
             assert self._pass is not None
             ms = _run_timed(kind, units, self._pass.run_piece, costs)
             self._pass_ms += ms
             out.train_ms += ms
-            self.last_kind = "train"
             if self._pass.done:
                 tokens, step_ms = self._complete_micro_step(self._pass_ms)
                 out.train_tokens += tokens
@@ -592,7 +584,6 @@ class TrainingJob:
                 return 0
             if nxt[0].startswith("eval_"):
                 assert self._eval is not None
-                self.last_kind = "eval"
                 n = self._eval.step(self.ex, self.pad_id)
                 if self._eval.done:
                     self._eval_finished()
@@ -602,7 +593,6 @@ class TrainingJob:
                 self._opt_pending = False
                 continue
             assert self._pass is not None
-            self.last_kind = "train"
             t0 = time.perf_counter()
             self._pass.run_all()
             tokens, _ = self._complete_micro_step(self._pass_ms + (time.perf_counter() - t0) * 1e3)

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,7 @@ import pytest
 from collm_common import subjects
 from collm_common.bus import Bus
 from collm_common.settings import CommonSettings
-from collm_common.store import AdapterStore
-from collm_common.wire.control import ControlReply, StartTraining
-from collm_common.wire.rounds import ParticipantPlan, RoundOutcome, RoundPlan
+from collm_common.wire.rounds import RoundOutcome
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
 from collm_ops.servers import free_port, start_nats, start_redis
 from tests.integration import seed
@@ -154,7 +152,6 @@ class OpsStack:
     logs: LogSink
     tap: Tap
     round_outcome: RoundOutcome | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def base_model(self) -> str:
@@ -309,52 +306,6 @@ async def _wait_round(ops: OpsStack) -> RoundOutcome:
         raise AssertionError("no round the coordinator planned with both replicas finished")
     finally:
         await bus.close()
-
-
-async def _run_round(ops: OpsStack) -> RoundOutcome:
-    bus = await Bus.connect(ops.settings(), "ops-test")
-    store = AdapterStore.from_url(ops.redis_url, ops.prefix)
-    try:
-        if await store.current(ADAPTER) is None:
-            # v1: a replica creates the adapter (StartTraining without a base version or round).
-            reply = await bus.request(
-                subjects.replica("r0", "control"),
-                StartTraining(adapter=ADAPTER, token_budget=32),
-                ControlReply,
-                timeout_s=30,
-            )
-            assert reply.ok, reply.message
-        base = await store.current(ADAPTER)
-        assert base is not None
-        now = time.time()
-        plan = RoundPlan(
-            adapter=ADAPTER,
-            base_version=base,
-            participants=[
-                ParticipantPlan(replica_id=r, token_budget=64, learning_rate=5e-3) for r in ("r0", "r1")
-            ],
-            quorum=2,
-            opened_unix_s=now,
-            deadline_unix_s=now + 60,
-            policy="ops-test",
-        )
-        opened = await bus.request(subjects.aggregator("open_round"), plan, RoundOutcome, timeout_s=10)
-        assert opened.state == "opened", opened.reason
-        ops.notes["round_id"] = opened.round_id
-        from collm_common.wire.admin import GetRound, RoundDetail
-
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            detail = await bus.request(
-                subjects.aggregator("round"), GetRound(round_id=opened.round_id), RoundDetail, timeout_s=10
-            )
-            if detail.outcome.state in FINAL_STATES:
-                return detail.outcome
-            await asyncio.sleep(0.5)
-        raise AssertionError(f"round {opened.round_id} did not finish")
-    finally:
-        await bus.close()
-        await store.close()
 
 
 @pytest.fixture(scope="package")

@@ -61,7 +61,6 @@ class SecuredRound:
         self.doubles: dict[str, ParticipantDouble] = {}
         self.buses: list[Bus] = []
         self.stores: list[AdapterStore] = []
-        self.nats_errors: dict[str, list[str]] = {}
 
     def settings(self, user: str) -> CommonSettings:
         return CommonSettings(

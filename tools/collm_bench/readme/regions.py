@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 OPEN = re.compile(r"^<!-- table: (?P<kind>[a-z0-9-]+) (?P<paths>[^<>]+?) -->$", re.MULTILINE)
-CLOSE = "<!-- /table -->"
 CLOSE_LINE = re.compile(r"^<!-- /table -->$", re.MULTILINE)
 PLOTS_COMMAND = "python -m collm_bench readme --plots"
 

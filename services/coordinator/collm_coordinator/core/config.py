@@ -332,7 +332,3 @@ class CoreConfig:
     def fixed_share(self) -> float:
         """The fixed-ratio baseline's share: one training step per K inference iterations."""
         return 1.0 / (self.fixed_ratio_k + 1)
-
-    @property
-    def round_train_s(self) -> float:
-        return self.round_deadline_s

@@ -209,7 +209,7 @@ def collm_slow(view: ClusterView) -> SlowDecision:
         seq += 1
     stop = "no step adds quality"
     while heap:
-        neg, _, adapter, rid = heapq.heappop(heap)
+        _, _, adapter, rid = heapq.heappop(heap)
         c = cands[(adapter, rid)]
         if share[rid] + cfg.share_step > room[rid] + 1e-9:
             continue  # this replica is full; other adapters' candidates on it are skipped too

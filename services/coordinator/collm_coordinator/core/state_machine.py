@@ -162,7 +162,6 @@ class CoordinatorCore:
             demand=view.demand_now,
             attainment=view.attainment,
             virtual_queue=view.virtual_queue,
-            active_rounds=tuple(sorted(st.rounds)),
             headroom=view.headroom,
             spend=view.spend,
             notes=tuple(st.notes),

@@ -221,7 +221,6 @@ class Diagnostics:
     demand: float
     attainment: float | None
     virtual_queue: float
-    active_rounds: tuple[str, ...]
     # The headroom h in [0, 1] (state.ClusterState.headroom): how little a share counts against capacity.
     headroom: float = 0.0
     # The spend (state.ClusterState.spend): the part of a share trained beyond the requests' slack.

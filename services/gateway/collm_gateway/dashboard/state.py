@@ -481,10 +481,6 @@ class DashboardState:
             out += self.on_round(o)
         return out
 
-    def round_adapter(self, round_id: int) -> str | None:
-        o = self._rounds.get(round_id)
-        return o.adapter if o is not None else None
-
     # --- adapters ------------------------------------------------------------------------------------------
     def knows_adapter(self, name: str) -> bool:
         return name in self._adapters

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,6 @@ class KVPool:
         self.null_slot = num_blocks * block_size
         self.k[:, :, self.null_slot :].zero_()
         self.v[:, :, self.null_slot :].zero_()
-        self.token_bytes = 2 * n_layers * n_kv * head_dim * self.k.element_size()
         self._ids = itertools.count()
 
     def sequence(self, limit_tokens: int) -> SeqKV:
@@ -94,10 +93,6 @@ class SeqKV:
     def capacity(self) -> int:
         return len(self.blocks) * self.pool.block_size
 
-    @property
-    def nbytes(self) -> int:
-        return self.capacity * self.pool.token_bytes
-
     def ensure(self, n: int) -> None:
         if n > self.limit:
             raise ValueError(f"sequence of {n} tokens exceeds its KV limit of {self.limit}")
@@ -126,13 +121,6 @@ class ForwardItem:
     kv: SeqKV  # all items of one forward share one pool
     slot: int = -1  # LoRA bank slot of its adapter version; -1 = base model
     all_logits: bool = False  # tests: logits of every position, not just the last
-
-
-@dataclass
-class StepCost:
-    tokens: int = 0
-    ms: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 # Token slots of the pool `new_kv` makes when the executor was given none (`init_kv_pool`).
@@ -173,9 +161,6 @@ class Executor:
         self.shapes = module_shapes(loaded.model)
         self.bank = bank
         self.kv_pool: KVPool | None = None
-        self.kv_bytes_per_token = (
-            self.n_layers * 2 * self.n_kv * self.head_dim * torch.finfo(self.dtype).bits // 8
-        )
         # Low-precision copies of the base projections and LM head for no-grad evaluation passes
         # (`enable_fast_eval`); empty: evaluation runs in the model's dtype like everything else.
         self._fast: dict[tuple[int, str], torch.Tensor] = {}

@@ -45,10 +45,6 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
     def table(self, seq_id: str) -> list[int]:
         """The sequence's block table (empty when it holds none); the caller must not change it."""
         return self._tables.get(seq_id, [])

@@ -213,7 +213,6 @@ class _Serving:
     generated_tokens_total: int
     prefill_tokens_total: int
     arrivals_total: int
-    errors_total: int
     forward_ms_total: float
     _train_decision: tuple[float, str | None]
     _lock: threading.Lock
@@ -645,7 +644,6 @@ class _Serving:
         if g.failed or (g.forked and all(s.done for s in g.seqs)):
             return
         g.failed = True
-        self.errors_total += 1
         with contextlib.suppress(Exception):
             seq.sink(GenerateError(request_id=seq.req.request_id, code=code, type=type_, message=message))
         if seq.req.span is not None:
@@ -759,7 +757,6 @@ class Engine(_Serving):
         self.generated_tokens_total = 0
         self.prefill_tokens_total = 0
         self.arrivals_total = 0
-        self.errors_total = 0
         self.infer_ms_total = 0.0  # wall time of inference iterations (forward, sampling, streaming)
         self.forward_ms_total = 0.0  # of which the model's forward passes
         self.longest_background_ms = 0.0  # longest stretch of background work between two iterations
@@ -992,12 +989,8 @@ class Engine(_Serving):
             adapters=adapters,
             local_samples=len(self.dataset.train) + len(self.dataset.eval),
             domains=self.dataset.domains,
-            iterations=self.iteration,
             train_limits=dict(self.train_limits),
         )
-
-    def decode_step_ms_by_batch(self) -> dict[int, float]:
-        return dict(self.step_costs.decode_ms)
 
     # ===================================================================================== internals
     def _log_background(self, work: BackgroundWork) -> None:

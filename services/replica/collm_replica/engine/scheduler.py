@@ -129,10 +129,6 @@ class Plan:
     def tokens(self) -> int:
         return sum(n for _, n in self.items)
 
-    @property
-    def decode_tokens(self) -> int:
-        return sum(1 for _, n in self.items if n == 1)
-
 
 Victim = Callable[[Sequence[SeqView]], SeqView]
 

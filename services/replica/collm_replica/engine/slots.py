@@ -98,10 +98,6 @@ class Slots:
         if version_id != BASE and version_id in self._lru:
             self._lru.release(version_id)
 
-    def has_free_slot(self) -> bool:
-        """A slot is free or holds an idle version (caller holds the lock)."""
-        return self._lru.slot_for_new() is not None
-
     # --- installs (engine thread) ---------------------------------------------------------------------
     def prepare_install(
         self, version_id: str, weights: AdapterWeights, make_current: bool, timeout_s: float

@@ -209,5 +209,4 @@ class EngineSnapshot:
     adapters: list[ResidentAdapter]
     local_samples: int
     domains: list[str]
-    iterations: int
     train_limits: dict[str, int] = field(default_factory=dict)
