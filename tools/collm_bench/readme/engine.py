@@ -242,3 +242,83 @@ def structured_table(docs: Sequence[Mapping[str, Any]]) -> str:
         f"**{decode['half_vs_none']:.2f}x**.",
     ]
     return "\n".join(lines)
+
+
+def _profile_case(case: Mapping[str, Any]) -> str:
+    if case["case"] == "decode":
+        return f"decode, batch {case['batch']}"
+    return f"prefill {case['tokens_per_step']} tokens"
+
+
+def profile_table(doc: Mapping[str, Any]) -> str:
+    """Where one engine step's milliseconds go (bench/engine/step_profile.py): per case, the plain step (ms,
+    tokens/s), then each category's share of the profiled step (categories under 2% in every case
+    together as "the rest"), and the torch op calls per decoder layer."""
+    cases = doc["cases"]
+    cfg = doc["config"]
+    prof = [c["profiled"] for c in cases]
+
+    def row(label: str, cells: Sequence[str]) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    def share(p: Mapping[str, Any], keys: Sequence[str]) -> str:
+        ms = sum(p["ms"].get(k, 0.0) for k in keys)
+        return f"{100 * ms / p['ms_per_step']:.0f}%" if p["ms_per_step"] else "-"
+
+    lines = [
+        row("", [_profile_case(c) for c in cases]),
+        "|---" * (len(cases) + 1) + "|",
+        row(
+            "ms per step / tokens per s", [f"{c['ms_per_step']:.1f} / {c['tokens_per_s']:.0f}" for c in cases]
+        ),
+    ]
+    rest = []
+    for cat in doc["categories"]:
+        key = cat["key"]
+        if all(p["ms"].get(key, 0.0) < 0.02 * p["ms_per_step"] for p in prof):
+            rest.append(key)
+            continue
+        lines.append(row(cat["label"], [share(p, [key]) for p in prof]))
+    if rest:
+        lines.append(row("the rest", [share(p, rest) for p in prof]))
+    lines.append(row("torch op calls per decoder layer", [f"{p['op_calls_per_layer']:.0f}" for p in prof]))
+    changed = ", ".join(f"{k} {v}" for k, v in cfg["changed_from_defaults"].items())
+    adapters = f"{cfg['adapters']} LoRA adapter(s)" if cfg["adapters"] else "no adapter"
+    threads = doc.get("machine", {}).get("torch_threads", "?")
+    lines += [
+        "",
+        f"{doc['model']}, {threads} torch thread(s), {cfg['matmul_dtype']}, {adapters}, "
+        f"{cfg['prompt_tokens']}-token prompts; {changed or 'engine defaults'}. Shares: of a step under "
+        f"torch.profiler (mean of {cfg['profile_steps']}); ms: median of {cfg['steps']} plain steps.",
+    ]
+    return "\n".join(lines)
+
+
+def threads_table(doc: Mapping[str, Any]) -> str:
+    """One replica with two torch threads against two replicas with one each (bench/engine/threads.py):
+    per concurrency and batch bound, each layout's output tokens/s, TTFT p50 and TPOT p50, and (b) / (a)
+    output tokens/s."""
+    lines = [
+        "| streams (max_batch) | (a) 1 process x 2 threads: tok/s, TTFT, TPOT | (b) 2 x 1 thread "
+        "| (b) / (a) |",
+        "|---|---|---|---:|",
+    ]
+
+    def cell(r: Mapping[str, Any]) -> str:
+        return f"{r['output_tok_s']:.1f}, {r['ttft_ms_p50'] / 1e3:.1f} s, {r['tpot_ms_p50']:.0f} ms"
+
+    for case in doc["cases"]:
+        a, b = case["a"], case["b"]
+        mb = "default 16" if case["default_max_batch"] else ("raised" if max(a["max_batch"]) > 16 else "16")
+        lines.append(
+            f"| {case['concurrency']} ({mb}) | {cell(a)} | {cell(b)} "
+            f"| **{case['ratio_b_over_a']['output_tok_s']:.2f}x** |"
+        )
+    cfg = doc["config"]
+    lines += [
+        "",
+        f"{doc['model']}, {cfg['matmul_dtype']}, {doc['machine']['cpus']} CPUs; {cfg['prompt_tokens']}-token "
+        f"prompts, {cfg['output_tokens']} tokens out, all at once; (b) splits the streams, each process with "
+        "max_batch raised to its share where over 16.",
+    ]
+    return "\n".join(lines)

@@ -61,6 +61,8 @@ KINDS: dict[str, Kind] = {
     "engine-summary": Kind(engine.summary_table, files=None),
     "engine-concurrency": Kind(_one(engine.concurrency_table)),
     "engine-coexec": Kind(_one(engine.coexec_table)),
+    "engine-profile": Kind(_one(engine.profile_table)),
+    "engine-threads": Kind(_one(engine.threads_table)),
     "engine-structured": Kind(engine.structured_table, files=2),
     "calibration": Kind(engine.calibration_table, files=None),
     "faults-scenarios": Kind(_one(lambda doc: faults.scenarios_table(doc["reports"]))),
