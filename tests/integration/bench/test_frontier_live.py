@@ -57,7 +57,7 @@ def test_tiny_frontier_runs_each_knob_on_a_fresh_stack(tmp_path: Path) -> None:
     assert set(results["frontier"]) == {"collm", "fixed_ratio"}
     assert set(results["goals"]) == {
         "finetune_tokens_vs_best_baseline",
-        "quality_gain_vs_best_baseline",
+        "time_to_quality_vs_best_baseline",
         "goodput_vs_separate",
         "goodput_vs_best_colocated",
     }

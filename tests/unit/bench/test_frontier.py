@@ -149,8 +149,8 @@ def test_goals_reached_with_their_figures() -> None:
     fr = 200.0 + (0.93 - 0.882) / (0.93 - 0.7) * 700.0
     assert ft["best_baseline"] == "separate" and fr < 400.0
     assert ft["ratio"] == pytest.approx(2.5) and ft["reached"] is True
-    q = goals["quality_gain_vs_best_baseline"]
-    assert q["best_baseline"] == "separate" and q["ratio"] == pytest.approx(0.5 / 0.3) and q["reached"]
+    ttq = goals["time_to_quality_vs_best_baseline"]
+    assert ttq["reached"] is None and ttq["reason"] == "no quality curves in this result file"
     sep = goals["goodput_vs_separate"]
     assert sep["ratio"] == pytest.approx(4.8) and sep["reached"]
     co = goals["goodput_vs_best_colocated"]
@@ -163,7 +163,6 @@ def test_goals_reached_with_their_figures() -> None:
 def test_goals_not_reached_and_undecidable_ones_say_why() -> None:
     goals = evaluate_goals(grid_points(collm_ft=500.0, collm_q=0.3, collm_gp=2.0))
     assert goals["finetune_tokens_vs_best_baseline"]["reached"] is False
-    assert goals["quality_gain_vs_best_baseline"]["ratio"] == pytest.approx(1.0)
     assert goals["goodput_vs_separate"]["reached"] is False
     # Without serving-alone the attainment floor is unknown; without collm nothing can be told.
     no_ref = evaluate_goals([p for p in grid_points(1.0, 1.0, 1.0) if p.policy != "serving_only"])
@@ -338,6 +337,37 @@ def test_estimate_counts_every_point_with_its_overhead() -> None:
     assert estimate_s(4, 60.0, 30.0, 10.0) == 10.0 + BASE_LOSS_S + 4 * (POINT_OVERHEAD_S + 90.0)
 
 
+def curves_for(points: list[Point]) -> dict[tuple[str, str], list[list[float]]]:
+    """Per point of `grid_points`: served gains [s, math, medical], collm's rising fastest."""
+    shapes = {
+        "collm": [[0, 0, 0], [60, 0.2, 0.1], [300, 0.4, 0.3], [900, 0.5, 0.4]],
+        "separate": [[0, 0, 0], [600, 0.1, 0.1], [1200, 0.3, 0.2]],
+        "fixed_ratio": [[0, 0, 0], [600, 0.5, 0.5], [1800, 0.6, 0.6]],
+        "leftover": [[0, 0, 0], [900, 0.2, 0.2]],
+        "serving_only": [[0, 0, 0]],
+    }
+    return {(p.policy, p.knob): shapes[p.policy] for p in points}
+
+
+def test_time_to_quality_against_the_best_baseline_at_the_floor() -> None:
+    points = grid_points(collm_ft=1000.0, collm_q=0.5, collm_gp=4.8)
+    g = evaluate_goals(points, curves_for(points))["time_to_quality_vs_best_baseline"]
+    # At the floor 0.882: separate (ends 0.3, 0.2), fixed_ratio K=9 (0.6, 0.6), leftover (0.2, 0.2); K=1 is
+    # below it. K=9 ends best and gets there at 30 min; collm reaches (0.6, 0.6) never: ratio 0.
+    assert g["best_baseline"] == "fixed_ratio" and g["baseline_knob"] == "K=9"
+    assert g["baseline_min"] == 30.0 and g["collm_min"] is None and g["ratio"] == 0.0 and not g["reached"]
+    without_k9 = [p for p in points if p.knob != "K=9"]
+    g = evaluate_goals(without_k9, curves_for(without_k9))["time_to_quality_vs_best_baseline"]
+    # separate ends best now (0.3, 0.2) at 20 min; collm is there at 5 min: 4x.
+    assert g["best_baseline"] == "separate" and g["collm_min"] == 5.0 and g["ratio"] == pytest.approx(4.0)
+    assert g["reached"] is True
+    # No baseline at the floor: collm wins outright; collm below it: it loses.
+    alone = [p for p in points if p.policy in ("collm", "serving_only")]
+    assert evaluate_goals(alone, curves_for(alone))["time_to_quality_vs_best_baseline"]["ratio"] == math.inf
+    low = [p for p in points if p.policy != "collm"] + [pt("collm", "x", att=0.5)]
+    assert evaluate_goals(low, curves_for(low))["time_to_quality_vs_best_baseline"]["ratio"] == 0.0
+
+
 def test_tables_show_every_point_and_each_goal() -> None:
     from collm_bench.frontier.render import goals_table, markdown
 
@@ -347,7 +377,7 @@ def test_tables_show_every_point_and_each_goal() -> None:
         "trace": {"label": "azure 2023 conv"},
         "config": {"replicas": 8, "window_s": 3600.0, "rate_rps": 2.5},
         "points": [p.as_dict() for p in points],
-        "goals": evaluate_goals(points),
+        "goals": evaluate_goals(points, curves_for(points)),
     }
     text = markdown(doc)
     assert text.startswith("sim, azure 2023 conv, 8 replicas, 3600 s windows at 2.500 req/s")
@@ -355,11 +385,12 @@ def test_tables_show_every_point_and_each_goal() -> None:
     assert "| fixed_ratio | K=1 | 0.700 | 2.000 | 900 | 0.6000 | 100 | QT |" in text
     assert "| goodput vs separate at equal quality gain | 3x | yes | 4.80 | separate |  |" in text
     rows = goals_table([doc, doc]).splitlines()
-    assert len(rows) == 4 and rows[2].count("yes") == 4
+    assert len(rows) == 4 and rows[2].count("yes") == 3 and "0.00 no (fixed_ratio)" in rows[2]
     # A file without the round mode was run with synchronous 25-s rounds.
-    assert (
-        "| sim azure 2023 conv, 8 replicas, 2.50 req/s, sync 25-s rounds | 2.50 yes (separate) |" in rows[2]
-    )
+    assert "| sim conv, 8 replicas, 2.50 req/s, sync 25-s rounds | 2.50 yes (separate) |" in rows[2]
+    # A rate where serving alone attains A says so.
+    alone = doc | {"config": doc["config"] | {"rate_from": "serving alone attains >= 0.9 in the simulator"}}
+    assert "| sim conv, 8 replicas, 2.50 req/s (alone 0.9), sync" in goals_table([alone])
 
 
 def test_a_sync_rounds_result_gets_its_own_file_name() -> None:

@@ -93,7 +93,4 @@ def test_tables_carry_the_check() -> None:
     doc = live_doc()
     doc |= {"goals": evaluate_goals([Point.from_dict(p) for p in doc["points"]]), "agreement": agree}
     assert markdown(doc).endswith(agreement_line(agree))
-    assert (
-        "| live azure 2023 conv, 2 replicas, 0.60 req/s, sync 25-s rounds; sim error 20% | "
-        in goals_table([doc])
-    )
+    assert "| live conv, 2 replicas, 0.60 req/s, sync 25-s rounds; sim error 20% | " in goals_table([doc])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from collm_bench.frontier import robust
-from collm_bench.frontier.points import Point
+from collm_bench.frontier.points import Point, minutes_to
 
 pytestmark = pytest.mark.unit
 
@@ -78,9 +78,9 @@ def doc() -> dict:
 
 def test_minutes_to_is_the_first_publication_where_every_domain_is_there() -> None:
     timeline = [[0, 0, 0], [120, 0.2, 0.1], [300, 0.5, 0.3]]
-    assert robust.minutes_to(timeline, [0.2, 0.1]) == 2.0
-    assert robust.minutes_to(timeline, [0.1, 0.3]) == 5.0  # medical gets there last
-    assert robust.minutes_to(timeline, [0.6, 0.0]) is None
+    assert minutes_to(timeline, [0.2, 0.1]) == 2.0
+    assert minutes_to(timeline, [0.1, 0.3]) == 5.0  # medical gets there last
+    assert minutes_to(timeline, [0.6, 0.0]) is None
 
 
 def test_verdicts_floor_holders_time_to_quality_and_the_goal() -> None:
@@ -114,8 +114,8 @@ def test_the_table_marks_cells_below_the_floor_and_states_the_goal(tmp_path: Pat
     lines = robust.table(doc()).splitlines()
     assert lines[0] == "| setting | load 0.3 | load 0.7 |"
     assert lines[2] == "| collm, target 0.95 (default) | 0.950 / 1k | 0.850 / 0k |"
-    assert lines[4] == "| fixed_ratio, K=4 | 0.100 / 1k (below) | 0.000 / 1k (below) |"
-    assert lines[6] == "| floor (0.9 x alone) | 0.900 | 0.810 |"
+    assert lines[4] == "| fixed_ratio, K=4 | 0.100 / 1k* | 0.000 / 1k* |"
+    assert lines[6] == "| floor (0.9 x alone; * below it) | 0.900 | 0.810 |"
     assert lines[7] == (
         "| time-to-quality, collm vs best baseline | 2 min vs 10 min (fixed_ratio, K=19) "
         "| no baseline at the floor |"

@@ -179,8 +179,12 @@ def headline_config(args: argparse.Namespace, replicas: int, window_s: float) ->
 def finish(results: dict[str, Any], path: Path, out: TextIO) -> None:
     """Frontiers and goals from the points; the result file, its figure and the table."""
     points = [pts.Point.from_dict(p) for p in results["points"]]
+    curves = {
+        (p.policy, p.knob): r.get("quality_curve")
+        for p, r in zip(points, results.get("runs") or [{}] * len(points), strict=False)
+    }
     results["frontier"] = pts.fronts(points)
-    results["goals"] = pts.evaluate_goals(points)
+    results["goals"] = pts.evaluate_goals(points, curves)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
     png = plot(results, path.with_suffix(".png"))

@@ -14,8 +14,9 @@ Goals (`evaluate_goals`), with serving-alone = the `serving_only` reference run 
 fine-tuning off on every replica):
 
 * at SLO attainment >= 0.9 x serving-alone's, collm's fine-tuning tokens >= 2 x the best baseline's
-  (the baseline whose frontier trains the most there) and its quality gain >= 1.5 x the best
-  baseline's; a policy none of whose knobs attains that much counts 0 there;
+  (the baseline whose frontier trains the most there; a policy none of whose knobs attains that much
+  counts 0 there), and its time-to-quality <= 0.5 x the best baseline's (`time_to_quality`: the
+  baseline's minutes over collm's >= 2);
 * at equal quality gain (the highest gain both frontiers reach), collm's goodput >= 3 x separate's
   and >= 1.3 x the best co-located baseline's (of fixed_ratio and leftover, the one collm leads by the
   least).
@@ -39,7 +40,7 @@ TRAINING_AXES = ("slo_attainment", "finetune_tokens")
 ATTAINMENT_FRACTION = 0.9
 GOALS: dict[str, float] = {
     "finetune_tokens_vs_best_baseline": 2.0,
-    "quality_gain_vs_best_baseline": 1.5,
+    "time_to_quality_vs_best_baseline": 2.0,
     "goodput_vs_separate": 3.0,
     "goodput_vs_best_colocated": 1.3,
 }
@@ -143,6 +144,43 @@ class Point:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Point:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+# A point's served quality over its window: per minute, [s, gain of each domain] as they stood at the
+# minute's last publication (gains only grow); its time-to-quality readings are to the minute.
+Curve = Sequence[Sequence[float]]
+
+
+def quality_curve(
+    timeline: Iterable[tuple[float, Mapping[str, float]]], domains: Sequence[str]
+) -> list[list[float]]:
+    """A run's gains after each publication ((s, {domain: gain})) as a `Curve`."""
+    by_minute: dict[int, tuple[float, Mapping[str, float]]] = {}
+    for t, gains in timeline:
+        by_minute[int(t // 60)] = (t, gains)
+    return [
+        [round(t, 1), *(round(float(gains.get(d, 0.0)), 4) for d in domains)]
+        for t, gains in (by_minute[m] for m in sorted(by_minute))
+    ]
+
+
+def minutes_to(curve: Curve, gains: Sequence[float]) -> float | None:
+    """Minutes until every domain's served gain reaches `gains` (its served loss the one those gains
+    give), None if one never does in the window."""
+    for t, *g in curve:
+        if all(have >= want - 1e-9 for have, want in zip(g, gains, strict=True)):
+            return float(t) / 60.0
+    return None
+
+
+def final_gains(curve: Curve) -> list[float]:
+    return list(curve[-1][1:]) if curve else []
+
+
+def mean_final_gain(curve: Curve) -> float:
+    """The mean over domains of a curve's final served gains: which of two runs ends better."""
+    g = final_gains(curve)
+    return sum(g) / len(g) if g else 0.0
 
 
 def dominates(a: Point, b: Point, axes: Sequence[str]) -> bool:
@@ -278,6 +316,44 @@ def _constrained_goal(
     return _goal(name, r, why, best_baseline=best, **figures)
 
 
+def _time_to_quality_goal(
+    points: Sequence[Point], curves: Mapping[tuple[str, str], Curve | None], floor: float | None
+) -> dict[str, Any]:
+    """Time-to-quality at attainment >= floor: the best baseline point there (the one whose served
+    gains end highest, by their mean) takes `baseline_min` to its final served loss; collm's points
+    there take `collm_min` at best to reach it; the ratio baseline_min / collm_min (inf: no baseline
+    point at the floor, or collm there at once; 0: collm never gets there in the window)."""
+    name = "time_to_quality_vs_best_baseline"
+    if floor is None:
+        return _goal(name, None, f"no {SERVING_ALONE} run: the attainment floor is unknown")
+    if not any(curves.get((p.policy, p.knob)) for p in points):
+        return _goal(name, None, "no quality curves in this result file")
+    at_floor = [p for p in points if p.get("slo_attainment") >= floor and curves.get((p.policy, p.knob))]
+    mine = [p for p in at_floor if p.policy == "collm"]
+    if not mine:
+        return _goal(name, 0.0, None, attainment_floor=floor, best_baseline=None, collm_min=None)
+    base = [p for p in at_floor if p.policy in BASELINES]
+    if not base:
+        return _goal(name, math.inf, None, attainment_floor=floor, best_baseline=None, collm_min=None)
+
+    best = max(base, key=lambda p: mean_final_gain(curves[p.policy, p.knob] or []))
+    target = final_gains(curves[best.policy, best.knob] or [])
+    base_min = minutes_to(curves[best.policy, best.knob] or [], target)
+    got = [m for p in mine if (m := minutes_to(curves[p.policy, p.knob] or [], target)) is not None]
+    collm_min = min(got) if got else None
+    r = 0.0 if collm_min is None else (math.inf if collm_min <= 0 else (base_min or 0.0) / collm_min)
+    return _goal(
+        name,
+        r,
+        None,
+        attainment_floor=floor,
+        best_baseline=best.policy,
+        baseline_knob=best.knob,
+        baseline_min=base_min,
+        collm_min=collm_min,
+    )
+
+
 def equal_quality(a: Sequence[Point], b: Sequence[Point]) -> dict[str, Any]:
     """Goodput of a and b at the highest served quality gain both reach (`best_at_least` of each at
     it), and their ratio; None with a reason when either has no point with a quality gain."""
@@ -302,9 +378,12 @@ def equal_quality(a: Sequence[Point], b: Sequence[Point]) -> dict[str, Any]:
     }
 
 
-def evaluate_goals(points: Sequence[Point]) -> dict[str, dict[str, Any]]:
+def evaluate_goals(
+    points: Sequence[Point], curves: Mapping[tuple[str, str], Curve | None] | None = None
+) -> dict[str, dict[str, Any]]:
     """Every goal (`GOALS`) with its ratio, whether it is reached (None: it cannot be told, `reason`
-    says why) and the figures behind it."""
+    says why) and the figures behind it. `curves`: each point's served quality curve by (policy, knob)
+    (`quality_curve`), for time-to-quality."""
     pols = by_policy(points)
     alone = serving_alone_attainment(points)
     floor = None if alone is None else ATTAINMENT_FRACTION * alone
@@ -312,9 +391,7 @@ def evaluate_goals(points: Sequence[Point]) -> dict[str, dict[str, Any]]:
         "finetune_tokens_vs_best_baseline": _constrained_goal(
             "finetune_tokens_vs_best_baseline", pols, floor, "finetune_tokens"
         ),
-        "quality_gain_vs_best_baseline": _constrained_goal(
-            "quality_gain_vs_best_baseline", pols, floor, "quality_gain_nats"
-        ),
+        "time_to_quality_vs_best_baseline": _time_to_quality_goal(points, curves or {}, floor),
     }
     for name, against in (("goodput_vs_separate", ("separate",)), ("goodput_vs_best_colocated", CO_LOCATED)):
         present = [b for b in against if b in pols]

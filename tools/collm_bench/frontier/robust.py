@@ -14,7 +14,7 @@ minute.
 Pure functions of the result file give the verdicts (`verdicts`), the table (`table`) and the figure
 (`plot`). Time-to-quality: minutes until every adapter's served loss (base loss - gain) reaches the best
 baseline's final served loss in that cell (the best baseline: of those at or above the floor there, the
-one whose slowest domain ends lowest), against the minutes the baseline itself takes to get there.
+one whose served gains end highest, by their mean), against the minutes the baseline itself takes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,17 @@ from collm_bench.headline.config import HeadlineConfig
 from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
 
-from .points import ATTAINMENT_FRACTION, SERVING_ALONE, Point, fixed_ratio_knobs, separate_knobs
+from .points import (
+    ATTAINMENT_FRACTION,
+    SERVING_ALONE,
+    Point,
+    final_gains,
+    fixed_ratio_knobs,
+    mean_final_gain,
+    minutes_to,
+    quality_curve,
+    separate_knobs,
+)
 from .step import StepKnob, run_knob, sim_setup
 
 SCHEMA = "collm-robustness/1"
@@ -82,20 +92,11 @@ def _cell(
     torch.set_num_threads(1)
     t0 = time.monotonic()
     run = run_knob(cfg, cal, slo, rates, step_s, knob)
-    # The gains as they stood at the last publication of each minute (gains only grow): a compact curve
-    # whose time-to-quality readings are to the minute.
-    by_minute: dict[int, Any] = {}
-    for t, gains in run["quality_timeline"]:
-        by_minute[int(t // 60)] = (t, gains)
     return {
         "attainment": run["attainment"],
         "ft_tokens": run["ft_tokens"],
         "lowest_minute": min((a for r in run["series"] if (a := r["attainment"]) is not None), default=None),
-        # [s, gain of each of cfg.domains]
-        "quality_timeline": [
-            [round(t, 1), *(round(gains.get(d, 0.0), 4) for d in cfg.domains)]
-            for t, gains in (by_minute[m] for m in sorted(by_minute))
-        ],
+        "quality_timeline": quality_curve(run["quality_timeline"], cfg.domains),
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
@@ -165,17 +166,8 @@ def robustness(
 # --- readings (pure) -----------------------------------------------------------------------------------
 
 
-def minutes_to(timeline: Sequence[Sequence[float]], gains: Sequence[float]) -> float | None:
-    """Minutes until every domain's served gain (rows `[s, gain per domain]`) reaches `gains` (its
-    served loss the one those gains give), None if one never does in the window."""
-    for t, *g in timeline:
-        if all(have >= want - 1e-9 for have, want in zip(g, gains, strict=True)):
-            return float(t) / 60.0
-    return None
-
-
 def _final(cell: Mapping[str, Any]) -> list[float]:
-    return list(cell["quality_timeline"][-1][1:])
+    return final_gains(cell["quality_timeline"])
 
 
 def verdicts(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -196,7 +188,9 @@ def verdicts(doc: Mapping[str, Any]) -> dict[str, Any]:
         baselines = [
             r for r in doc["rows"] if r["policy"] not in ("collm", SERVING_ALONE) and r["label"] in held
         ]
-        best = max(baselines, key=lambda r: min(_final(r["cells"][name]), default=0.0), default=None)
+        best = max(
+            baselines, key=lambda r: mean_final_gain(r["cells"][name]["quality_timeline"]), default=None
+        )
         ttq: dict[str, Any] = {"baseline": None}
         if best is not None:
             target = _final(best["cells"][name])
@@ -231,7 +225,7 @@ def _ttq(m: float | None) -> str:
 
 
 def table(doc: Mapping[str, Any]) -> str:
-    """Per setting and load: attainment / fine-tuning tokens (below the floor: marked), then the floors,
+    """Per setting and load: attainment / fine-tuning tokens (below the floor: marked *), then the floors,
     the time-to-quality per load and the goal."""
     v = verdicts(doc)
     loads = doc["config"]["loads"]
@@ -243,11 +237,11 @@ def table(doc: Mapping[str, Any]) -> str:
         cells = []
         for n in loads:
             c = r["cells"][n]
-            below = "" if r["label"] in v["per_load"][n]["held"] else " (below)"
+            below = "" if r["label"] in v["per_load"][n]["held"] else "*"
             cells.append(f"{c['attainment'] or 0:.3f} / {c['ft_tokens'] / 1000:,.0f}k{below}")
         out.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     floors = " | ".join(f"{v['per_load'][n]['floor']:.3f}" for n in loads)
-    out.append(f"| floor (0.9 x alone) | {floors} |")
+    out.append(f"| floor (0.9 x alone; * below it) | {floors} |")
     ttq = []
     for n in loads:
         t = v["per_load"][n]["time_to_quality"]
@@ -259,13 +253,13 @@ def table(doc: Mapping[str, Any]) -> str:
     out.append("| time-to-quality, collm vs best baseline | " + " | ".join(ttq) + " |")
     ratio = v["collm_tokens_vs_chosen_k_at_lowest"]
     ratio_text = "-" if ratio is None else f"{ratio:.2f}x"
+    both = ", ".join(v["fixed_k_doing_both"]) or "none"
     out += [
         "",
-        f"collm at or above the floor at every load: {'yes' if v['collm_holds_floor_everywhere'] else 'no'}; "
-        f"its tokens at load {loads[0]} against the chosen fixed K's: {ratio_text} "
-        f"(goal >= {TOKENS_VS_BEST_K_AT_LOW:g}x); fixed Ks holding the floor everywhere and training as much "
-        f"as collm at {loads[0]}: {', '.join(v['fixed_k_doing_both']) or 'none'}. Goal "
-        f"{'met' if v['goal_met'] else 'not met'}.",
+        f"collm holds every floor: {'yes' if v['collm_holds_floor_everywhere'] else 'no'}; its tokens at "
+        f"{loads[0]} over the chosen K's: {ratio_text} (goal >= {TOKENS_VS_BEST_K_AT_LOW:g}x); a fixed K "
+        f"holding every floor and training as much at {loads[0]}: {both}. "
+        f"Goal {'met' if v['goal_met'] else 'not met'}.",
     ]
     return "\n".join(out)
 

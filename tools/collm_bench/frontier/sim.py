@@ -25,7 +25,7 @@ from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
 
 from .curves import with_default_curves
-from .points import SERVING_ALONE, Knob, Point, rate_for_attainment
+from .points import SERVING_ALONE, Knob, Point, quality_curve, rate_for_attainment
 
 SCHEMA = "collm-frontier/1"
 
@@ -80,6 +80,7 @@ def run_point(cfg: HeadlineConfig, cal: Calibration, rate_rps: float, slo: Slo, 
         "point": point_of(knob, run["summary"], run["sim"]["ft_tokens_to_cut"]).as_dict(),
         "quality_gain_end_nats": q.get("final_quality_gain"),
         "rounds": run["sim"]["rounds"],
+        "quality_curve": quality_curve(run["sim"]["quality_timeline"], cfg.domains),
         # Replica-seconds holding a round's training job, of all replica-seconds.
         "job_time_frac": round(run["sim"]["job_time_frac"], 4),
         # Of the replica-time with a training share in force, the part holding a job (fast-tick samples).

@@ -190,6 +190,7 @@ def simulate_run(
         "trained_tokens_by_domain",
         "job_time_frac",
         "job_time_of_share_frac",
+        "quality_timeline",
         "job_s",
         "tokens_past_measured_by_domain",
         "mean_total_share",

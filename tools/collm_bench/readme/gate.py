@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 # The gate's rules compared: (z, minimum gain in nats/token).
-RULES = [(0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (3.0, 0.0), (0.0, 0.001), (2.0, 0.001), (2.0, 0.005)]
+# (z, minimum gain): lower at all, the default, a stricter minimum.
+RULES = [(0.0, 0.0), (2.0, 0.001), (2.0, 0.005)]
 
 
 def paired(cand: list[float], cur: list[float], tokens: list[int], idx: list[int]) -> tuple[float, float]:

@@ -58,10 +58,19 @@ def notes_of(doc: Mapping[str, Any]) -> list[str]:
 
 
 def footer(paths: Sequence[str], plots: Sequence[str], notes: Sequence[str] = ()) -> str:
-    """The lines under a table: the result files it came from, the plots drawn from them, their notes."""
-    files = ", ".join(f"`{p}`" for p in paths)
-    lines = [f"Result file{'s' if len(paths) > 1 else ''}: {files}."]
-    if plots:
+    """The lines under a table: the result files it came from (more than three in one folder: counted,
+    the region's marker names them), the plots drawn from them (more than two, one beside each file:
+    said once), their notes."""
+    folders = {p.rsplit("/", 1)[0] for p in paths}
+    if len(paths) > 3 and len(folders) == 1:
+        lines = [f"Result files: {len(paths)} under `{folders.pop()}/` (the region's marker names them)."]
+    else:
+        files = ", ".join(f"`{p}`" for p in paths)
+        lines = [f"Result file{'s' if len(paths) > 1 else ''}: {files}."]
+    beside = [p.removesuffix(".json") + ".png" for p in paths]
+    if plots and len(plots) > 2 and list(plots) == beside:
+        lines.append(f"Plots (`{PLOTS_COMMAND}`): one beside each file, `.png`.")
+    elif plots:
         drawn = ", ".join(f"`{p}`" for p in plots)
         lines.append(f"Plot{'s' if len(plots) > 1 else ''} (`{PLOTS_COMMAND}`): {drawn}.")
     lines += [f"Note: {n}." if not n.endswith(".") else f"Note: {n}" for n in notes]
