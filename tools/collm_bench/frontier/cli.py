@@ -185,8 +185,13 @@ def finish(results: dict[str, Any], path: Path, out: TextIO) -> None:
     }
     results["frontier"] = pts.fronts(points)
     results["goals"] = pts.evaluate_goals(points, curves)
+    # Time-to-quality reads the curves of the points at the floor only: the others' are not kept.
+    floor = results["goals"]["time_to_quality_vs_best_baseline"].get("attainment_floor")
+    for p, r in zip(points, results.get("runs") or [], strict=False):
+        if floor is not None and p.get("slo_attainment") < floor:
+            r.pop("quality_curve", None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+    path.write_text(pts.json_text(results) + "\n", encoding="utf-8")
     png = plot(results, path.with_suffix(".png"))
     out.write("\n" + markdown(results) + "\n\n")
     out.write(f"[frontier] {path}\n[frontier] {png}\n")

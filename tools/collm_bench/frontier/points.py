@@ -24,7 +24,9 @@ fine-tuning off on every replica):
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -181,6 +183,22 @@ def mean_final_gain(curve: Curve) -> float:
     """The mean over domains of a curve's final served gains: which of two runs ends better."""
     g = final_gains(curve)
     return sum(g) / len(g) if g else 0.0
+
+
+def json_text(doc: Mapping[str, Any]) -> str:
+    """A result file's text: JSON indented by one, each list of plain numbers, and each list of those
+    (a curve), on one line."""
+    flat = re.sub(
+        r"\[\s+([-0-9., \n]*?)\s+\]",
+        lambda m: "[" + re.sub(r"\s+", "", m.group(1)) + "]",
+        json.dumps(doc, indent=1, default=str),
+    )
+    # ... and each list of such lists (a curve) on one line too.
+    return re.sub(
+        r"\[\s+((?:\[[-0-9.,]*\],?\s*)+?)\s*\]",
+        lambda m: "[" + re.sub(r"\s+", "", m.group(1)) + "]",
+        flat,
+    )
 
 
 def dominates(a: Point, b: Point, axes: Sequence[str]) -> bool:

@@ -20,9 +20,7 @@ one whose served gains end highest, by their mean), against the minutes the base
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -39,6 +37,7 @@ from .points import (
     Point,
     final_gains,
     fixed_ratio_knobs,
+    json_text,
     mean_final_gain,
     minutes_to,
     quality_curve,
@@ -297,11 +296,7 @@ def plot(doc: Mapping[str, Any], path: Path) -> Path:
 
 def write(doc: Mapping[str, Any], path: Path) -> Path:
     """The result file (lists of numbers on one line each) and its figure beside it."""
-    text = re.sub(
-        r"\[\s+([-0-9., \n]*?)\s+\]",
-        lambda m: "[" + re.sub(r"\s+", "", m.group(1)) + "]",
-        json.dumps(doc, indent=1),
-    )
+    text = json_text(doc)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n", encoding="utf-8")
     plot(doc, path.with_suffix(".png"))
