@@ -46,10 +46,21 @@ CLI_REQ_RAW_SUFFIX = b"\n\n\n"
 
 
 async def cli_request(url: str, subject: str, body: bytes, headers: dict[str, str] | None) -> Any:
-    """One request as the NATS CLI makes it: its own connection, the body and headers as typed."""
+    """One request as the NATS CLI makes it: its own connection, the body and headers as typed. The
+    condition it needs is an endpoint the server routes to: "no responders" (the endpoint's
+    subscription not yet visible to this connection on a loaded machine) is asked again, for up to
+    10 s, as an operator would re-run the command."""
     nc = await nats.connect(url)
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + 10.0
     try:
-        return await nc.request(subject, body, timeout=5, headers=headers)
+        while True:
+            try:
+                return await nc.request(subject, body, timeout=5, headers=headers)
+            except nats.errors.NoRespondersError:
+                if loop.time() > give_up:
+                    raise
+                await nc.flush()
     finally:
         await nc.close()
 
