@@ -54,7 +54,7 @@ compose-check-cluster: install
 # [tool.vulture] in pyproject.toml and tools/lint/vulture_whitelist.py) over everything, tests included;
 # pylint's duplicate-code check (copies of more than `min-similarity-lines` lines; [tool.pylint] in
 # pyproject.toml) over the non-test code, LINT_COPY_PATHS.
-LINT_COPY_PATHS := services libs tools bench deploy
+LINT_COPY_PATHS := services libs tools deploy
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

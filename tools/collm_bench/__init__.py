@@ -2,5 +2,6 @@
 
 `python -m collm_bench loadgen|summarize|traces` (see README.md). Pure cores: `traces`, `arrivals`,
 `workload`, `prompts`, `goodput`, `quality`; shells: `client` (one streamed request), `runner` (the
-open-loop run), `quality_store` (quality records from the adapter store), `cli`.
+open-loop run), `quality_store` (quality records from the adapter store), `cli`. The other benchmarks,
+`python -m collm_bench engine|faults|gate|federated NAME`: `groups` and its subpackages.
 """

@@ -1,10 +1,11 @@
 """Adaptation over time: each adapter's served held-out loss against the base model's (pure).
 
-`bench/adaptation/run.py` starts the stack `collm up` starts (the demo domains on every replica), drives
-its gateway with a trace slice or leaves it idle, and at the end reads from the adapter store every
-version of every adapter with its creation time and its quality record (the held-out loss per domain
-that the promotion gate measured on the replicas' held-out examples), and from the aggregator every
-round. This module turns that into the result file (`RESULT_SCHEMA`), its table and its figure.
+`python -m collm_bench adaptation run` (`collm_bench.adaptation_run`) starts the stack `collm up` starts (the
+demo domains on every replica), drives its gateway with a trace slice or leaves it idle, and at the end reads
+from the adapter store every version of every adapter with its creation time and its quality record (the
+held-out loss per domain that the promotion gate measured on the replicas' held-out examples), and from the
+aggregator every round. This module turns that into the result file (`RESULT_SCHEMA`), its table and its
+figure.
 
 Curve of an adapter: (seconds since the stack was ready, loss) of each version that has a quality record,
 in order: the aggregator's comparable loss, chained over the same held-out sites from v1

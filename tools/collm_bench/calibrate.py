@@ -1,6 +1,6 @@
 """Measure a calibration of the cluster simulator on the real engine (`collm_common.calibration`).
 
-`bench/engine/run.py calibrate` writes `bench/calibration/<model>.json` with these functions, and the
+`python -m collm_bench engine calibrate` writes `bench/calibration/<model>.json` with these functions, and the
 check of the calibration against a live run (`tests/integration/bench/test_sim_agrees_with_live.py`)
 measures the model it runs with them, so the simulator's costs always come from the same code.
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import queue
-import random
 import statistics
 import threading
 import time
@@ -46,6 +45,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from collm_bench.tokens import prompts_from_text
 from collm_common.calibration import Calibration, CostModel, QualityCurve
 from collm_common.data import Example
 from collm_common.lora import AdapterWeights, LoraSpec
@@ -166,15 +166,6 @@ def line_through(points: Mapping[int, float], a: int, b: int) -> tuple[float, fl
     """(intercept >= 0, slope) of the line through the points at sizes a and b (pure)."""
     slope = (points[b] - points[a]) / (b - a)
     return max(0.0, points[a] - slope * a), slope
-
-
-def prompts_from_text(tokenizer: Any, text: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
-    """`n` prompts of exactly `length` tokens cut from `text` at different offsets."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    while len(ids) <= length:
-        ids = ids + ids
-    rnd = random.Random(seed)
-    return [ids[(o := rnd.randrange(0, len(ids) - length)) : o + length] for _ in range(n)]
 
 
 def random_adapter(

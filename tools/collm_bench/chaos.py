@@ -1,11 +1,11 @@
 """Chaos under load (pure): the kill schedule, each request's fate, and the summary of a chaos run.
 
-`bench/adaptation/run.py run --chaos` runs the default stack (`collm up`: the demo adapting, supervision
-on) under the load generator's replay while a chaos loop SIGKILLs one random process of the stack
-(replicas, gateway, coordinator, aggregator, NATS, Redis) at the times `kill_schedule` draws, measures
-each kill's time to full service, uploads training samples throughout, and at the end checks that every
-accepted sample reached a replica's local data and every stored adapter blob matches its sha256. This
-module classifies and summarises; the result is `bench/results/faults/chaos.json` (`RESULT_SCHEMA`).
+`python -m collm_bench adaptation run --chaos` runs the default stack (`collm up`: the demo adapting,
+supervision on) under the load generator's replay while a chaos loop SIGKILLs one random process of the stack
+(replicas, gateway, coordinator, aggregator, NATS, Redis) at the times `kill_schedule` draws, measures each
+kill's time to full service, uploads training samples throughout, and at the end checks that every accepted
+sample reached a replica's local data and every stored adapter blob matches its sha256. This module classifies
+and summarises; the result is `bench/results/faults/chaos.json` (`RESULT_SCHEMA`).
 
 A request's fate (`fate`, from the load generator's record):
 

@@ -1,4 +1,4 @@
-"""The chaos loop of `bench/adaptation/run.py run --chaos` (I/O; the pure rules are `chaos.py`).
+"""The chaos loop of `python -m collm_bench adaptation run --chaos` (I/O; the pure rules are `chaos.py`).
 
 `ChaosRun` runs in its own thread beside the benchmark's window, against a started `Stack` that
 supervises its processes:

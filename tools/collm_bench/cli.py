@@ -8,6 +8,7 @@
     python -m collm_bench headline-repeat --repeats 3 ...   # the same N times: medians and ranges
     python -m collm_bench readme [--check] [--plots]       # bench/README.md's tables from bench/results/
     python -m collm_bench frontier --sim --replicas 64   # trade-off curves (collm_bench.frontier)
+    python -m collm_bench engine|faults|gate|federated|gateway|sim|adaptation NAME ...   # collm_bench.groups
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any, TextIO
 
 from collm_bench.client import ClientOptions, endpoint_url
 from collm_bench.goodput import SloOverride, summarize
+from collm_bench.groups import GROUPS
+from collm_bench.groups import main as group_main
 from collm_bench.prompts import PromptBuilder, PromptError, discover_domains, parse_mix, read_domain_dir
 from collm_bench.quality import QualityTable
 from collm_bench.records import RequestRecord, read_records, write_records
@@ -92,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m collm_bench",
         description="CoLLM load generator: replay traces or synthetic arrivals against any "
         "OpenAI-compatible endpoint and measure TTFT, TPOT, ITL, errors, goodput and served quality.",
+        epilog="More commands, each with its own --help: headline, headline-repeat, frontier, readme; "
+        f"{', '.join(GROUPS)} NAME (the group alone lists its names).",
     )
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -536,6 +541,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         from collm_bench.readme.cli import main as readme_main
 
         return readme_main(argv[1:], out, err)
+    if argv[:1] and argv[0] in GROUPS:
+        # The other benchmarks, GROUP NAME (collm_bench.groups).
+        return group_main(argv[0], argv[1:], out, err)
     args = build_parser().parse_args(argv)
     commands = {"loadgen": cmd_loadgen, "summarize": cmd_summarize, "traces": cmd_traces}
     try:

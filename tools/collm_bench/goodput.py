@@ -31,6 +31,7 @@ import numpy as np
 
 from collm_bench.quality import QualityTable, quality_summary, request_quality
 from collm_bench.records import STATUSES, RequestRecord
+from collm_common import stats
 from collm_common.slo import missed_slos
 
 SUMMARY_SCHEMA = "collm-bench-summary/1"
@@ -95,7 +96,8 @@ def run_duration_s(records: Sequence[RequestRecord]) -> float:
 
 
 def distribution(values: Iterable[float], percentiles: Sequence[int] = PERCENTILES) -> dict[str, Any]:
-    xs = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    kept = [v for v in values if v is not None and math.isfinite(v)]
+    xs = np.asarray(kept, dtype=float)
     out: dict[str, Any] = {"count": int(xs.size)}
     if xs.size == 0:
         out.update({"mean": None, "std": None, "min": None, "max": None})
@@ -104,7 +106,7 @@ def distribution(values: Iterable[float], percentiles: Sequence[int] = PERCENTIL
     out.update(
         {"mean": float(xs.mean()), "std": float(xs.std()), "min": float(xs.min()), "max": float(xs.max())}
     )
-    out.update({f"p{p}": float(np.percentile(xs, p)) for p in percentiles})
+    out.update({f"p{p}": v for p, v in zip(percentiles, stats.percentiles(kept, percentiles), strict=True)})
     return out
 
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TextIO, TypeVar
 
 import httpx
-import numpy as np
 
 from collm_bench.client import ClientOptions, new_record, send_request
 from collm_bench.goodput import verdict
 from collm_bench.records import RequestRecord
 from collm_bench.workload import PlannedRequest
+from collm_common.stats import percentile
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -61,7 +61,7 @@ class Progress:
     def line(self, elapsed_s: float) -> str:
         done = sum(self.statuses.values())
         bad = done - self.statuses["ok"]
-        p50 = f"{np.percentile(self.recent_ttft_ms, 50):.0f}" if self.recent_ttft_ms else "-"
+        p50 = f"{percentile(self.recent_ttft_ms, 50):.0f}" if self.recent_ttft_ms else "-"
         att = f"{100.0 * self.good / done:.1f}%" if done else "-"
         return (
             f"[collm-bench] {elapsed_s:6.1f}/{self.duration_s:.0f}s sent {self.sent}/{self.total} "

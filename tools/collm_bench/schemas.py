@@ -1,8 +1,8 @@
 """A suite of JSON schemas for constrained decoding: what the grammar-library measurement
-(`bench/engine/grammar_libs.py`) and the structured-output tests run. Each covers a feature clients use
-in `response_format: {"type": "json_schema"}` and tool parameters: nested objects, enums, arrays with
-bounds, optional and required properties, numbers, integers, booleans, null, string lengths and
-patterns, `anyOf`, `$ref` definitions and constants."""
+(`python -m collm_bench engine grammar-libs`) and the structured-output tests run. Each covers a feature
+clients use in `response_format: {"type": "json_schema"}` and tool parameters: nested objects, enums,
+arrays with bounds, optional and required properties, numbers, integers, booleans, null, string lengths
+and patterns, `anyOf`, `$ref` definitions and constants."""
 
 from __future__ import annotations
 

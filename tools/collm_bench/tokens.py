@@ -11,6 +11,7 @@ BANKING77 4.00, HumanEval 3.19. Other domains use 4.0, the common rule of thumb 
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,3 +118,12 @@ class HFTokenizerCounter:
                     ids = ids["input_ids"]
                 self._overhead = max(0, len(ids) - self.count(marker))
         return self._overhead
+
+
+def prompts_from_text(tokenizer: Any, text: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of exactly `length` tokens cut from `text` at different offsets."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) <= length:
+        ids = ids + ids
+    rnd = random.Random(seed)
+    return [ids[(o := rnd.randrange(0, len(ids) - length)) : o + length] for _ in range(n)]

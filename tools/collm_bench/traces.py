@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from collm_common.stats import percentiles
+
 # Names accepted by `resolve_trace` for the files shipped in `shared/data/traces`.
 NAMED_TRACES: dict[str, str] = {
     "code": "azure_llm_2023_code.csv",
@@ -195,17 +197,19 @@ def trace_stats(reqs: Sequence[TraceRequest]) -> TraceStats:
     span = float(t[-1] - t[0])
     gaps = np.diff(t)
     cv = float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else 0.0
+    in_p50, in_p99 = percentiles(ins.tolist(), (50, 99))
+    out_p50, out_p99 = percentiles(outs.tolist(), (50, 99))
     return TraceStats(
         count=len(reqs),
         span_s=span,
         mean_rate_rps=(len(reqs) - 1) / span if span > 0 else math.inf,
         interarrival_cv=cv,
         input_mean=float(ins.mean()),
-        input_p50=float(np.percentile(ins, 50)),
-        input_p99=float(np.percentile(ins, 99)),
+        input_p50=in_p50,
+        input_p99=in_p99,
         output_mean=float(outs.mean()),
-        output_p50=float(np.percentile(outs, 50)),
-        output_p99=float(np.percentile(outs, 99)),
+        output_p50=out_p50,
+        output_p99=out_p99,
     )
 
 

@@ -68,7 +68,7 @@ class UsageError(ValueError):
 
 
 def stack_config(args: argparse.Namespace, log: IO[str] | None = None) -> StackConfig:
-    """The stack that `collm up` runs for these options (also what bench/adaptation starts). With
+    """The stack that `collm up` runs for these options (also what `collm_bench adaptation run` starts). With
     neither `--data` nor `--no-demo`, every replica gets its share of the demo data (`collm_data.demo`),
     written under the run directory."""
     data_dirs: dict[str, str] = {}

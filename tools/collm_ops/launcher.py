@@ -658,7 +658,7 @@ class Stack:
         except OSError as exc:
             self.log("launcher", f"cannot write {path}: {exc}")
 
-    # --- faults (tests and bench/faults) ---------------------------------------------------------------
+    # --- faults (tests and collm_bench.faults) -----------------------------------------------------------
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 15.0, hold: bool = True) -> int:
         """Send `sig` to child `name`'s process group (SIGKILL: a crash) and wait until it has exited.
         Returns its exit code. The child stays listed, so `restart(name)` can start it again. Under

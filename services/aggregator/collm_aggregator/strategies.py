@@ -21,8 +21,8 @@ effect of a module is `scaling * B @ A`, so the exact average of the updates is 
   the average gives it 1/K of it. For `product_svd` the base's product enters the stacked factors with
   weight `1 - eta` (exact whenever the result has rank <= r, as before).
 
-Nothing here does I/O, imports torch or knows about rounds; `bench/federated/strategies_bench.py` and the
-unit tests run these functions directly.
+Nothing here does I/O, imports torch or knows about rounds; `python -m collm_bench federated strategies`
+and the unit tests run these functions directly.
 """
 
 from __future__ import annotations

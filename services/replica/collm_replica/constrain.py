@@ -1,8 +1,8 @@
 """Constrained decoding: a sequence's output follows a grammar (structured outputs, tool calls).
 
-The grammar library is llguidance (`bench/engine/grammar_libs.py` measures it beside xgrammar and
-outlines-core on the default tokenizer and the 22-schema suite of `collm_bench.schemas`; result in
-`bench/results/engine/grammar_libs.json`): every random walk under its masks parsed and validated,
+The grammar library is llguidance (`python -m collm_bench engine grammar-libs` measures it beside
+xgrammar and outlines-core on the default tokenizer and the 22-schema suite of `collm_bench.schemas`;
+result in `bench/results/engine/grammar_libs.json`): every random walk under its masks parsed and validated,
 grammars compile in well under a millisecond (so each sequence compiles its own, with no cache), and it
 reads JSON schemas and Lark grammars alike.
 

@@ -12,9 +12,10 @@ a prefill token adds to a step.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
+
+from collm_common.stats import percentiles
 
 
 class LinearCost:
@@ -130,15 +131,6 @@ class PieceCosts:
         return fixed, per
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
-    return s[k]
-
-
 @dataclass(frozen=True)
 class FinishedSample:
     t_s: float
@@ -169,11 +161,13 @@ class LatencyWindow:
         tpot = [s.tpot_ms for s in self._items if s.tpot_ms is not None]
         n = len(self._items)
         good = sum(1 for s in self._items if s.good)
+        ttft_p50, ttft_p99 = percentiles(ttft, (50, 99))
+        tpot_p50, tpot_p99 = percentiles(tpot, (50, 99))
         return {
-            "ttft_ms_p50": percentile(ttft, 50),
-            "ttft_ms_p99": percentile(ttft, 99),
-            "tpot_ms_p50": percentile(tpot, 50),
-            "tpot_ms_p99": percentile(tpot, 99),
+            "ttft_ms_p50": ttft_p50,
+            "ttft_ms_p99": ttft_p99,
+            "tpot_ms_p50": tpot_p50,
+            "tpot_ms_p99": tpot_p99,
             "finished": n,
             "good": good,
             "slo_attainment": (good / n) if n else None,

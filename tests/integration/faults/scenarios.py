@@ -3,11 +3,11 @@ registry of the scenarios in serving_faults.py (1, 2, 5), round_faults.py (3, 4,
 (7).
 
 Shared by the fault tests (tests/integration/faults/test_*.py, small parameters) and the figures
-(bench/faults/run.py, larger ones). Each scenario starts from a healthy stack, injects its fault into
-the real processes, measures, repairs what it broke, and returns what it saw: requests sent, succeeded,
-retried, failed with a clear error, lost (must be 0), the recovery time, and named checks (each a
-property the fault must not break). A scenario never asserts: the caller decides what to do with failed
-checks, so a figures run reports every fault even when one misbehaves.
+(`python -m collm_bench faults scenarios`, larger ones). Each scenario starts from a healthy stack,
+injects its fault into the real processes, measures, repairs what it broke, and returns what it saw:
+requests sent, succeeded, retried, failed with a clear error, lost (must be 0), the recovery time, and
+named checks (each a property the fault must not break). A scenario never asserts: the caller decides
+what to do with failed checks, so a figures run reports every fault even when one misbehaves.
 
 1. `replica_kill`: SIGKILL one of two replicas under concurrent load, then restart it.
 2. `nats_restart`: stop nats-server, probe the gateway while it is down, start it again (same port and

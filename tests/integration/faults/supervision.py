@@ -4,7 +4,7 @@ does. Nobody restarts it by hand: supervision must, while the other replica serv
 `supervised_replica_kill` runs against any `SupervisedTarget` (a gateway, a way to crash a replica's
 process, and supervision's restart count for it), so the same scenario measures the tiny-model
 `FaultStack` (tests, `replica_supervised`) and a real `collm up` process with SmolLM2
-(bench/faults/supervise.py). What it measures, from the client's side:
+(`python -m collm_bench faults supervise`). What it measures, from the client's side:
 
 * `first_new_accepted_s` and `first_new_served_s`: from the kill until a request sent after it was
   first accepted by another replica (its response headers), and until such a request first got a

@@ -1,4 +1,4 @@
-"""The engine profile's table (bench/engine/step_profile.py's result) from a hand-written result."""
+"""The engine profile's table (`python -m collm_bench engine profile`'s result) from a hand-written result."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The threads comparison's table (bench/engine/threads.py's result) from a hand-written result."""
+"""The threads comparison's table (`python -m collm_bench engine threads`'s result) from a hand-written
+result."""
 
 from __future__ import annotations
 

@@ -255,8 +255,8 @@ class Headline:
         if cfg.calibration is not None:
             if not Path(cfg.calibration).is_file():
                 raise SetupError(
-                    f"calibration {cfg.calibration} does not exist: `bench/engine/run.py calibrate` writes "
-                    "it (or pass --rates, --slo-ttft-ms, --slo-tpot-ms and --no-simulate)"
+                    f"calibration {cfg.calibration} does not exist: `python -m collm_bench engine calibrate` "
+                    "writes it (or pass --rates, --slo-ttft-ms, --slo-tpot-ms and --no-simulate)"
                 )
             self.cal = Calibration.load(cfg.calibration)
             if self.cal.model != served_name(cfg.model):

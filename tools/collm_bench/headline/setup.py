@@ -27,6 +27,7 @@ from collm_bench.traces import (
 )
 from collm_bench.workload import ArrivalSpec, ModelMap, PlannedRequest, Slo, plan_requests, request_shapes
 from collm_common.calibration import Calibration
+from collm_common.stats import percentile
 
 from .config import HeadlineConfig
 
@@ -122,7 +123,7 @@ def slo_for(cfg: HeadlineConfig, source: TraceSource, cal: Calibration | None, m
         # one SLO for every rate, whatever the slice length.
         tail = [r for r in source.requests if r.arrival_s >= cfg.trace_start_s][:1000]
         fitted = fit_lengths(tail, lengths(cfg)) if tail else shapes(cfg, source, 1.0)
-        p99_in = int(np.percentile([s.input_tokens for s in fitted], 99))
+        p99_in = int(percentile([s.input_tokens for s in fitted], 99))
         ttft = ttft if ttft is not None else cfg.slo_ttft_scale * cal.cost.prefill_ms(p99_in)
         tpot = tpot if tpot is not None else cfg.slo_tpot_scale * cal.cost.decode_ms(max_batch)
     return Slo(round(float(ttft), 1), round(float(tpot), 1))

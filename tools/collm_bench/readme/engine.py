@@ -1,4 +1,4 @@
-"""Tables of the engine benchmarks (bench/engine/*.py, results in bench/results/engine/) and of the
+"""Tables of the engine benchmarks (collm_bench.engine, results in bench/results/engine/) and of the
 calibration (bench/calibration/*.json)."""
 
 from __future__ import annotations
@@ -251,8 +251,8 @@ def _profile_case(case: Mapping[str, Any]) -> str:
 
 
 def profile_table(doc: Mapping[str, Any]) -> str:
-    """Where one engine step's milliseconds go (bench/engine/step_profile.py): per case, the plain step (ms,
-    tokens/s), then each category's share of the profiled step (categories under 2% in every case
+    """Where one engine step's milliseconds go (collm_bench.engine.step_profile): per case, the plain step
+    (ms, tokens/s), then each category's share of the profiled step (categories under 2% in every case
     together as "the rest"), and the torch op calls per decoder layer."""
     cases = doc["cases"]
     cfg = doc["config"]
@@ -295,7 +295,7 @@ def profile_table(doc: Mapping[str, Any]) -> str:
 
 
 def threads_table(doc: Mapping[str, Any]) -> str:
-    """One replica with two torch threads against two replicas with one each (bench/engine/threads.py):
+    """One replica with two torch threads against two replicas with one each (collm_bench.engine.threads):
     per concurrency and batch bound, each layout's output tokens/s, TTFT p50 and TPOT p50, and (b) / (a)
     output tokens/s."""
     lines = [

@@ -1,4 +1,4 @@
-"""Fault benchmarks (bench/faults/*.py, results in bench/results/faults/)."""
+"""Fault benchmarks (collm_bench.faults, results in bench/results/faults/)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Federated aggregation strategies (bench/federated/strategies_bench.py; bench/results/federated/)."""
+"""Federated aggregation strategies (`python -m collm_bench federated strategies`; results in
+bench/results/federated/)."""
 
 from __future__ import annotations
 

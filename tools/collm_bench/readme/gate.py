@@ -1,5 +1,5 @@
-"""The promotion gate's noise (bench/gate/noise.py, result bench/results/gate/noise.json): the split analysis
-of the per-example losses and its tables (pure; deterministic for a seed)."""
+"""The promotion gate's noise (collm_bench.gate.noise, result bench/results/gate/noise.json): the split
+analysis of the per-example losses and its tables (pure; deterministic for a seed)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The gateway's added latency (bench/gateway_overhead.py) and overload (bench/gateway_overload.py); results
-in bench/results/gateway/."""
+"""The gateway's added latency and overload (`python -m collm_bench gateway overhead|overload`); results in
+bench/results/gateway/."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def overhead_table(docs: Sequence[Mapping[str, Any]]) -> str:
 
 
 def overload_table(doc: Mapping[str, Any]) -> str:
-    """One row per phase of bench/gateway_overload.py: what came back, and the 200s' latency."""
+    """One row per phase of `python -m collm_bench gateway overload`: what came back, and the 200s'
+    latency."""
     lines = [
         "| phase | sent | 200 | 429 (with Retry-After) | 503 | other 5xx | other | 200 latency p50 / p99 s |",
         "|---|---|---|---|---|---|---|---|",

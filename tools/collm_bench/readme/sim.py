@@ -1,4 +1,5 @@
-"""Tables and plots of the simulator's benchmarks (bench/sim/*.py, results in bench/results/sim/)."""
+"""Tables and plots of the simulator's benchmarks (`python -m collm_bench sim NAME`, results in
+bench/results/sim/)."""
 
 from __future__ import annotations
 

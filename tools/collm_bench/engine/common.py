@@ -1,4 +1,8 @@
-"""Shared pieces of the engine benchmarks: model, prompts from real text, timed request runs, results."""
+"""Shared pieces of the engine benchmarks: model, prompts from real text, timed request runs, results.
+
+Only what an engine of an earlier commit also has is imported at module level (the `concurrency`
+benchmark runs this module against one): `collm_bench.calibrate`, which needs this tree's engine, is
+imported where it is used."""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import os
 import platform
 import random
 import resource
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,17 +19,16 @@ from typing import Any
 
 import torch
 
-from collm_bench import calibrate
-from collm_bench.calibrate import prompts_from_text
+from collm_bench.groups import REPO, RESULTS, command_line
+from collm_bench.tokens import prompts_from_text
 from collm_common.data import Example
 from collm_common.lora import AdapterWeights, LoraSpec
 from collm_replica.engine import Engine, EngineRequest
 from collm_replica.models import LoadedModel, load_model
 from collm_replica.settings import ReplicaSettings
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results" / "engine"
-SHARED_DATA = ROOT.parent / "shared" / "data" / "domains"
+ENGINE_RESULTS = RESULTS / "engine"
+SHARED_DATA = REPO.parent / "shared" / "data" / "domains"
 
 
 def matmul_dtype() -> str:
@@ -34,13 +36,10 @@ def matmul_dtype() -> str:
     return ReplicaSettings().matmul_dtype
 
 
-def command_line() -> str:
+def engine_command_line() -> str:
+    """This run's command as the result files record it, with `COLLM_MATMUL_DTYPE` when it is not fp32."""
     env = "" if matmul_dtype() == "float32" else f"COLLM_MATMUL_DTYPE={matmul_dtype()} "
-    return (
-        env
-        + "flock /tmp/collm-heavy.lock .venv/bin/python "
-        + " ".join([str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
-    )
+    return env + command_line(lock=True)
 
 
 def load_smollm2(threads: int = 1) -> LoadedModel:
@@ -54,13 +53,15 @@ def load_smollm2(threads: int = 1) -> LoadedModel:
 
 
 def save_result(name: str, data: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Write bench/results/engine/<name>.json (<name>_<dtype>.json in another precision): the benchmark's
+    `data` after its name, command, time and machine."""
+    ENGINE_RESULTS.mkdir(parents=True, exist_ok=True)
     if matmul_dtype() != "float32":  # results in another precision do not replace the fp32 ones
         name = f"{name}_{matmul_dtype()}"
-    path = RESULTS / f"{name}.json"
+    path = ENGINE_RESULTS / f"{name}.json"
     doc = {
         "benchmark": name,
-        "command": command_line(),
+        "command": engine_command_line(),
         "measured_unix_s": time.time(),
         "machine": {
             "cpus": os.cpu_count(),
@@ -71,11 +72,12 @@ def save_result(name: str, data: dict[str, Any]) -> Path:
         **data,
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {path.relative_to(REPO)}")
     return path
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident set size (MB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -97,6 +99,7 @@ def domain_examples(domain: str, limit: int | None = None) -> list[Example]:
 
 
 def text_corpus() -> str:
+    """Text to cut prompts from: medical answers when the shared data is there, else a repeated sentence."""
     ex = domain_examples("medical", 200)
     if ex:
         return "\n\n".join(e.response for e in ex)
@@ -113,6 +116,9 @@ def token_prompts(loaded: LoadedModel, n: int, length: int, seed: int = 0) -> li
 def random_adapter(
     loaded: LoadedModel, seed: int, scale: float = 0.02, spec: LoraSpec | None = None
 ) -> AdapterWeights:
+    """A random LoRA adapter for `loaded` (`collm_bench.calibrate.random_adapter`)."""
+    from collm_bench import calibrate
+
     return calibrate.random_adapter(loaded, seed, scale, spec)
 
 
@@ -158,24 +164,19 @@ class Trace:
 
 
 def submit(engine: Engine, req: EngineRequest) -> Trace:
+    """Submit `req` to `engine`; the trace that records its events."""
     tr = Trace(submitted_s=time.perf_counter())
     engine.submit(req, tr)
     return tr
 
 
 def wait_all(traces: list[Trace], timeout_s: float = 1800.0) -> None:
+    """Wait until every request of `traces` has finished or failed (TimeoutError after `timeout_s` each)."""
     for t in traces:
         if not t.done.wait(timeout_s):
             raise TimeoutError("a benchmark request did not finish")
 
 
 def greedy(rid: str, ids: list[int], n: int, adapter: str | None = None, **kw: Any) -> EngineRequest:
+    """A greedy request for exactly `n` tokens (`ignore_eos`)."""
     return EngineRequest(rid, ids, adapter=adapter, max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    k = max(0, min(len(s) - 1, int(round(q / 100 * (len(s) - 1)))))
-    return s[k]

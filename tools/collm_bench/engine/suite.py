@@ -1,7 +1,8 @@
-"""Engine benchmarks on SmolLM2-135M-Instruct (CPU, one torch thread). Each prints its ratios against a
-baseline measured in the same run and writes bench/results/engine/<name>.json (plus a PNG where useful).
+"""The engine's benchmark suite on SmolLM2-135M-Instruct (CPU, one torch thread). Each prints its ratios
+against a baseline measured in the same run and writes bench/results/engine/<name>.json (plus a PNG
+where useful).
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/run.py batching
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench engine batching
     ... multilora | swap | coexec | memory | calibrate | all
 
 `all` runs each one in its own process (so `memory` measures a clean peak RSS).
@@ -16,52 +17,51 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
-    RESULTS,
-    ROOT,
+from collm_bench.calibrate import (
+    CostSizes,
+    calibration,
+    measure_costs_together,
+    measure_quality,
+)
+from collm_bench.engine.common import (
+    ENGINE_RESULTS,
     Trace,
-    command_line,
     domain_examples,
+    engine_command_line,
     greedy,
     load_smollm2,
     matmul_dtype,
     peak_rss_mb,
-    percentile,
     random_adapter,
     save_result,
     submit,
     token_prompts,
     wait_all,
 )
-
-from collm_bench.calibrate import (  # noqa: E402
-    CostSizes,
-    calibration,
-    measure_costs_together,
-    measure_quality,
-)
-from collm_common.data import LocalDataset  # noqa: E402
-from collm_common.lora import LoraSpec, decode_adapter, encode_adapter  # noqa: E402
-from collm_replica.cosched import (  # noqa: E402
+from collm_bench.groups import REPO, add_eval_dtype, add_lr, add_result_name
+from collm_common.data import LocalDataset
+from collm_common.lora import LoraSpec, decode_adapter, encode_adapter
+from collm_common.stats import percentile
+from collm_replica.cosched import (
     CoScheduler,
     FixedRatioCoScheduler,
     NoTraining,
     SloAwareCoScheduler,
 )
-from collm_replica.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from collm_replica.engine.scheduler import BatchConfig  # noqa: E402
-from collm_replica.lora_bank import MODULE_PATHS, LiveLora, parse_adapter  # noqa: E402
-from collm_replica.naming import served_name  # noqa: E402
-from collm_replica.settings import ReplicaSettings  # noqa: E402
-from collm_replica.training import JobConfig, JobSpec  # noqa: E402
+from collm_replica.engine import Engine, EngineConfig, EngineRequest
+from collm_replica.engine.scheduler import BatchConfig
+from collm_replica.lora_bank import MODULE_PATHS, LiveLora, parse_adapter
+from collm_replica.naming import served_name
+from collm_replica.settings import ReplicaSettings
+from collm_replica.training import JobConfig, JobSpec
 
+BENCHMARKS = ("batching", "multilora", "swap", "coexec", "memory", "calibrate")
 CFG16 = BatchConfig(max_batch=16, max_batch_tokens=256, prefill_chunk_tokens=128, kv_budget_tokens=32768)
 
 
@@ -79,7 +79,7 @@ def plot(path: Path, draw: Any) -> None:
             path = path.with_name(f"{path.stem}_{matmul_dtype()}{path.suffix}")
         fig.savefig(path, dpi=110)
         plt.close(fig)
-        print(f"wrote {path.relative_to(ROOT)}")
+        print(f"wrote {path.relative_to(REPO)}")
     except Exception as exc:  # noqa: BLE001 - a plot is optional
         print(f"(no plot: {exc})")
 
@@ -142,7 +142,7 @@ def bench_batching(args: argparse.Namespace) -> None:
         },
     )
     plot(
-        RESULTS / "batching.png",
+        ENGINE_RESULTS / "batching.png",
         lambda ax: (
             ax.bar(["HF generate, one at a time", "CoLLM engine, 16 concurrent"], [base_tps, eng_tps]),
             ax.set_ylabel("output tokens/s"),
@@ -291,7 +291,7 @@ def bench_swap(args: argparse.Namespace) -> None:  # noqa: ARG001
         ax.set_title("Shadow swap under load (16 streams, SmolLM2, CPU)")
         ax.legend()
 
-    plot(RESULTS / "swap.png", draw)
+    plot(ENGINE_RESULTS / "swap.png", draw)
 
 
 # ======================================================================================== 4. co-execution
@@ -558,7 +558,7 @@ def bench_coexec(args: argparse.Namespace) -> None:
     )
     names = list(results)
     plot(
-        RESULTS / f"{args.name}.png",
+        ENGINE_RESULTS / f"{args.name}.png",
         lambda ax: (
             ax.bar(
                 [n.replace("_", " ") for n in names],
@@ -664,18 +664,23 @@ def bench_calibrate(args: argparse.Namespace) -> None:
                 on_point=lambda n, loss, d=domain: print(f"{d}: {n} training tokens -> eval loss {loss:.4f}"),
             )
         )
-    cal = calibration(loaded.name, costs.cost, curves, command_line(), loaded.matmul_precision)
+    cal = calibration(loaded.name, costs.cost, curves, engine_command_line(), loaded.matmul_precision)
     stem = spec if spec == "smollm2" else served_name(spec)
     if loaded.matmul_precision != "float32":  # beside the fp32 calibration, not over it
         stem = f"{stem}_{loaded.matmul_precision}"
-    out = ROOT / "bench" / "calibration" / f"{stem}.json"
+    out = REPO / "bench" / "calibration" / f"{stem}.json"
     cal.save(out)
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out.relative_to(REPO)}")
     save_result("calibration", {**costs.as_dict(), "calibration": cal.model_dump(mode="json")})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The suite's parser: one sub-command per benchmark, and `all`."""
+    ap = argparse.ArgumentParser(
+        prog="python -m collm_bench engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("batching")
     b.add_argument("--baseline-requests", type=int, default=16)
@@ -690,15 +695,13 @@ def main() -> None:
     c.add_argument("--micro-tokens", type=int, default=128)
     c.add_argument("--slack-frac", type=float, default=EngineConfig().train_slack_frac)
     c.add_argument("--fixed-every", type=int, default=8)
-    c.add_argument("--lr", type=float, default=1e-3)
+    add_lr(c)
     c.add_argument("--train-only-s", type=float, default=20.0)
     c.add_argument("--repeat", type=int, default=1, help="repetitions of train-only, (a), (b), (c), pooled")
-    c.add_argument("--name", default="coexec", help="results go to bench/results/engine/<name>.json")
+    add_result_name(c, "coexec")
     m = sub.add_parser("memory")
     m.add_argument("--seconds", type=float, default=20.0)
-    m.add_argument(
-        "--eval-dtype", default="auto", help="COLLM_EVAL_MATMUL_DTYPE (auto keeps a bf16 copy on AMX CPUs)"
-    )
+    add_eval_dtype(m)
     k = sub.add_parser("calibrate")
     k.add_argument("--domains", nargs="*", default=["medical", "math"])
     k.add_argument("--quality-tokens", nargs="*", type=int, default=[1024, 2048, 4096])
@@ -716,12 +719,18 @@ def main() -> None:
         help="engines timed at once, one process each (the replicas a live stack runs on this machine)",
     )
     sub.add_parser("all")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run the benchmark `argv` names (`all`: each in its own `python -m collm_bench engine NAME`)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.cmd == "all":
-        for name in ("batching", "multilora", "swap", "coexec", "memory", "calibrate"):
+        for name in BENCHMARKS:
             print(f"\n=== {name} ===", flush=True)
-            subprocess.run([sys.executable, __file__, name], check=False)
-        return
+            subprocess.run([sys.executable, "-m", "collm_bench", "engine", name], check=False)
+        return 0
     if args.cmd in ("batching", "multilora") and matmul_dtype() != "float32":
         # their baselines run Hugging Face's forward and merge into the base weights, which need the
         # model's own fp32 projections; a bf16-held model has none
@@ -737,7 +746,4 @@ def main() -> None:
         "memory": bench_memory,
         "calibrate": bench_calibrate,
     }[args.cmd](args)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

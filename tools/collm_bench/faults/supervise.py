@@ -12,10 +12,11 @@ first token during the outage, (b) the kill to the first token r0 generates agai
 restarted it, (c) every request's fate: completed, moved to r1 before its first token and completed,
 ended with a clear error, or lost. Then stops `collm up` with SIGTERM.
 
-Writes a compact summary to bench/results/faults/supervision.json and prints a table.
+Writes a compact summary to bench/results/faults/supervision.json and prints a table. Runs from the
+repository root (it imports `tests`).
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/supervise.py
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/supervise.py --model tiny --concurrency 8
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench faults supervise
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench faults supervise --model tiny --concurrency 8
 """
 
 from __future__ import annotations
@@ -32,19 +33,20 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from collm_bench.groups import REPO, RESULTS, add_max_tokens, add_model, add_out, command_line, prog
+from collm_ops.servers import free_port
+from collm_replica.naming import served_name
 
-from collm_ops.servers import free_port  # noqa: E402
-from collm_replica.naming import served_name  # noqa: E402
-from tests.integration.faults.supervision import SupervisedTarget, supervised_replica_kill  # noqa: E402
+if TYPE_CHECKING:
+    from tests.integration.faults.supervision import SupervisedTarget
 
-RESULT = ROOT / "bench" / "results" / "faults" / "supervision.json"
+RESULT = RESULTS / "faults" / "supervision.json"
 
 
 class CollmUp:
@@ -79,7 +81,7 @@ class CollmUp:
         t0 = time.monotonic()
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
             )
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
@@ -129,6 +131,9 @@ class CollmUp:
         return [ln.strip() for ln in text.splitlines() if keep.search(ln)][:20]
 
     def target(self) -> SupervisedTarget:
+        """The supervision scenario's view of this stack: its URL, model, replicas, kill and restarts."""
+        from tests.integration.faults.supervision import SupervisedTarget
+
         async def crash(rid: str) -> None:
             pid = self.service(rid).get("pid")
             if not pid:
@@ -164,17 +169,26 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+def main(argv: Sequence[str]) -> int:
+    """Kill r0 of a supervised `collm up` under load, write the summary, print its table; 1 when a check
+    failed."""
+    ap = argparse.ArgumentParser(
+        prog=prog("faults", "supervise"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model(ap, "smollm2")
     ap.add_argument("--concurrency", type=int, default=16, help="streams kept in flight")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream")
+    add_max_tokens(ap, 64)
     ap.add_argument("--ready-timeout-s", type=float, default=600.0)
     ap.add_argument(
         "--client-timeout-s", type=float, default=180.0, help="a request unanswered by then is lost"
     )
-    ap.add_argument("--out", type=Path, default=RESULT)
-    args = ap.parse_args()
+    add_out(ap, RESULT)
+    args = ap.parse_args(argv)
+
+    from tests.integration.faults.supervision import supervised_replica_kill
+
     with tempfile.TemporaryDirectory(prefix="collm-supervise-") as tmp:
         up = CollmUp(Path(tmp), args.model, replicas=2)
         try:
@@ -200,7 +214,7 @@ def main() -> int:
             code = up.stop()
     d = report.details
     summary: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "command": command_line(),
         "collm_up": " ".join(["python", *up.cmd[1:]]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "model": args.model,
@@ -237,7 +251,3 @@ def main() -> int:
     print(f"checks failed: {report.failed_checks or 'none'}; collm up exit code {code}")
     print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
     return 0 if not report.failed_checks else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

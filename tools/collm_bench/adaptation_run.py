@@ -1,8 +1,10 @@
 """Adaptation out of the box: the stack `collm up` starts, its adapters' held-out loss over a long window.
 
-    .venv/bin/python bench/adaptation/run.py run --minutes 15 --load-frac 0      # the stack otherwise idle
-    .venv/bin/python bench/adaptation/run.py run --minutes 15 --load-frac 0.5    # a trace at half capacity
-    .venv/bin/python bench/adaptation/run.py report [RESULT.json ...]           # table and PNG again
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench adaptation run --minutes 15 --load-frac 0
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench adaptation run --minutes 15 --load-frac 0.5
+    .venv/bin/python -m collm_bench adaptation report [RESULT.json ...]     # table and PNG again
+
+The first leaves the stack otherwise idle, the second replays a trace at half capacity.
 
 `run` starts exactly what `collm up` starts with no options (`collm_ops.cli.stack_config`: two replicas
 with SmolLM2, each holding its share of every demo domain, the collm policy), on its own NATS and Redis
@@ -23,8 +25,8 @@ service, checks that every accepted sample reached a replica's data and every st
 sha256, and writes `bench/results/faults/chaos.json` (`collm_bench.chaos`), with the served loss at the
 end beside that of the result `--baseline` (the same run without chaos):
 
-    .venv/bin/python bench/adaptation/run.py run --minutes 20 --load-frac 0.5 --name load0.5-20min
-    .venv/bin/python bench/adaptation/run.py run --minutes 20 --load-frac 0.5 --chaos \
+    .venv/bin/python -m collm_bench adaptation run --minutes 20 --load-frac 0.5 --name load0.5-20min
+    .venv/bin/python -m collm_bench adaptation run --minutes 20 --load-frac 0.5 --chaos \
         --name load0.5-20min-chaos --baseline bench/results/adaptation/load0.5-20min.json
 """
 
@@ -38,15 +40,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from collm_bench.groups import CALIBRATION, REPO, RESULTS, add_run_dir, command_line
 
 if TYPE_CHECKING:
     from collm_common.settings import CommonSettings
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "bench" / "results" / "adaptation"
-CALIBRATION = REPO / "bench" / "calibration" / "smollm2.json"
+ADAPTATION_RESULTS = RESULTS / "adaptation"
 
 
 def _stack_config(run_dir: Path) -> Any:
@@ -161,7 +164,9 @@ def _stop_on_sigterm(*_: object) -> None:
     raise KeyboardInterrupt  # the stack and the load generator are stopped on the way out
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, command: str) -> int:
+    """Run the default stack for the window (with load and chaos as asked), write the result, print its
+    table and draw its figure."""
     from collm_bench import adaptation
     from collm_ops.launcher import Stack
 
@@ -207,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         "schema": adaptation.RESULT_SCHEMA,
         "name": name,
         "title": f"collm up: demo adapters, {'idle' if plan is None else f'{args.load_frac:g} x capacity'}",
-        "command": " ".join(["bench/adaptation/run.py", *sys.argv[1:]]),
+        "command": command,
         "started_unix_s": round(t0, 1),
         "window_s": window_s,
         "ready_s": round(stack.ready_s or 0.0, 1),
@@ -238,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
             "tpot_ms_p99": lat["tpot"]["p99"],
             "by_status": s["counts"]["by_status"],
         }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    ADAPTATION_RESULTS.mkdir(parents=True, exist_ok=True)
+    path = ADAPTATION_RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"adaptation: wrote {path.relative_to(REPO)}", flush=True)
     if monkey is not None:
@@ -335,31 +340,38 @@ def _write_chaos(
         **extra,
     }
     summary["goals"] = chaos.verdicts(summary)
-    out = REPO / "bench" / "results" / "faults" / "chaos.json"
+    out = RESULTS / "faults" / "chaos.json"
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(chaos.table(summary))
     print(f"goals: {summary['goals']}")
     print(f"adaptation: wrote {out.relative_to(REPO)}", flush=True)
 
 
+def _shown(path: Path) -> Path:
+    """`path` relative to the repository when it lies in it, else as given."""
+    return path.relative_to(REPO) if path.is_absolute() and path.is_relative_to(REPO) else path
+
+
 def report_one(path: Path) -> int:
+    """Print the table of one result file and draw its figure beside it."""
     from collm_bench import adaptation
 
     result = json.loads(path.read_text())
     print(adaptation.table(result))
     fig = adaptation.plot(result, path.with_suffix(".png"))
-    print(f"figure: {fig.relative_to(REPO)}")
+    print(f"figure: {_shown(fig)}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """`run` (argv[0]): run the stack and write the result; `report`: the tables and figures again."""
+    p = argparse.ArgumentParser(prog="python -m collm_bench adaptation", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the default stack for a window and write the result")
     r.add_argument("--minutes", type=float, default=15.0)
     r.add_argument("--load-frac", type=float, default=0.0, help="trace rate / estimated capacity (0: idle)")
     r.add_argument("--name", default=None, help="result name (default: idle or load<F>)")
-    r.add_argument("--run-dir", default=str(REPO / ".collm" / "bench-adaptation"))
+    add_run_dir(r, str(REPO / ".collm" / "bench-adaptation"))
     r.add_argument("--chaos", action="store_true", help="SIGKILL a random process every 30-90 s")
     r.add_argument("--chaos-seed", type=int, default=1, help="the kill schedule's seed")
     r.add_argument("--baseline", default=None, help="the same run's result without chaos (quality)")
@@ -367,13 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("results", nargs="*", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "run":
-        return run(args)
-    paths = args.results or sorted(RESULTS.glob("*.json"))
+        return run(args, command_line(["adaptation", *argv], lock=True))
+    paths = args.results or sorted(ADAPTATION_RESULTS.glob("*.json"))
     for path in paths:
-        print(f"## {path.relative_to(REPO) if path.is_absolute() else path}")
+        print(f"## {_shown(path)}")
         report_one(path.resolve())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

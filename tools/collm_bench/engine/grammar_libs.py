@@ -8,11 +8,12 @@ the chosen token), and correctness: random walks that pick uniformly among the a
 matcher accepts (or 400 tokens), every finished walk's text parsed as JSON and validated against its
 schema (`jsonschema`). A library that cannot compile a schema scores it as unsupported.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/grammar_libs.py --libs-dir /tmp/glibs
+    PYTHONPATH=/tmp/glibs flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench engine grammar-libs
 
 (writes `bench/results/engine/grammar_libs.json`).
 The libraries are installed for the run only (`pip install --target DIR xgrammar apache-tvm-ffi
-outlines-core llguidance --no-deps`; `--libs-dir DIR`); the replica depends on the chosen one alone.
+outlines-core llguidance --no-deps`) and found on `PYTHONPATH=DIR`, ahead of the environment's own;
+the replica depends on the chosen one alone. A library that does not import is recorded as an error.
 """
 
 from __future__ import annotations
@@ -21,19 +22,17 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from collm_bench.engine.common import load_smollm2, save_result
+from collm_bench.groups import prog
 from collm_bench.schemas import SCHEMAS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_smollm2, save_result  # noqa: E402
+from collm_common.stats import percentile
 
 MAX_WALK_TOKENS = 400
 
@@ -257,17 +256,20 @@ def measure(lib: Lib, hf_tok: Any, walks: int, steps: int, batch: int) -> dict[s
         "walks": {"valid": valid, "invalid": invalid, "unfinished": unfinished},
         "failures": failures[:10],
         "mask_us_per_token_batch16_median": round(statistics.median(per_token_us), 1),
-        "mask_us_per_token_batch16_p90": round(float(np.percentile(per_token_us, 90)), 1),
+        "mask_us_per_token_batch16_p90": round(percentile(per_token_us, 90), 1),
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--libs-dir", default="/tmp/glibs")
+def main(argv: Sequence[str]) -> int:
+    """Measure every library that imports, write the result."""
+    ap = argparse.ArgumentParser(
+        prog=prog("engine", "grammar-libs"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--walks", type=int, default=5, help="random walks per schema")
     ap.add_argument("--steps", type=int, default=60, help="timed batch steps")
-    args = ap.parse_args()
-    sys.path.insert(0, args.libs_dir)
+    args = ap.parse_args(argv)
 
     hf_tok = load_smollm2().tokenizer
     vocab = len(hf_tok)
@@ -293,6 +295,7 @@ def main() -> None:
             "results": results,
         },
     )
+    return 0
 
 
 def _version(module: str) -> str | None:
@@ -302,7 +305,3 @@ def _version(module: str) -> str | None:
         return version(module.replace("_", "-"))
     except PackageNotFoundError:
         return None
-
-
-if __name__ == "__main__":
-    main()

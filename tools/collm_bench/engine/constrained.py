@@ -4,7 +4,7 @@ least 50 objects with an integer and an enum: every one of the 64 tokens is unde
 half free. Same process, same prompts, alternated `--reps` times; the ratio is of decode tokens per
 second (all generated tokens over the wall time of the batch).
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/constrained.py
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench engine constrained
 
 (writes `bench/results/engine/constrained_decode.json`).
 """
@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
+from collm_bench.engine.common import load_smollm2, save_result, submit, token_prompts, wait_all
+from collm_bench.groups import add_output_tokens, add_prompt_tokens, prog
 from collm_common.structured import json_schema_grammar
 from collm_replica.cosched import NoTraining
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_smollm2, save_result, submit, token_prompts, wait_all  # noqa: E402
 
 SCHEMA = {
     "type": "array",
@@ -39,6 +37,7 @@ SCHEMA = {
 
 
 def run(eng: Engine, prompts: list[list[int]], constrained: int, tokens: int, tag: str) -> dict[str, Any]:
+    """One batch: every prompt at once, the first `constrained` under `SCHEMA`; tokens, wall, tokens/s."""
     grammar = json_schema_grammar(SCHEMA)
     reqs = [
         EngineRequest(
@@ -66,13 +65,18 @@ def run(eng: Engine, prompts: list[list[int]], constrained: int, tokens: int, ta
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str]) -> int:
+    """Alternate the unconstrained and the half-constrained batch, write the result, print the ratio."""
+    ap = argparse.ArgumentParser(
+        prog=prog("engine", "constrained"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
+    add_output_tokens(ap, 64)
+    add_prompt_tokens(ap, 64)
     ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     loaded = load_smollm2()
     prompts = token_prompts(loaded, args.batch, args.prompt_tokens)
     cfg = EngineConfig()
@@ -84,7 +88,7 @@ def main() -> None:
         run(eng, prompts, args.batch // 2, 4, "warm")  # llguidance's tokenizer view, the first masks
         for r in range(args.reps):
             for name, k in (("none", 0), ("half", args.batch // 2)):
-                runs[name].append(run(eng, prompts, k, args.tokens, f"{name}{r}-"))
+                runs[name].append(run(eng, prompts, k, args.output_tokens, f"{name}{r}-"))
                 print(name, runs[name][-1], flush=True)
     med = {name: statistics.median(x["tokens_per_s"] for x in rs) for name, rs in runs.items()}
     save_result(
@@ -93,7 +97,7 @@ def main() -> None:
             "model": loaded.name,
             "batch": args.batch,
             "constrained": args.batch // 2,
-            "max_tokens": args.tokens,
+            "max_tokens": args.output_tokens,
             "prompt_tokens": args.prompt_tokens,
             "schema": SCHEMA,
             "runs": runs,
@@ -102,7 +106,4 @@ def main() -> None:
         },
     )
     print("half constrained / none:", round(med["half"] / med["none"], 3))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -18,8 +18,10 @@ settings), then:
 Reports errors (goal 0) and, per process, RSS growth from the soak's first minute to its last (mean of
 the samples in each; goal < 5%), per-minute throughput and latency. Writes bench/results/faults/soak.json.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/soak.py                    # 10 minutes
-    .venv/bin/python bench/faults/soak.py --duration-s 120 --ramp-step-s 5 --capacity-step-s 10  # a look
+Runs from the repository root (it imports `tests`).
+
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench faults soak            # 10 minutes
+    .venv/bin/python -m collm_bench faults soak --duration-s 120 --ramp-step-s 5 --capacity-step-s 10
 """
 
 from __future__ import annotations
@@ -33,24 +35,24 @@ import os
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from collm_bench.groups import RESULTS, add_max_tokens, add_out, add_seed, command_line, prog
+from collm_common.stats import percentile, percentiles
 
-from tests.integration.faults.harness import FaultStack  # noqa: E402
-from tests.integration.faults.probe import Outcome, one_request, run_load, tally  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
+if TYPE_CHECKING:
+    from tests.integration.faults.harness import FaultStack
+    from tests.integration.faults.probe import Outcome
 
 
 def rss_mb(pid: int) -> float | None:
+    """A process's resident set size (MB) from /proc; None when it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -60,17 +62,12 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 async def closed_loop_peak(
     fs: FaultStack, step_s: float, max_tokens: int, max_concurrency: int
 ) -> dict[str, Any]:
     """Completed requests per second at 1, 2, 4, ... concurrent clients, until it stops growing (< 5%)."""
+    from tests.integration.faults.probe import run_load, tally
+
     steps = []
     best = 0.0
     c = 1
@@ -82,7 +79,7 @@ async def closed_loop_peak(
         wall = time.monotonic() - t0
         t = tally(out)
         rps = t["succeeded"] / wall
-        p50 = pct([o.latency_s for o in out if o.kind == "ok"], 0.5)
+        p50 = percentile([o.latency_s for o in out if o.kind == "ok"], 50)
         steps.append({"concurrency": c, "completed_rps": round(rps, 3), **t, "e2e_p50_s": p50})
         print(f"closed loop: concurrency {c:3d}: {rps:7.2f} req/s {t}", flush=True)
         grew = rps >= best * 1.05
@@ -98,6 +95,8 @@ async def open_loop_capacity(
 ) -> dict[str, Any]:
     """The highest Poisson arrival rate, among 40%, 50%, ... 100% of the closed-loop peak, whose requests
     all succeed with a p99 end-to-end latency under `p99_limit_s`."""
+    from tests.integration.faults.probe import tally
+
     steps = []
     best = None
     for frac in (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
@@ -105,7 +104,7 @@ async def open_loop_capacity(
         res = await open_loop(fs, rate, step_s, max_tokens, timeout_s, seed=int(frac * 100))
         out: list[Outcome] = res["outcomes"]
         t = tally(out)
-        p99 = pct([o.latency_s for o in out if o.kind == "ok"], 0.99)
+        p99 = percentile([o.latency_s for o in out if o.kind == "ok"], 99)
         ok = t["succeeded"] == t["sent"] and p99 is not None and p99 <= p99_limit_s
         steps.append({"offered_rps": round(rate, 3), **t, "e2e_p99_s": p99, "sustained": ok})
         print(
@@ -130,6 +129,8 @@ async def open_loop(
 ) -> dict[str, Any]:
     """Poisson arrivals at `rate_rps` for `duration_s` (then the last requests drain), alternating streamed
     and plain requests; with `sample_s`, the RSS of every process and the client's requests in flight."""
+    from tests.integration.faults.probe import one_request, tally
+
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
     rss: list[dict[str, Any]] = []
@@ -190,6 +191,7 @@ async def open_loop(
 
 
 def rss_growth(rss: list[dict[str, Any]], duration_s: float) -> dict[str, dict[str, float | None]]:
+    """Per process: mean RSS of the first and of the last minute, and the growth between them (%)."""
     names = sorted({k for p in rss for k in p if k not in ("t_s", "in_flight")})
     out: dict[str, dict[str, float | None]] = {}
     for n in names:
@@ -208,16 +210,25 @@ def rss_growth(rss: list[dict[str, Any]], duration_s: float) -> dict[str, dict[s
 
 
 def per_minute(outcomes: list[Outcome], duration_s: float) -> list[dict[str, Any]]:
+    """Per minute of the soak (by send time): the outcomes' tally and the answered requests' p50 / p99."""
+    from tests.integration.faults.probe import tally
+
     rows = []
     for m in range(int(duration_s // 60) + (1 if duration_s % 60 else 0)):
         sel = [o for o in outcomes if m * 60 <= o.sent_s < (m + 1) * 60]
         ok = [o.latency_s for o in sel if o.kind == "ok"]
-        rows.append({"minute": m + 1, **tally(sel), "e2e_p50_s": pct(ok, 0.5), "e2e_p99_s": pct(ok, 0.99)})
+        p50, p99 = percentiles(ok, (50, 99))
+        rows.append({"minute": m + 1, **tally(sel), "e2e_p50_s": p50, "e2e_p99_s": p99})
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str]) -> int:
+    """Measure the capacity, soak at `--load` of it, write the result; 1 when a goal is missed."""
+    ap = argparse.ArgumentParser(
+        prog=prog("faults", "soak"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--duration-s", type=float, default=600.0)
     ap.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity")
     ap.add_argument("--ramp-step-s", type=float, default=10.0, help="seconds per closed-loop step")
@@ -228,13 +239,16 @@ def main() -> int:
         "--p99-limit-s", type=float, default=2.0, help="capacity: the highest rate with p99 under"
     )
     ap.add_argument("--max-concurrency", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    add_max_tokens(ap, 32)
     ap.add_argument("--sample-s", type=float, default=5.0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_seed(ap)
     ap.add_argument("--request-timeout-s", type=float, default=120.0, help="unanswered by then: lost")
     ap.add_argument("--keep-dir", type=Path, default=None, help="run directory kept afterwards (logs)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "faults" / "soak.json")
-    args = ap.parse_args()
+    add_out(ap, RESULTS / "faults" / "soak.json")
+    args = ap.parse_args(argv)
+
+    from tests.integration.faults.harness import FaultStack
+    from tests.integration.faults.probe import tally
 
     with contextlib.ExitStack() as cleanup:
         tmp = args.keep_dir or Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="collm-soak-")))
@@ -267,7 +281,7 @@ def main() -> int:
     errors = [o for o in outcomes if o.kind != "ok"]
     ok_latency = [o.latency_s for o in outcomes if o.kind == "ok"]
     result = {
-        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "command": command_line(),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "model": "tiny",
         "duration_s": args.duration_s,
@@ -286,7 +300,7 @@ def main() -> int:
             )
         ),
         "error_examples": sorted({f"{o.status} {o.code}: {o.message[:120]}" for o in errors})[:10],
-        "e2e_s": {"p50": pct(ok_latency, 0.5), "p99": pct(ok_latency, 0.99)},
+        "e2e_s": {"p50": percentile(ok_latency, 50), "p99": percentile(ok_latency, 99)},
         "per_minute": per_minute(outcomes, args.duration_s),
         "rss_growth": growth,
         "rss_samples": res["rss"],
@@ -309,7 +323,3 @@ def main() -> int:
         print(f"| {name} | {g['first_min_mb']} | {g['last_min_mb']} | {g['growth_pct']}% |")
     print(f"goals: {result['goals']}; wrote {args.out}")
     return 0 if all(result["goals"].values()) and not dead else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,14 @@
 """Fault figures: the faults of tests/integration/faults, run on one live stack, with larger loads.
-(The supervised replica kill on a real `collm up` with SmolLM2: bench/faults/supervise.py.)
+(The supervised replica kill on a real `collm up` with SmolLM2: `python -m collm_bench faults supervise`.)
 
 Starts its own nats-server, redis-server and the stack (tiny model; aggregator, coordinator, two
 replicas with local data, gateway; settings of tests/integration/faults/harness.py), runs the scenarios
 of tests/integration/faults/scenarios.py in order, and writes bench/results/faults/scenarios.json (every
-report, with its details) and prints its table.
+report, with its details) and prints its table. Runs from the repository root (it imports `tests`).
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/run.py
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/faults/run.py --only replica_kill,nats_restart
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench faults scenarios
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench faults scenarios \
+        --only replica_kill,nats_restart
 """
 
 from __future__ import annotations
@@ -17,25 +18,19 @@ import asyncio
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from collm_bench.groups import RESULTS, add_out, command_line, prog
 from collm_bench.readme.faults import scenarios_table
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from tests.integration.faults import scenarios as sc  # noqa: E402
-from tests.integration.faults.harness import FaultStack  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 
 
 def params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each scenario's keyword arguments from the command line."""
     return {
         "replica_kill": {
             "concurrency": args.concurrency,
@@ -54,17 +49,27 @@ def params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str]) -> int:
+    """Run the scenarios on one stack, write every report and print their table; 1 when a check failed."""
+    ap = argparse.ArgumentParser(
+        prog=prog("faults", "scenarios"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument(
-        "--only", default=",".join([*sc.SCENARIOS, *sc.VARIANTS]), help="comma-separated scenario names"
+        "--only", default=None, help="comma-separated scenario names (default: every scenario, in order)"
     )
     ap.add_argument("--concurrency", type=int, default=16, help="replica_kill: concurrent requests")
     ap.add_argument("--load-s", type=float, default=15.0, help="replica_kill: seconds of load")
     ap.add_argument("--down-s", type=float, default=5.0, help="NATS and Redis: seconds down")
-    ap.add_argument("--out", type=Path, default=RESULTS / "faults" / "scenarios.json")
-    args = ap.parse_args()
-    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    add_out(ap, RESULTS / "faults" / "scenarios.json")
+    args = ap.parse_args(argv)
+
+    from tests.integration.faults import scenarios as sc
+    from tests.integration.faults.harness import FaultStack
+
+    only = args.only if args.only is not None else ",".join([*sc.SCENARIOS, *sc.VARIANTS])
+    names = [n.strip() for n in only.split(",") if n.strip()]
     runs = {**{n: (f, {}) for n, f in sc.SCENARIOS.items()}, **sc.VARIANTS}
     unknown = set(names) - set(runs)
     if unknown:
@@ -97,7 +102,7 @@ def main() -> int:
         finally:
             fs.stop()
     result = {
-        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "command": command_line(),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "model": "tiny",
         "reports": reports,
@@ -107,7 +112,3 @@ def main() -> int:
     print("\n" + scenarios_table(reports))
     print(f"\nwrote {args.out}")
     return 0 if all(not r["failed_checks"] for r in reports) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,8 @@ generate requests report the exact version that serves them), split into aggrega
 evaluation + publication, and the replicas' swap; and the bytes sent per round (update blobs up, the new
 version down to every replica) against the raw size of the participants' training data.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/federated/run_rounds.py [--rounds 5] [--model smollm2]
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench federated rounds \
+        [--rounds 5] [--model smollm2]
 
 Writes bench/results/federated/rounds_<model>_<strategy>[_server_lr_<x>].json and prints a table.
 """
@@ -38,31 +39,39 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from collm_common import subjects  # noqa: E402
-from collm_common.bus import Bus, BusError  # noqa: E402
-from collm_common.settings import CommonSettings  # noqa: E402
-from collm_common.store import AdapterStore  # noqa: E402
-from collm_common.wire import decode  # noqa: E402
-from collm_common.wire.admin import AggregatorStatus, GetRound, RoundDetail, StatusRequest  # noqa: E402
-from collm_common.wire.control import ControlReply, StartTraining, StopTraining  # noqa: E402
-from collm_common.wire.inference import GENERATE_EVENT, Accepted, GenerateRequest, SamplingParams  # noqa: E402
-from collm_common.wire.rounds import (  # noqa: E402
+from collm_bench.groups import (
+    RESULTS,
+    add_domain_data,
+    add_eval_dtype,
+    add_lr,
+    add_model,
+    add_run_dir,
+    command_line,
+    prog,
+)
+from collm_common import subjects
+from collm_common.bus import Bus, BusError
+from collm_common.settings import CommonSettings
+from collm_common.store import AdapterStore
+from collm_common.wire import decode
+from collm_common.wire.admin import AggregatorStatus, GetRound, RoundDetail, StatusRequest
+from collm_common.wire.control import ControlReply, StartTraining, StopTraining
+from collm_common.wire.inference import GENERATE_EVENT, Accepted, GenerateRequest, SamplingParams
+from collm_common.wire.rounds import (
     EvalReport,
     EvaluateCandidate,
     ParticipantPlan,
     RoundOutcome,
     RoundPlan,
 )
-from collm_common.wire.telemetry import ReplicaTelemetry  # noqa: E402
-from collm_data.__main__ import convert_one  # noqa: E402
-from collm_ops.servers import start_nats, start_redis  # noqa: E402
+from collm_common.wire.telemetry import ReplicaTelemetry
+from collm_data.__main__ import convert_one
+from collm_ops.servers import start_nats, start_redis
 
-RESULTS = REPO / "bench" / "results" / "federated"
+FEDERATED_RESULTS = RESULTS / "federated"
 FINAL = ("published", "held_back", "aborted")
 
 
@@ -341,7 +350,7 @@ class Bench:
                 "deadline_margin_s": self.args.deadline_margin_s,
                 "baseline_offset_s": self.args.baseline_offset_s,
                 "prescore_current": not self.args.no_prescore,
-                "command": " ".join(sys.argv),
+                "command": command_line(lock=True),
                 "startup_s": t_ready,
                 "rounds": [],
             }
@@ -437,14 +446,12 @@ def fmt(d: dict[str, float]) -> str:
     )
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """Run the rounds, write the result file."""
+    p = argparse.ArgumentParser(prog=prog("federated", "rounds"), description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--domains", default="math,medical,customer_support")
-    p.add_argument("--source", default=str(REPO.parent / "shared" / "data" / "domains"))
-    p.add_argument("--train-examples", type=int, default=300)
-    p.add_argument("--eval-examples", type=int, default=24)
+    add_model(p, "smollm2")
+    add_domain_data(p, train_examples=300, eval_examples=24)
     p.add_argument(
         "--eval-max-tokens", type=int, default=4096, help="held-out tokens per domain per version (gate)"
     )
@@ -456,28 +463,24 @@ def main() -> int:
     p.add_argument(
         "--token-budget", type=int, default=0, help="training tokens per participant (0: until the deadline)"
     )
-    p.add_argument("--lr", type=float, default=1e-3)
+    add_lr(p)
     p.add_argument("--max-seq-len", type=int, default=192)
     p.add_argument("--deadline-s", type=float, default=45.0)
     p.add_argument("--deadline-margin-s", type=float, default=5.0, help="replicas send this long before it")
     p.add_argument("--baseline-offset-s", type=float, default=10.0, help="local-only rounds open this later")
-    p.add_argument("--eval-dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    add_eval_dtype(p)
     p.add_argument("--strategy", default="product_svd", choices=("product_svd", "fedavg"))
     p.add_argument(
         "--server-lr",
         default="1.0",
         help="the aggregator's COLLM_SERVER_LR: a number (1 = plain averaging) or 'participants'",
     )
-    p.add_argument("--run-dir", default=None)
-    args = p.parse_args()
+    add_run_dir(p, None)
+    args = p.parse_args(argv)
     report = asyncio.run(Bench(args).run())
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    FEDERATED_RESULTS.mkdir(parents=True, exist_ok=True)
     lr = "" if float_or_none(args.server_lr) == 1.0 else f"_server_lr_{args.server_lr}"
-    out = RESULTS / f"rounds_{args.model}_{args.strategy}{lr}.json"
+    out = FEDERATED_RESULTS / f"rounds_{args.model}_{args.strategy}{lr}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

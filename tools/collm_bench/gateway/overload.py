@@ -20,9 +20,9 @@ the 429s' latency median; the queue bound (replicas x (max_queue + max_batch)); 
 process before and during the overload; and the recovery time: from the end of the overload to the
 first second whose requests all answered 200 within the calm phase's p99 latency.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/gateway_overload.py            # SmolLM2-135M
-    COLLM_ADMIT_WAIT_SLO_FACTOR=1 ... bench/gateway_overload.py --label admit-wait  # own result file
-    .venv/bin/python bench/gateway_overload.py --report      # the table from the result file
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench gateway overload      # SmolLM2-135M
+    COLLM_ADMIT_WAIT_SLO_FACTOR=1 ... gateway overload --label admit-wait  # its own result file
+    .venv/bin/python -m collm_bench gateway overload --report   # the table from the result file
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import os
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,14 +44,15 @@ from typing import Any
 import httpx
 import psutil
 
+from collm_bench.groups import RESULTS, add_model, add_report, add_seed, command_line, prog
 from collm_bench.readme.gateway import overload_table
+from collm_common.stats import percentile
 from collm_gateway.settings import GatewaySettings
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
 from collm_ops.servers import free_port
 from collm_replica.settings import ReplicaSettings
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "gateway"
+GATEWAY_RESULTS = RESULTS / "gateway"
 PROMPTS = ["Hi", "Name a fruit.", "Say something kind.", "What is 2 + 2?", "Tell me a colour."]
 
 
@@ -63,11 +64,6 @@ class Outcome:
     status: int  # HTTP status; 0: no response (transport failure)
     retry_after: str | None = None
     code: str | None = None
-
-
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[max(0, min(len(s) - 1, int(round(q / 100.0 * len(s) + 0.5)) - 1))]
 
 
 async def one(client: httpx.AsyncClient, model: str, phase: str, t0: float, out: list[Outcome]) -> None:
@@ -187,7 +183,8 @@ def recovery_s(outs: list[Outcome], overload_end_s: float, calm_p99_s: float) ->
     return None
 
 
-async def drive(args: argparse.Namespace, stack: Stack, model: str) -> dict[str, Any]:
+async def drive(args: argparse.Namespace, stack: Stack, model: str, command: str) -> dict[str, Any]:
+    """The four phases against `stack`; the result."""
     outs: list[Outcome] = []
     phase = ["start"]
     peaks: dict[str, dict[str, float]] = {}
@@ -238,24 +235,25 @@ async def drive(args: argparse.Namespace, stack: Stack, model: str) -> dict[str,
         "recovery_s": recovery_s(outs, overload_end_s, calm_p99),
         "rss_mb_peak": {p: {k: round(v, 1) for k, v in sorted(d.items())} for p, d in peaks.items()},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "command": " ".join(["bench/gateway_overload.py", *sys.argv[1:]]),
+        "command": command,
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
+def main(argv: Sequence[str]) -> int:
+    """Run the phases on a fresh stack, write the result file, print its table (or only print it)."""
+    ap = argparse.ArgumentParser(prog=prog("gateway", "overload"), description=__doc__.split("\n\n")[0])
+    add_model(ap, "smollm2")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--factor", type=float, default=4.0)
     ap.add_argument("--capacity-s", type=float, default=40.0)
     ap.add_argument("--calm-s", type=float, default=40.0)
     ap.add_argument("--overload-s", type=float, default=60.0)
     ap.add_argument("--recovery-s", type=float, default=40.0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_seed(ap)
     ap.add_argument("--label", default="", help="result file overload_<model>[_<label>].json")
-    ap.add_argument("--report", action="store_true", help="print the table of the committed result")
-    args = ap.parse_args()
-    path = RESULTS / f"overload_{args.model}{'_' + args.label if args.label else ''}.json"
+    add_report(ap)
+    args = ap.parse_args(argv)
+    path = GATEWAY_RESULTS / f"overload_{args.model}{'_' + args.label if args.label else ''}.json"
     if args.report:
         print(overload_table(json.loads(path.read_text())))
         return 0
@@ -272,8 +270,9 @@ def main() -> int:
         )
         with Stack(cfg) as stack:
             model = asyncio.run(_base_model(stack.gateway_url))
-            doc = asyncio.run(drive(args, stack, model))
-    RESULTS.mkdir(parents=True, exist_ok=True)
+            command = command_line(["gateway", "overload", *argv], lock=True)
+            doc = asyncio.run(drive(args, stack, model, command))
+    GATEWAY_RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(overload_table(doc))
     print(f"capacity {doc['capacity_rps']} req/s; recovery {doc['recovery_s']} s; result: {path}")
@@ -284,7 +283,3 @@ async def _base_model(url: str) -> str:
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
         models = (await c.get("/v1/models")).json()["data"]
     return str(models[0]["id"])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

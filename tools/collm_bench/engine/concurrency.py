@@ -23,8 +23,12 @@ rounds, interleaved (paged, reserve, before, paged, ...), and each variant's fig
 its rounds, so a machine that slows down for a minute weighs on every variant alike. Writes
 `bench/results/engine/concurrency_kv<budget>.json`; `--table` prints its table again from that file.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/concurrency.py --before f6ec4a0 --repeat 2
-    .venv/bin/python bench/engine/concurrency.py --kv-budget 32768 --table
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench engine concurrency --before f6ec4a0 --repeat 2
+    .venv/bin/python -m collm_bench engine concurrency --kv-budget 32768 --table
+
+Each variant runs in a child process, `python -m collm_bench.engine.concurrency --variant NAME`; the
+`before` child has the earlier tree's services and libraries ahead on `PYTHONPATH` (this package still
+comes from this tree: `collm_bench.engine.common` imports nothing the earlier engine lacks).
 """
 
 from __future__ import annotations
@@ -37,21 +41,22 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from collm_bench.groups import REPO, RESULTS, command_line, prog
 from collm_bench.readme.engine import concurrency_table
 
-ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
-RESULTS = ROOT / "bench" / "results" / "engine"
+TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
+# The earlier tree's packages that the `before` child imports instead of this tree's (the benchmark's
+# own package, collm_bench under tools/, stays this tree's).
 SOURCE_DIRS = (
     "libs",
     "services/gateway",
     "services/replica",
     "services/coordinator",
     "services/aggregator",
-    "tools",
 )
 CLIENT_MAX_TOKENS = 1024
 
@@ -69,10 +74,8 @@ def workload(n: int, max_context: int = 2048) -> list[tuple[int, int]]:
 
 
 def run_engine(variant: str, n: int, kv_budget: int) -> dict[str, Any]:
-    """One engine variant in this process (the tree on sys.path decides which engine it is)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import load_smollm2, token_prompts
-
+    """One engine variant in this process (the tree on `PYTHONPATH` decides which engine it is)."""
+    from collm_bench.engine.common import load_smollm2, token_prompts
     from collm_replica.cosched import NoTraining
     from collm_replica.engine import Engine, EngineConfig, EngineRequest
 
@@ -142,9 +145,9 @@ def run_engine(variant: str, n: int, kv_budget: int) -> dict[str, Any]:
 
 def run_generate(n: int) -> dict[str, Any]:
     """The first `n` requests one at a time with Hugging Face `generate` (greedy, exact output length)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
-    from common import load_smollm2, token_prompts
+
+    from collm_bench.engine.common import load_smollm2, token_prompts
 
     loaded = load_smollm2()
     lengths = workload(n)
@@ -173,10 +176,11 @@ def run_generate(n: int) -> dict[str, Any]:
 
 
 def child(args: list[str], pythonpath: str | None = None) -> dict[str, Any]:
+    """Run one variant in a child process (`pythonpath` ahead of this tree's packages); its result."""
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    cmd = [sys.executable, "-m", "collm_bench.engine.concurrency", *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         sys.stderr.write(out.stderr[-4000:])
@@ -185,10 +189,12 @@ def child(args: list[str], pythonpath: str | None = None) -> dict[str, Any]:
 
 
 def result_path(kv_budget: int) -> Path:
-    return RESULTS / f"concurrency_kv{kv_budget}.json"
+    """The result file of a KV budget."""
+    return RESULTS / "engine" / f"concurrency_kv{kv_budget}.json"
 
 
 def median(xs: list[float]) -> float:
+    """The median of `xs` (the mean of the middle two when their number is even)."""
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
@@ -204,8 +210,13 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str]) -> int:
+    """Run every variant (or one, `--variant`, in a child), write the result and print its table."""
+    ap = argparse.ArgumentParser(
+        prog=prog("engine", "concurrency"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--before", default="f6ec4a0", help="git commit of the engine to compare with")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--generate-requests", type=int, default=8)
@@ -213,10 +224,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds of the engine variants")
     ap.add_argument("--table", action="store_true", help="print the table of the committed result")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # one variant in this process (internal)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.table:
         print(concurrency_table(json.loads(result_path(a.kv_budget).read_text())))
-        return
+        return 0
     if a.variant:
         res = (
             run_generate(a.generate_requests)
@@ -229,7 +240,7 @@ def main() -> None:
     rounds: dict[str, list[dict[str, Any]]] = {"paged": [], "reserve": [], "before": []}
     with tempfile.TemporaryDirectory(prefix="collm-before-") as tmp:
         wt = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt), a.before], check=True)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(wt), a.before], check=True)
         try:
             before_path = os.pathsep.join(str(wt / d) for d in SOURCE_DIRS)
             for _ in range(a.repeat):
@@ -238,15 +249,14 @@ def main() -> None:
                     rounds[v].append(child([*common, "--variant", v], pythonpath=path))
                     print(rounds[v][-1], flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], check=False)
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], check=False)
     runs = [summarize(rs) for rs in rounds.values()]
     runs.append(child(["--generate-requests", str(a.generate_requests), "--variant", "generate"]))
     print(runs[-1], flush=True)
     by = {r["variant"]: r for r in runs}
     res = {
         "benchmark": "engine concurrency",
-        "command": "flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/concurrency.py "
-        + " ".join(sys.argv[1:]),
+        "command": command_line(lock=True),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "before": a.before,
         "config": {
@@ -273,7 +283,8 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1) + "\n")
     print(concurrency_table(res))
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # a variant's child process (`child`)
+    sys.exit(main(sys.argv[1:]))

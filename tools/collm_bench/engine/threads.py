@@ -1,7 +1,7 @@
 """One replica with two torch threads against two replicas with one thread each, on this machine's two
 cores, serving SmolLM2-135M-Instruct (CPU) on the real `Engine`. Writes bench/results/engine/threads.json.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/threads.py
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench engine threads
     ... --concurrency 1 64 --prompt-tokens 200 --output-tokens 128
 
 Layouts, each engine in its own process (`multiprocessing`, spawn), each process loading its own model:
@@ -36,30 +36,27 @@ import json
 import math
 import multiprocessing as mp
 import os
-import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from collm_bench.engine.common import (
     greedy,
     load_smollm2,
     matmul_dtype,
-    percentile,
     save_result,
     submit,
     token_prompts,
     wait_all,
 )
-
-from collm_bench.readme.engine import threads_table  # noqa: E402
-from collm_replica.cosched import NoTraining  # noqa: E402
-from collm_replica.engine import Engine, EngineConfig  # noqa: E402
-from collm_replica.engine.scheduler import BatchConfig  # noqa: E402
+from collm_bench.groups import add_output_tokens, add_prompt_tokens, add_result_name, prog
+from collm_bench.readme.engine import threads_table
+from collm_common.stats import percentile
+from collm_replica.cosched import NoTraining
+from collm_replica.engine import Engine, EngineConfig
+from collm_replica.engine.scheduler import BatchConfig
 
 PROMPT_SEED = 21
 WARMUP_REQUESTS = 4
@@ -167,18 +164,24 @@ def run_layout(
 
 
 def ratio(b: float, a: float) -> float | None:
+    """b / a to 3 places; None when a is 0 or either is NaN."""
     return round(b / a, 3) if a and not math.isnan(a) and not math.isnan(b) else None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str]) -> int:
+    """Run both layouts at each concurrency, write the result and print its table."""
+    ap = argparse.ArgumentParser(
+        prog=prog("engine", "threads"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64], help="streams at once (C)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of layout (a)'s one process")
-    ap.add_argument("--prompt-tokens", type=int, default=200, help="prompt of each request")
-    ap.add_argument("--output-tokens", type=int, default=128, help="tokens each request generates")
+    add_prompt_tokens(ap, 200)
+    add_output_tokens(ap, 128)
     ap.add_argument("--no-default-batch", action="store_true", help="skip the runs at max_batch 16")
-    ap.add_argument("--name", default="threads", help="results go to bench/results/engine/<name>.json")
-    args = ap.parse_args()
+    add_result_name(ap, "threads")
+    args = ap.parse_args(argv)
     t_start = time.perf_counter()
     load0 = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
@@ -246,7 +249,4 @@ def main() -> None:
     }
     path = save_result(args.name, doc)
     print(threads_table(json.loads(path.read_text())))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """collm with and without publishing its routing weights to the gateway (the default is not to publish).
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/sim/routing_check.py \\
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench sim routing-check \\
         --calibration bench/calibration/smollm2.json
 
 Conv trace, 8 replicas, seed 0, at fractions of the estimated capacity;
@@ -14,40 +14,38 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+from collections.abc import Sequence
 
-import numpy as np
-
+from collm_bench.groups import RESULTS, add_out, add_sim_trace, command_line, prog
 from collm_bench.headline.rates import workload_capacity_rps
+from collm_bench.sim import load_calibration, workload_base
+from collm_common.stats import percentile
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calibration", type=Path, default=REPO / "bench" / "calibration" / "smollm2.json")
-    ap.add_argument("--traces-dir", default=str(REPO.parent / "shared" / "data" / "traces"))
-    ap.add_argument("--trace", default="conv")
+def main(argv: Sequence[str]) -> int:
+    """Simulate each fraction with and without published weights, write the result file."""
+    ap = argparse.ArgumentParser(
+        prog=prog("sim", "routing-check"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_sim_trace(ap)
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--fractions", default="0.3,0.6,0.75,0.85")
     ap.add_argument("--duration", type=float, default=600.0)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "sim" / "routing_check.json")
+    add_out(ap, RESULTS / "sim" / "routing_check.json")
     args = ap.parse_args(argv)
 
     from collm_sim import SimConfig, WorkloadSpec, build_workload, simulate
-    from collm_sim.cli import CalibrationMissing, load_calibration
     from collm_sim.config import EngineSpec
 
-    try:
-        cal = load_calibration(args.calibration)
-    except CalibrationMissing as exc:
-        sys.stderr.write(f"routing_check: {exc}\n")
+    cal = load_calibration(args, "routing-check")
+    if cal is None:
         return 2
-    base = {"arrivals": "trace", "trace": args.trace, "traces_dir": args.traces_dir, "input_scale": 0.25,
-            "output_scale": 0.5, "max_context_tokens": 2048, "duration_s": args.duration}  # fmt: skip
+    base = {**workload_base(args), "duration_s": args.duration}
     probe = build_workload(WorkloadSpec(**base, rate_rps=1.0), tuple(q.domain for q in cal.quality))
     eng = EngineSpec()
-    ttft = 3.0 * cal.cost.prefill_ms(int(np.percentile(probe.input_tokens, 99)))
+    ttft = 3.0 * cal.cost.prefill_ms(int(percentile(probe.input_tokens.tolist(), 99)))
     tpot = 3.0 * cal.cost.decode_ms(eng.max_batch)
     cap = workload_capacity_rps(cal, probe, eng.max_batch, args.replicas)
     rows = []
@@ -74,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"TTFT p99 {row['ttft_ms_p99']:.0f} ms\n"
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "runs": rows}, indent=1) + "\n")
+    doc = {"command": command_line(["sim", "routing-check", *argv], lock=True), "runs": rows}
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,8 @@ Both carry the same chat messages, greedy sampling and max_tokens=1. Prints medi
 their difference and ratio, and the median and p99 of the per-pair difference, and writes the same
 as JSON under bench/results/gateway/overhead_<model>.json.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/gateway_overhead.py [--model tiny] [--requests 200]
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench gateway overhead [--model tiny] \
+        [--requests 200]
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 
+from collm_bench.groups import RESULTS, add_model, command_line, prog
 from collm_common import subjects
 from collm_common.bus import Bus
 from collm_common.settings import CommonSettings
+from collm_common.stats import percentile
 from collm_common.wire import decode
 from collm_common.wire.inference import (
     GENERATE_EVENT,
@@ -52,21 +55,14 @@ from collm_common.wire.inference import (
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_ops.servers import free_port, start_nats, start_redis
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "gateway"
+GATEWAY_RESULTS = RESULTS / "gateway"
 REPLICA_ID = "bench0"
 BASE_MODEL = "bench-base"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
-    s = sorted(xs)
-    k = max(0, min(len(s) - 1, int(round(q / 100.0 * len(s) + 0.5)) - 1))
-    return s[k]
-
-
 def summary_ms(xs: list[float]) -> dict[str, float]:
+    """Median, p99 (`collm_common.stats`), mean, min and max of `xs`, in ms to 3 decimals."""
     return {
         "median_ms": round(statistics.median(xs), 3),
         "p99_ms": round(percentile(xs, 99), 3),
@@ -166,7 +162,8 @@ async def gateway_once(http: httpx.AsyncClient) -> float:
     return elapsed_ms
 
 
-async def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
+async def measure(args: argparse.Namespace, work: Path, command: str) -> dict[str, object]:
+    """Start NATS, Redis, the replica and the gateway; time the requests both ways; the result."""
     nats = start_nats(workdir=work / "nats")
     redis = start_redis(workdir=work / "redis")
     port = free_port()
@@ -242,21 +239,24 @@ async def measure(args: argparse.Namespace, work: Path) -> dict[str, object]:
             "platform": platform.platform(),
         },
         "unix_s": int(time.time()),
+        "command": command,
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="COLLM_MODEL of the replica: tiny, smollm2 or a path")
+def main(argv: Sequence[str]) -> int:
+    """Measure, write the result file and print the comparison."""
+    p = argparse.ArgumentParser(prog=prog("gateway", "overhead"), description=__doc__.split("\n\n")[0])
+    add_model(p, "tiny")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=None, help="JSON output (default bench/results/...)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     logging.getLogger("collm_common.bus").setLevel(logging.ERROR)  # "disconnected" on our own close
     with tempfile.TemporaryDirectory(prefix="collm-bench-") as tmp:
         try:
-            result = asyncio.run(measure(args, Path(tmp)))
+            command = command_line(["gateway", "overhead", *argv], lock=True)
+            result = asyncio.run(measure(args, Path(tmp), command))
         except Exception:
             for name in ("replica.log", "gateway.log"):
                 log = Path(tmp) / name
@@ -264,7 +264,7 @@ def main() -> None:
                     sys.stderr.write(f"--- {name}\n{log.read_text()[-3000:]}\n")
             raise
     model_tag = Path(args.model).name.replace(".", "_")
-    out = args.out or RESULTS / f"overhead_{model_tag}.json"
+    out = args.out or GATEWAY_RESULTS / f"overhead_{model_tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     d, g = result["direct_nats"], result["via_gateway"]
@@ -277,7 +277,4 @@ def main() -> None:
     print(f"  paired diff : median {pa['median']:8.2f} ms   p99 {pa['p99']:8.2f} ms")  # type: ignore[index]
     print(f"  ratio       : median {ratio['median']:8.3f}      p99 {ratio['p99']:8.3f}")  # type: ignore[index]
     print(f"  written to {out}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

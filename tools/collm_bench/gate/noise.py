@@ -1,8 +1,8 @@
 """The promotion gate's noise, measured: how often each rule publishes a candidate that is no better out of
 sample, and how often it publishes one that is.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/gate/noise.py [--tokens 1024] [--lr 1e-3]
-    .venv/bin/python bench/gate/noise.py --report        # the analysis and table again, from the result
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench gate noise [--tokens 1024] [--lr 1e-3]
+    .venv/bin/python -m collm_bench gate noise --report  # the analysis and table again, from the result
     .venv/bin/python -m collm_bench readme               # the same tables in bench/README.md
 
 Per demo domain (data/demo), on SmolLM2 with the replicas' own training and evaluation code
@@ -27,23 +27,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
+from collm_bench.groups import RESULTS, add_lr, add_report, command_line, prog
 from collm_bench.readme.gate import paired, table
 
-REPO = Path(__file__).resolve().parents[2]
-RESULT = REPO / "bench" / "results" / "gate" / "noise.json"
+RESULT = RESULTS / "gate" / "noise.json"
 
 
 def measure(tokens_budget: int, lr: float) -> dict[str, Any]:
+    """Per demo domain: the numeric floor, candidates A and B trained on the two halves of its training
+    pairs, and every held-out example's loss under base, A and B."""
     import torch
 
-    sys.path.insert(0, str(REPO / "bench" / "engine"))
-    from common import load_smollm2
-
+    from collm_bench.engine.common import load_smollm2
     from collm_common.data import load_dataset
     from collm_common.lora import LoraSpec
     from collm_data.demo import DEMO_DIR, demo_domains
@@ -104,17 +103,18 @@ def measure(tokens_budget: int, lr: float) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """Measure (unless `--report`), write the result, print the table of the result file."""
+    p = argparse.ArgumentParser(prog=prog("gate", "noise"), description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=2048, help="training tokens of each candidate")
-    p.add_argument("--lr", type=float, default=1e-3)
+    add_lr(p)
     p.add_argument("--gate-examples", type=int, default=50)
     p.add_argument("--draws", type=int, default=2000)
-    p.add_argument("--report", action="store_true", help="print the table of the committed result")
+    add_report(p)
     args = p.parse_args(argv)
     if not args.report:
         result = {
-            "command": "bench/gate/noise.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": command_line(["gate", "noise", *argv], lock=True),
             "measured_unix_s": round(time.time()),
             "tokens": args.tokens,
             "lr": args.lr,
@@ -126,7 +126,3 @@ def main(argv: list[str] | None = None) -> int:
         RESULT.write_text(json.dumps(result, indent=1) + "\n")
     print(table(json.loads(RESULT.read_text())))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

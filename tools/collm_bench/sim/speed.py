@@ -1,6 +1,6 @@
 """How fast the simulator runs: simulated seconds per wall second at 8, 64 and 256 replicas.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/sim/speed.py \
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench sim speed \\
         --calibration bench/calibration/smollm2.json
 
 Each size replays the Azure conv trace at the same load per replica (a fraction of the capacity the
@@ -15,38 +15,35 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
 
+from collm_bench.groups import RESULTS, add_out, add_sim_trace, command_line, prog
 from collm_bench.headline.rates import workload_capacity_rps
+from collm_bench.sim import load_calibration, workload_base
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calibration", type=Path, default=REPO / "bench" / "calibration" / "smollm2.json")
-    ap.add_argument("--traces-dir", default=str(REPO.parent / "shared" / "data" / "traces"))
-    ap.add_argument("--trace", default="conv")
+def main(argv: Sequence[str]) -> int:
+    """Time one simulation per size, write the result file."""
+    ap = argparse.ArgumentParser(
+        prog=prog("sim", "speed"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_sim_trace(ap)
     ap.add_argument("--sizes", default="8,64,256")
     ap.add_argument("--load", type=float, default=0.5, help="arrival rate as a fraction of capacity")
     ap.add_argument("--duration", default="600,120,60", help="seconds of arrivals per size")
     ap.add_argument("--policy", default="collm")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "sim" / "speed.json")
+    add_out(ap, RESULTS / "sim" / "speed.json")
     args = ap.parse_args(argv)
 
     from collm_sim import SimConfig, WorkloadSpec, build_workload, simulate
-    from collm_sim.cli import CalibrationMissing, load_calibration
     from collm_sim.config import EngineSpec
 
-    try:
-        cal = load_calibration(args.calibration)
-    except CalibrationMissing as exc:
-        sys.stderr.write(f"speed: {exc}\n")
+    cal = load_calibration(args, "speed")
+    if cal is None:
         return 2
     sizes = [int(x) for x in args.sizes.split(",")]
     durations = [float(x) for x in args.duration.split(",")]
-    base = {"arrivals": "trace", "trace": args.trace, "traces_dir": args.traces_dir, "input_scale": 0.25,
-            "output_scale": 0.5, "max_context_tokens": 2048}  # fmt: skip
+    base = workload_base(args)
     probe = build_workload(
         WorkloadSpec(**base, rate_rps=1.0, duration_s=600.0), tuple(q.domain for q in cal.quality)
     )
@@ -80,13 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "command": " ".join(sys.argv),
+        "command": command_line(["sim", "speed", *argv], lock=True),
         "calibration": str(args.calibration),
         "calibration_command": cal.command,
     }
     args.out.write_text(json.dumps({**doc, "runs": rows}, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

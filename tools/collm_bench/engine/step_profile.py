@@ -2,10 +2,10 @@
 threads, default one): steady-state decode steps at batch 1, 16 and 64 and one prefill chunk at batch 1,
 each split into torch ops by kind and the Python around them. Writes bench/results/engine/profile.json.
 
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/engine/step_profile.py
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench engine profile
     ... --batches 1 16 64 --steps 30 --profile-steps 5 --prompt-tokens 128 --prefill-tokens 200 --adapters 1
 
-The real `Engine` runs every step. The script calls the engine's iteration (`Engine._iteration`, what
+The real `Engine` runs every step. The benchmark calls the engine's iteration (`Engine._iteration`, what
 the engine thread loops on) from its own thread, one call per step and no engine thread, so a step is
 exactly one schedule -> forward -> sample -> detokenise -> stream iteration and the profiler sees it.
 A decode case submits `batch` requests with `--prompt-tokens` prompts, steps until every one of them
@@ -17,7 +17,7 @@ measured twice:
   split with the engine's own counters (`forward_ms_total`, `infer_ms_total`) into the forward, the rest
   of the step's execution (building the batch, sampling, detokenising, streaming) and what the iteration
   does around it (queues, planning, admission, the background decision);
-* profiled: `--profile-steps` steps under `torch.profiler`, with `record_function` ranges that this script
+* profiled: `--profile-steps` steps under `torch.profiler`, with `record_function` ranges that this benchmark
   puts around the engine's own methods for the duration (the planner, the background decision, the
   forward, each decoder layer, each projection, the LoRA bank, the paged attention, sampling, token
   emission; the services' code is not changed). Each torch op called from Python (an op not inside
@@ -27,7 +27,7 @@ measured twice:
   The profiler and the ranges slow the step (both step times are reported, and what one range costs,
   `range_cost_us`): read the profiled figures as shares.
 
-The engine's defaults allow 16 sequences and 128-token prefill chunks: the script raises `max_batch` to
+The engine's defaults allow 16 sequences and 128-token prefill chunks: the benchmark raises `max_batch` to
 the largest batch measured and the chunk (and the step's token budget) to the prefill case's prompt,
 and the result says so (`config.changed_from_defaults`). `--adapters N` spreads the requests over N
 random LoRA adapters (0: the base model alone, no LoRA category).
@@ -40,20 +40,21 @@ import json
 import math
 import os
 import statistics
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import profile as torch_profile
 
-import torch  # noqa: E402
-from common import (  # noqa: E402
+import collm_replica.engine.executor as executor_mod
+import collm_replica.engine.loop as loop_mod
+from collm_bench.engine.common import (
     greedy,
     load_smollm2,
     matmul_dtype,
@@ -62,15 +63,12 @@ from common import (  # noqa: E402
     submit,
     token_prompts,
 )
-from torch.profiler import ProfilerActivity, record_function  # noqa: E402
-from torch.profiler import profile as torch_profile  # noqa: E402
-
-import collm_replica.engine.executor as executor_mod  # noqa: E402
-import collm_replica.engine.loop as loop_mod  # noqa: E402
-from collm_bench.readme.engine import profile_table  # noqa: E402
-from collm_replica.cosched import NoTraining  # noqa: E402
-from collm_replica.engine import Engine, EngineConfig  # noqa: E402
-from collm_replica.engine.scheduler import BatchConfig  # noqa: E402
+from collm_bench.groups import add_prompt_tokens, add_result_name, add_threads, prog
+from collm_bench.readme.engine import profile_table
+from collm_common.stats import percentiles
+from collm_replica.cosched import NoTraining
+from collm_replica.engine import Engine, EngineConfig
+from collm_replica.engine.scheduler import BatchConfig
 
 PREFIX = "collm:"
 
@@ -178,7 +176,7 @@ def _ranged(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def range_cost_us(n: int = 5000) -> float:
-    """What one of this script's ranges adds to a profiled step, in µs (it lands in the Python
+    """What one of this benchmark's ranges adds to a profiled step, in µs (it lands in the Python
     categories): an empty function called through `_ranged` against the same called directly, under the
     profiler."""
 
@@ -288,7 +286,7 @@ def summarise(
         **case,
         "steps": len(plain),
         "ms_per_step": round(ms_step, 3),
-        "ms_per_step_p10_p90": [round(q, 3) for q in _deciles(walls)],
+        "ms_per_step_p10_p90": [round(q, 3) for q in percentiles(walls, (10, 90)) if q is not None],
         "tokens_per_s": round(tokens / (ms_step / 1e3), 2),
         "phases_ms": {
             "forward": round(statistics.median(f for _, f, _ in plain), 3),
@@ -308,13 +306,6 @@ def summarise(
             "top_ops_ms": {k: round(v, 3) for k, v in top},
         },
     }
-
-
-def _deciles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=10, method="inclusive")
-    return q[0], q[-1]
 
 
 def decode_case(
@@ -402,18 +393,23 @@ def prefill_case(
     return summarise({"case": "prefill", "batch": 1, "tokens_per_step": n}, plain, steps)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+def main(argv: Sequence[str]) -> int:
+    """Measure every case plain and profiled, write the result and print its table."""
+    ap = argparse.ArgumentParser(
+        prog=prog("engine", "profile"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_threads(ap, 1)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="decode batch sizes")
     ap.add_argument("--steps", type=int, default=30, help="plain (unprofiled) steps timed per case")
     ap.add_argument("--profile-steps", type=int, default=5, help="steps under the profiler per case")
     ap.add_argument("--warmup", type=int, default=3, help="steps run before measuring each case")
-    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt of each decoding request")
+    add_prompt_tokens(ap, 128)
     ap.add_argument("--prefill-tokens", type=int, default=200, help="the prefill chunk (0: no prefill case)")
     ap.add_argument("--adapters", type=int, default=1, help="LoRA adapters the requests use (0: base model)")
-    ap.add_argument("--name", default="profile", help="results go to bench/results/engine/<name>.json")
-    args = ap.parse_args()
+    add_result_name(ap, "profile")
+    args = ap.parse_args(argv)
     threading.current_thread().name = "bench"
 
     loaded = load_smollm2(args.threads)
@@ -476,7 +472,4 @@ def main() -> None:
     }
     path = save_result(args.name, doc)
     print(profile_table(json.loads(path.read_text())))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

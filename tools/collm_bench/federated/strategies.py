@@ -16,8 +16,8 @@ Two measurements, both on SmolLM2-135M's LoRA shapes (30 layers; q_proj/o_proj 5
    adapter, FLoRA-style, which equals the average of the products exactly). The next round starts from the
    aggregate of the strategy being followed (`--follow`).
 
-    .venv/bin/python bench/federated/strategies_bench.py synthetic
-    flock /tmp/collm-heavy.lock .venv/bin/python bench/federated/strategies_bench.py real --rounds 2
+    .venv/bin/python -m collm_bench federated strategies synthetic
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench federated strategies real --rounds 2
 
 Results are printed and written as JSON under bench/results/federated/ (`strategies_<mode>.json`).
 """
@@ -28,16 +28,16 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from collm_aggregator.strategies import WeightedUpdate, fedavg, product_error, product_svd
+from collm_bench.groups import RESULTS, add_domain_data, add_lr, add_threads, command_line, prog
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "bench" / "results" / "federated"
+FEDERATED_RESULTS = RESULTS / "federated"
 SMOL = {"layers": 30, "hidden": 576, "kv": 192}
 MODULES = {
     "q_proj": ("hidden", "hidden"),
@@ -274,34 +274,29 @@ def fmt(losses: dict[str, float]) -> str:
     return " ".join(f"{d}={v:.4f}" for d, v in losses.items()) + f" | mean={mean:.4f}"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str]) -> int:
+    """Run the `synthetic` or `real` comparison, write the result file."""
+    p = argparse.ArgumentParser(prog=prog("federated", "strategies"), description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
-    s = sub.add_parser("synthetic")
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--rank", type=int, default=8, help="LoRA rank r")
+    s = sub.add_parser("synthetic", parents=[shared], help="adapters drawn around a base: seconds, no model")
     s.add_argument("--participants", type=int, default=3)
-    s.add_argument("--rank", type=int, default=8)
-    r = sub.add_parser("real")
-    r.add_argument("--domains", default="math,medical,customer_support")
-    r.add_argument("--source", default=str(REPO.parent / "shared" / "data" / "domains"))
-    r.add_argument("--rank", type=int, default=8)
+    r = sub.add_parser("real", parents=[shared], help="SmolLM2 trained on real domains: minutes, heavy")
+    add_domain_data(r, train_examples=400, eval_examples=48)
     r.add_argument("--steps", type=int, default=20)
     r.add_argument("--batch", type=int, default=4)
-    r.add_argument("--lr", type=float, default=1e-3)
+    add_lr(r)
     r.add_argument("--rounds", type=int, default=2)
-    r.add_argument("--train-examples", type=int, default=400)
-    r.add_argument("--eval-examples", type=int, default=48)
-    r.add_argument("--threads", type=int, default=2)
+    add_threads(r, 2)
     r.add_argument("--follow", choices=("fedavg", "product_svd"), default="product_svd")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = run_synthetic(args) if args.mode == "synthetic" else run_real(args)
-    report = {"command": " ".join([".venv/bin/python", *sys.argv]), **report}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"strategies_{args.mode}.json"
+    command = command_line(["federated", "strategies", *argv], lock=args.mode == "real")
+    report = {"command": command, **report}
+    FEDERATED_RESULTS.mkdir(parents=True, exist_ok=True)
+    out = FEDERATED_RESULTS / f"strategies_{args.mode}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

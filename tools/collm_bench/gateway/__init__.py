@@ -1,0 +1,2 @@
+"""The gateway's benchmarks: `python -m collm_bench gateway overhead|overload` (`collm_bench.groups`);
+results in bench/results/gateway/."""
