@@ -135,6 +135,8 @@ class TokenCounters(Protocol):
     generated_tokens_total: int
     prefill_tokens_total: int
     ft_tokens_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
     train_limits: dict[str, int]
     infer_ms_total: float
     forward_ms_total: float
@@ -161,6 +163,18 @@ class EngineTokenCollector(Collector):
             ("collm_replica_generated_tokens", "Output tokens generated", "generated_tokens_total"),
             ("collm_replica_prefill_tokens", "Prompt tokens prefilled", "prefill_tokens_total"),
             ("collm_replica_ft_tokens", "Tokens processed by co-executed fine-tuning", "ft_tokens_total"),
+            (
+                "collm_replica_prefix_cache_query_tokens",
+                "Tokens of the sequences admitted (prompt; after a preemption, prompt and output) looked up "
+                "in the prefix cache",
+                "prefix_cache_queries_total",
+            ),
+            (
+                "collm_replica_prefix_cache_hit_tokens",
+                "Of the tokens looked up in the prefix cache, those taken from cached KV blocks instead of "
+                "computed (hit rate: over collm_replica_prefix_cache_query_tokens)",
+                "prefix_cache_hits_total",
+            ),
         ]
         engines = list(self.engines.items())
         for name, doc, attr in families:

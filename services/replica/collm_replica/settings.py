@@ -19,6 +19,16 @@ from collm_replica.task_metrics import METRICS
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX tiles), as torch detects it: there bf16
+    products run about twice as fast as fp32 ones; elsewhere torch emulates them, slower than fp32."""
+    import torch  # only when the setting is `auto`: the settings module stays light to import
+
+    cpu = torch.cpu
+    checks = (getattr(cpu, "_is_avx512_bf16_supported", None), getattr(cpu, "_is_amx_tile_supported", None))
+    return any(check is not None and check() for check in checks)
+
+
 class ReplicaSettings(CommonSettings):
     """Settings of one replica process (`python -m collm_replica`)."""
 
@@ -79,6 +89,14 @@ class ReplicaSettings(CommonSettings):
         "paged",
         description="paged: admit by the KV blocks a request needs now, preempting (recompute) when the "
         "pool runs out; reserve: reserve prompt + max_tokens at admission, never preempt.",
+    )
+    prefix_caching: bool = Field(
+        True,
+        description="Prefix caching: requests (and the n choices of one) whose tokens start with the same "
+        "full KV blocks, computed by the same adapter version (or the base model), share those blocks "
+        "instead of computing them again, and released blocks stay cached until the pool needs them (LRU). "
+        "Cached blocks keep their memory mapped, so resident memory grows towards the KV budget. Off: "
+        "every request computes all of its tokens.",
     )
     default_ttft_slo_ms: float = Field(2000.0, gt=0, description="TTFT SLO of requests that carry none.")
     default_tpot_slo_ms: float = Field(250.0, gt=0, description="TPOT SLO of requests that carry none.")
@@ -148,21 +166,22 @@ class ReplicaSettings(CommonSettings):
     )
     eval_max_examples: int = Field(32, ge=1, description="Held-out examples per evaluation.")
     eval_max_tokens: int | None = Field(
-        4096,
+        1024,
         ge=16,
         description="Held-out tokens per domain that one evaluation request scores at most (with "
         "eval_max_examples; at least one example; None: examples only). Bounds the work of the promotion "
         "gate on this replica; a request may ask for fewer.",
     )
-    matmul_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
+    matmul_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
         description="Precision of the base model's matrix products in every pass (inference, training, "
         "evaluation): `bfloat16` holds the projections in bf16 instead of fp32 and a bf16 copy of the LM "
         "head (about 150 MB less in all for SmolLM2) and multiplies with them while activations, norms, "
         "attention, the LoRA delta, gradients, optimizer state and the loss stay in the model's dtype; "
         "on CPUs with native bf16 products (AVX512-BF16, AMX) serving and training run about twice as "
-        "fast, and outputs differ from fp32 ones by bf16 rounding. `float32`: the model's own dtype "
-        "(bf16 on CUDA either way).",
+        "fast, and outputs differ from fp32 ones by bf16 rounding (held-out loss within 0.3% of fp32's: "
+        "bench/calibration/smollm2_bfloat16.json). `float32`: the model's own dtype (bf16 on CUDA either "
+        "way). `auto`: bfloat16 where the CPU has native bf16 products (`native_bf16_cpu`), else float32.",
     )
     eval_matmul_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
@@ -193,6 +212,14 @@ class ReplicaSettings(CommonSettings):
     @classmethod
     def _token(cls, v: str) -> str:
         return check_token(v, "replica id")
+
+    @field_validator("matmul_dtype")
+    @classmethod
+    def _matmul_dtype(cls, v: str) -> str:
+        """`auto` resolves here, so every reader of the setting sees the precision the replica runs."""
+        if v != "auto":
+            return v
+        return "bfloat16" if native_bf16_cpu() else "float32"
 
     @field_validator("task_metrics")
     @classmethod

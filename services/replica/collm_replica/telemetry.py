@@ -54,6 +54,9 @@ class TelemetryBuilder:
             self.model, self.rid, snap.running, snap.queue_len, snap.kv_used_frac, snap.adapters,
             self.max_lora, self.clock.now(),
         )  # fmt: skip
+        vllm_metrics.record_prefix_cache(
+            self.model, self.rid, snap.prefix_cache_queries_total, snap.prefix_cache_hits_total
+        )
         return ReplicaTelemetry(
             replica_id=self.rid,
             ts_unix_s=self.clock.now(),

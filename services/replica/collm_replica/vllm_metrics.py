@@ -10,6 +10,9 @@ a CoLLM replica unchanged:
   `max_lora`, `running_lora_adapters`: every adapter with requests in flight, queued or running, since
   the telemetry does not tell them apart, and `waiting_lora_adapters` left empty; its value the time of
   the tick, as vLLM sets it);
+* counters brought up to the engine's totals at each telemetry tick: `vllm:prefix_cache_queries_total`
+  and `vllm:prefix_cache_hits_total` (tokens looked up in the prefix cache at admission, and of those the
+  tokens found cached);
 * per finished request: `vllm:request_success_total{finished_reason}`, `vllm:prompt_tokens_total`,
   `vllm:generation_tokens_total`, and the histograms `vllm:time_to_first_token_seconds`,
   `vllm:time_per_output_token_seconds` and `vllm:inter_token_latency_seconds` (the request's mean time
@@ -73,6 +76,12 @@ SUCCESS = Counter(
 )
 PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS)
 GENERATION_TOKENS = Counter("vllm:generation_tokens", "Number of generation tokens processed.", LABELS)
+PREFIX_CACHE_QUERIES = Counter(
+    "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", LABELS
+)
+PREFIX_CACHE_HITS = Counter(
+    "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", LABELS
+)
 TTFT = Histogram(
     "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", LABELS,
     buckets=TTFT_BUCKETS_S,
@@ -125,6 +134,22 @@ def record_finished(model_name: str, engine: str, ev: Finished, max_tokens: int 
     if ev.completion_tokens > 1:
         TPOT.labels(*labels).observe(ev.tpot_ms / 1e3)
         ITL.labels(*labels).observe(ev.tpot_ms / 1e3)
+
+
+_prefix_cache_seen: dict[tuple[str, str], tuple[int, int]] = {}
+
+
+def record_prefix_cache(model_name: str, engine: str, queries_total: int, hits_total: int) -> None:
+    """Bring the prefix-cache counters up to the engine's totals (cumulative, read at a telemetry tick):
+    each is increased by what the engine counted since the last call for these labels (by the whole
+    total when it is lower than then: a new engine under the same labels)."""
+    labels = (model_name, engine)
+    last_q, last_h = _prefix_cache_seen.get(labels, (0, 0))
+    if queries_total < last_q or hits_total < last_h:
+        last_q = last_h = 0
+    PREFIX_CACHE_QUERIES.labels(*labels).inc(queries_total - last_q)
+    PREFIX_CACHE_HITS.labels(*labels).inc(hits_total - last_h)
+    _prefix_cache_seen[labels] = (queries_total, hits_total)
 
 
 def record_state(

@@ -113,6 +113,8 @@ def test_replica_training_limits_are_read_from_the_engine_at_scrape() -> None:
         generated_tokens_total=3,
         prefill_tokens_total=5,
         ft_tokens_total=7,
+        prefix_cache_queries_total=0,
+        prefix_cache_hits_total=0,
         train_limits={"share": 2},
         infer_ms_total=1500.0,
         forward_ms_total=1200.0,

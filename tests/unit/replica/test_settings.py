@@ -39,3 +39,19 @@ def test_invalid_settings_are_refused(kw: dict) -> None:
 def test_every_field_is_documented() -> None:
     missing = [n for n, f in ReplicaSettings.model_fields.items() if not f.description]
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "want"),
+    [(False, False, "float32"), (True, False, "bfloat16"), (False, True, "bfloat16")],
+)
+def test_auto_matmul_dtype_is_bf16_only_where_the_cpu_multiplies_bf16_natively(
+    monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, amx: bool, want: str
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert ReplicaSettings().matmul_dtype == want  # the default is auto
+    assert ReplicaSettings(matmul_dtype="float32").matmul_dtype == "float32"  # an explicit choice holds
+    assert ReplicaSettings(matmul_dtype="bfloat16").matmul_dtype == "bfloat16"

@@ -128,9 +128,12 @@ def stack_config(
     # A training job scores its live copy on the held-out set before it trains (and after, and every few
     # optimizer steps); on a CPU the default 32 examples take most of a short round, so the benchmark
     # bounds every evaluation (the job's and the aggregator's gate) alike.
+    # No prefix caching: the simulator models none, and the run sets every step's prefill beside the
+    # cost model's prediction for the prompt's tokens.
     replica = {
         "COLLM_EVAL_MAX_EXAMPLES": str(cfg.eval_max_examples),
         "COLLM_EVAL_MAX_TOKENS": str(cfg.eval_max_tokens),
+        "COLLM_PREFIX_CACHING": "false",
     }
     coord_policy, cos = series_setup(policy)
     # Every replica logs its steps (`collm_common.step_log`), so the run can set each step's time beside

@@ -1,7 +1,8 @@
 """The replica engine (`loop.Engine`) and its public types.
 
 `loop` runs the iteration thread; `types` holds the settings, requests, events, the snapshot and the
-refusals; `slots` the adapter slot table; `scheduler` the background-work decision (pure);
+refusals; `slots` the adapter slot table; `scheduler` the batch plan and the background-work decision
+(pure); `kv` the paged KV cache's block manager and `prefix_cache` the keys of its shared blocks (pure);
 `background` the evaluations and training jobs run between iterations.
 """
 

@@ -39,13 +39,14 @@ class KVPool:
     head lie contiguous per sequence), handed out in blocks by a `BlockManager`.
 
     The tensors are allocated uninitialised: the OS maps a page when it is first written, and blocks are
-    handed out lowest first, so resident memory follows the blocks in use, not the pool's size."""
+    handed out lowest first, so resident memory follows the blocks in use, not the pool's size (with
+    `caching`, the blocks in use and the cached ones: `kv.BlockManager`)."""
 
     def __init__(
         self, n_layers: int, n_kv: int, head_dim: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, caching: bool = False,
     ) -> None:  # fmt: skip
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, caching)
         self.block_size = block_size
         # One block more than the manager hands out, zeroed: the slot padded keys read (`null_slot`), so
         # a masked key never brings uninitialised memory (a NaN there would survive its zero weight).
@@ -69,6 +70,24 @@ class KVPool:
         to, frm = dst.slots(0, tokens), src.slots(0, tokens)
         self.k[:, :, to] = self.k[:, :, frm]
         self.v[:, :, to] = self.v[:, :, frm]
+        dst.length = tokens
+
+    def fork_prefix(self, src: SeqKV, dst: SeqKV, tokens: int) -> None:
+        """Give `dst` (holding no blocks) `src`'s first `tokens` tokens: the full blocks shared, the
+        tokens of a last partial block copied into a block of its own (`dst` writes there next). All or
+        nothing: `OutOfBlocks` when no block is free for the copy, `dst` then holding none."""
+        full = tokens // self.block_size
+        self.blocks.share(dst.seq_id, src.blocks[:full])
+        try:
+            dst.ensure(tokens)
+        except BaseException:
+            dst.free()
+            raise
+        start = full * self.block_size
+        if tokens > start:
+            to, frm = dst.slots(start, tokens), src.slots(start, tokens)
+            self.k[:, :, to] = self.k[:, :, frm]
+            self.v[:, :, to] = self.v[:, :, frm]
         dst.length = tokens
 
 
@@ -220,10 +239,11 @@ class Executor:
         return out + bias if bias is not None else out
 
     # --- KV ------------------------------------------------------------------------------------------
-    def init_kv_pool(self, num_blocks: int, block_size: int = 16) -> KVPool:
-        """Give this executor its paged KV pool (replacing any earlier one, whose handles stay valid)."""
+    def init_kv_pool(self, num_blocks: int, block_size: int = 16, caching: bool = False) -> KVPool:
+        """Give this executor its paged KV pool (replacing any earlier one, whose handles stay valid);
+        `caching`: released registered blocks stay cached (the prefix cache, `kv.BlockManager`)."""
         self.kv_pool = KVPool(
-            self.n_layers, self.n_kv, self.head_dim, num_blocks, block_size, self.dtype, self.device
+            self.n_layers, self.n_kv, self.head_dim, num_blocks, block_size, self.dtype, self.device, caching
         )
         return self.kv_pool
 

@@ -11,7 +11,10 @@ Each iteration:
 1. take new requests and commands (adapter installs and shadow refreshes happen here, at the boundary,
    as a copy into a free LoRA-bank slot: running requests keep reading their own slot);
 2. `scheduler.plan_iteration` picks decode tokens and prefill chunks within the token budget and the
-   paged KV pool (admitting, and preempting when the pool runs out, by blocks: `kv.BlockManager`);
+   paged KV pool (admitting, and preempting when the pool runs out, by blocks: `kv.BlockManager`); with
+   the prefix cache (`prefix_cache`, setting `prefix_caching`), an admitted sequence shares the cached
+   full blocks its tokens start with and computes only the rest, and every full block computed is
+   registered for later requests;
 3. the co-scheduler decides how much background time fits after this step (the slack of every request,
    from the cost model's estimates of this step and the next: `scheduler.decide_background`);
 4. the executor runs the ragged multi-adapter batch; tokens are sampled, detokenized, stop-checked and
@@ -27,8 +30,9 @@ that id.
 
 The parts: `types` (settings, requests, events, the snapshot), `slots.Slots` (the adapter slot table),
 `scheduler` (the batch plan and the background-work decision, pure), `kv` (the block manager),
-`executor` (the model's forward over the paged KV pool, and training passes), `background.Evaluations`
-and `background.Training` (the work between iterations). `Engine` composes them and runs the loop.
+`prefix_cache` (the blocks' content keys and the hit counters), `executor` (the model's forward over
+the paged KV pool, and training passes), `background.Evaluations` and `background.Training` (the work
+between iterations). `Engine` composes them and runs the loop.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from collm_replica.costs import FinishedSample, LatencyWindow, PieceCosts, StepC
 from collm_replica.engine.background import Evaluations, Examples, Training
 from collm_replica.engine.executor import Executor, ForwardItem, SeqKV
 from collm_replica.engine.kv import OutOfBlocks
+from collm_replica.engine.prefix_cache import NO_HIT, BlockChain, PrefixCache, PrefixHit
 from collm_replica.engine.scheduler import (
     ArrivalHistory,
     BackgroundInput,
@@ -125,7 +130,7 @@ class _Seq:
     __slots__ = (
         "req", "sink", "version_id", "slot", "prompt_len", "computed", "output", "kv", "reserve", "sampler",
         "detok", "stops", "t_arrival", "t_admit", "t_first", "t_last", "ttft_slo", "tpot_slo",
-        "done", "eos", "id", "index", "group", "constraint",
+        "done", "eos", "id", "index", "group", "constraint", "chain", "hit",
     )  # fmt: skip
 
     def __init__(self, req: EngineRequest, sink: EventSink, version_id: str, slot: int, tokenizer: Any,
@@ -157,16 +162,26 @@ class _Seq:
         self.tpot_slo = (req.tpot_slo_ms or cfg.default_tpot_slo_ms) / 1e3
         self.done = False
         self.eos = set() if req.ignore_eos else eos
+        self.chain: BlockChain | None = None  # its KV blocks' keys (None: the prefix cache is off)
+        self.hit: PrefixHit = NO_HIT  # waiting: the cached prefix found when this iteration was planned
 
-    def view(self, cfg: BatchConfig) -> SeqView:
+    def view(self, cfg: BatchConfig, freeable: int | None = None, hit: PrefixHit = NO_HIT) -> SeqView:
+        """What the scheduler sees; `freeable`: the blocks a preemption gives back (None: all it holds);
+        `hit`: a waiting sequence's cached prefix, counted as computed and held."""
         return SeqView(
             self.id,
             self.prompt_len,
-            self.computed,
+            self.computed + hit.tokens,
             kv_reserve=cfg.reserve_tokens(self.reserve),
             output_len=len(self.output),
-            blocks_held=len(self.kv.blocks) if self.kv is not None else 0,
+            blocks_held=(len(self.kv.blocks) if self.kv is not None else 0) + len(hit.blocks),
+            freeable_blocks=freeable,
+            revive_blocks=hit.revived,
         )
+
+    def known_tokens(self) -> list[int]:
+        """The prompt and the output so far."""
+        return self.req.prompt_ids + self.output if self.output else self.req.prompt_ids
 
     def next_tokens(self, n: int) -> list[int]:
         """The `n` known tokens after those in the KV cache (prompt, then output after a preemption)."""
@@ -201,6 +216,7 @@ class _Serving:
     max_model_len: int
     executor: Executor
     slots: Slots
+    prefix: PrefixCache
     clock: Callable[[], float]
     wall: Callable[[], float]
     step_log: Callable[[InferenceStep | BackgroundWork], None] | None
@@ -316,6 +332,7 @@ class _Serving:
                 req, sink, version_id, slot, self.tok, self.eos_ids, self.cfg, self.clock(), self.vocab_size,
                 constraint=self._constraint(req),
             )  # fmt: skip
+            seq.chain = self.prefix.chain(self.slots.cache_salt(version_id))
             accepted = Accepted(
                 request_id=req.request_id,
                 replica_id=self.cfg.replica_id,
@@ -426,6 +443,8 @@ class _Serving:
             if seq.done:
                 continue
             seq.computed += n
+            if seq.chain is not None and seq.kv is not None:
+                self.prefix.record(seq.kv.seq_id, seq.chain, seq.known_tokens, seq.computed)
             if seq.computed < seq.prompt_len + len(seq.output):
                 continue  # more prompt (or recompute) chunks to come
             try:
@@ -483,15 +502,20 @@ class _Serving:
                 parent.t_arrival, self.vocab_size, index=i, group=g, constraint=self._constraint(parent.req),
             )  # fmt: skip
             child.t_admit = parent.t_admit
+            child.chain = parent.chain.fork() if parent.chain is not None else None
             child.kv = self.kv_pool.sequence(child.reserve)
+            assert parent.kv is not None
             try:
-                child.kv.ensure(parent.computed)
+                if child.chain is not None:  # the prefix cache: share the prompt's full blocks
+                    self.kv_pool.fork_prefix(parent.kv, child.kv, parent.computed)
+                else:
+                    child.kv.ensure(parent.computed)
+                    self.kv_pool.copy_prefix(parent.kv, child.kv, parent.computed)
             except OutOfBlocks:
                 child.kv.free()
                 child.kv = None
                 queued.append(child)
             else:
-                self.kv_pool.copy_prefix(parent.kv, child.kv, parent.computed)  # type: ignore[arg-type]
                 child.computed = parent.computed
                 self.kv_reserved += self.cfg.batch.reserve_tokens(child.reserve)
                 self.running.append(child)
@@ -732,7 +756,10 @@ class Engine(_Serving):
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
         self.kv_reserved = 0  # reserve admission: tokens reserved by running sequences (whole blocks)
-        self.kv_pool = self.executor.init_kv_pool(self.cfg.batch.num_blocks, self.cfg.batch.block_size)
+        self.kv_pool = self.executor.init_kv_pool(
+            self.cfg.batch.num_blocks, self.cfg.batch.block_size, caching=self.cfg.prefix_caching
+        )
+        self.prefix = PrefixCache(self.kv_pool.blocks, self.cfg.prefix_caching)
         self.preemptions_total = 0
         self._share: float | None = None
         self._share_expires: float | None = None
@@ -812,6 +839,16 @@ class Engine(_Serving):
     def eval_ms_total(self) -> float:
         """Wall time of evaluation pieces (requests and jobs' own evaluations)."""
         return self.evals.ms_total + self.training.eval_ms_total
+
+    @property
+    def prefix_cache_queries_total(self) -> int:
+        """Known tokens of the sequences admitted, looked up in the prefix cache (0 when it is off)."""
+        return self.prefix.queries_total
+
+    @property
+    def prefix_cache_hits_total(self) -> int:
+        """Of `prefix_cache_queries_total`, the tokens taken from the cache instead of computed."""
+        return self.prefix.hits_total
 
     @property
     def ft_loss(self) -> float | None:
@@ -990,6 +1027,8 @@ class Engine(_Serving):
             local_samples=len(self.dataset.train) + len(self.dataset.eval),
             domains=self.dataset.domains,
             train_limits=dict(self.train_limits),
+            prefix_cache_queries_total=self.prefix.queries_total,
+            prefix_cache_hits_total=self.prefix.hits_total,
         )
 
     # ===================================================================================== internals
@@ -1034,13 +1073,7 @@ class Engine(_Serving):
         self.iteration += 1
 
         b = self.cfg.batch
-        plan = plan_iteration(
-            b,
-            [s.view(b) for s in self.running],
-            [s.view(b) for s in self.waiting],
-            self.kv_reserved,
-            free_blocks=self.kv_pool.blocks.num_free,
-        )
+        plan = plan_iteration(b, *self._views(), self.kv_reserved, free_blocks=self.kv_pool.blocks.num_free)
         self._preempt(plan.preempted)
         by_id = {s.id: s for s in self.waiting}
         for sid in plan.admitted:
@@ -1051,6 +1084,10 @@ class Engine(_Serving):
             if seq.t_admit is None:
                 seq.t_admit = now
             seq.kv = self.kv_pool.sequence(seq.reserve)
+            seq.computed = seq.kv.length = self.prefix.take(
+                seq.kv.seq_id, seq.chain, seq.hit, seq.prompt_len + len(seq.output)
+            )
+            seq.hit = NO_HIT
             self.kv_reserved += b.reserve_tokens(seq.reserve)
             self.running.append(seq)
             if seq.req.span is not None:
@@ -1084,6 +1121,20 @@ class Engine(_Serving):
         return worked
 
     # --- scheduling helpers ---------------------------------------------------------------------------
+    def _views(self) -> tuple[list[SeqView], list[SeqView]]:
+        """The running and waiting sequences as the plan sees them. With the prefix cache, a running
+        sequence gives back on preemption only the blocks it holds alone, and a waiting one counts the
+        cached prefix it would share at admission (kept in `seq.hit` for the admission)."""
+        b = self.cfg.batch
+        if not self.prefix.enabled:
+            return [s.view(b) for s in self.running], [s.view(b) for s in self.waiting]
+        blocks = self.kv_pool.blocks
+        running = [s.view(b, blocks.exclusive(s.kv.seq_id) if s.kv else 0) for s in self.running]
+        room = b.max_batch - len(self.running)  # admission takes at most the first `room` waiting
+        for i, s in enumerate(self.waiting):
+            s.hit = self.prefix.lookup(s.chain, s.known_tokens()) if i < room else NO_HIT
+        return running, [s.view(b, hit=s.hit) for s in self.waiting]
+
     def _min_ttft_slo_ms(self) -> float:
         """The tightest TTFT SLO of present requests and of those that arrived within the SLO window
         (`scheduler.ArrivalHistory`), now."""

@@ -28,6 +28,10 @@ Guarantees:
 * with `kv_admission="reserve"` the whole sequence (prompt + max_tokens) is reserved at admission
   (`kv_reserve`, in tokens rounded up to whole blocks) and nothing is ever preempted: the baseline the
   paged policy is measured against;
+* with the prefix cache (`engine.prefix_cache`), a waiting sequence's view already counts the cached
+  prefix it would share at admission as computed and held, so its chunk starts after it; cached blocks
+  that no sequence holds count as free until admission takes them (`revive_blocks`), and a preemption
+  counts only the blocks the victim holds alone (`freeable_blocks`) as given back;
 * admission is FCFS from the waiting queue while the running batch has room (`max_batch`); the queue
   itself is bounded by the caller (`max_queue`, refused with 429 before it gets here).
 
@@ -108,11 +112,21 @@ class SeqView:
     ready: bool = True  # False while its adapter version is not resident yet
     output_len: int = 0  # tokens generated so far (recomputed with the prompt after a preemption)
     blocks_held: int = 0  # blocks of the KV pool the sequence holds
+    # Blocks that preempting it gives back (None: `blocks_held`); fewer when it shares blocks with others.
+    freeable_blocks: int | None = None
+    # A waiting sequence with a prefix-cache hit counts the hit in `computed` and `blocks_held`; of those
+    # blocks, `revive_blocks` are held by no sequence now (cached): admission takes them from the pool.
+    revive_blocks: int = 0
 
     @property
     def pending(self) -> int:
         """Known tokens not yet in the KV cache (at least the one a decode feeds)."""
         return max(1, self.prompt_len + self.output_len - self.computed)
+
+    @property
+    def freeable(self) -> int:
+        """Blocks that preempting it gives back."""
+        return self.blocks_held if self.freeable_blocks is None else self.freeable_blocks
 
     @property
     def prefilling(self) -> bool:
@@ -175,7 +189,7 @@ def plan_iteration(
             alive.remove(out)
             gone.add(out.seq_id)
             plan.preempted.append(out.seq_id)
-            free += out.blocks_held
+            free += out.freeable
         free -= need
         scheduled.add(s.seq_id)
         plan.items.append((s.seq_id, n))
@@ -201,7 +215,7 @@ def plan_iteration(
         if not s.ready:
             continue  # its adapter is being fetched; others may go ahead of it
         n = min(s.pending, cfg.prefill_chunk_tokens, budget)
-        need = blocks_for(s.computed + n, cfg.block_size) - s.blocks_held
+        need = blocks_for(s.computed + n, cfg.block_size) - s.blocks_held + s.revive_blocks
         if need + (cfg.watermark_blocks if n_running else 0) > free:  # alone, it may take the whole pool
             break  # FCFS: do not let small requests starve a large one forever
         plan.admitted.append(s.seq_id)

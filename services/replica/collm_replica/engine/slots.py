@@ -7,6 +7,7 @@ The table is shared with the service threads: its records are read and changed u
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -46,6 +47,10 @@ class Slots:
         self._lru = VersionLru(cfg.max_resident_adapters)
         self._global_current: dict[str, int] = {}  # newest store version installed, by adapter
         self._refresh_counter: dict[str, int] = {}  # local refreshes made, by base version id
+        # Each resident version's installation (a number no other installation had): the prefix cache's
+        # salt, so KV computed with one installation's weights is never read with another's.
+        self._installs: dict[str, int] = {}
+        self._install_serial = itertools.count(1)
         # Installs waiting for a free slot: (deadline on the engine's clock, attempt -> finished).
         self.pending: list[tuple[float, Callable[[], bool]]] = []
 
@@ -88,6 +93,14 @@ class Slots:
         """The version a request for `adapter` binds to (`version_id`, else the current one), if resident."""
         vid = version_id or self._lru.current_of(adapter) or ""
         return vid if vid in self._lru else None
+
+    def cache_salt(self, version_id: str) -> str:
+        """What names the weights of a resident version (`BASE`: the base model's) in the prefix cache's
+        keys: the version id and its installation, so a version offloaded and installed again, or a new
+        version or local refresh, never reads KV blocks another installation computed."""
+        if version_id == BASE:
+            return BASE
+        return f"{version_id}#{self._installs[version_id]}"
 
     def acquire(self, version_id: str) -> int:
         """Pin `version_id` for a request; its slot."""
@@ -151,10 +164,12 @@ class Slots:
             slot, victim = choice
             if victim is not None:
                 self._lru.evict(victim.version_id)
+                self._installs.pop(victim.version_id, None)
         # Outside the lock: nobody can acquire this slot (it is in no version's record now).
         self.bank.write_parsed(slot, parsed, scaling)
         with self._lock:
             self._lru.add(version_id, name, slot, current=make_current)
+            self._installs[version_id] = next(self._install_serial)
         log.info("adapter %s resident in slot %d%s", version_id, slot, " (current)" if make_current else "")
 
     def offload(self, version_id: str) -> bool:
@@ -167,6 +182,7 @@ class Slots:
             if res.refs:
                 raise EngineRefusal(409, f"{version_id} is in use by {res.refs} request(s)", "conflict")
             self._lru.evict(version_id)
+            self._installs.pop(version_id, None)
         log.info("adapter %s offloaded from slot %d", version_id, res.slot)
         return True
 

@@ -52,6 +52,9 @@ class EngineConfig:
     # Refuse (429) a request whose predicted queue wait exceeds this many times its TTFT SLO (None: off).
     admit_wait_slo_factor: float | None = None
     batch: BatchConfig = field(default_factory=BatchConfig)
+    # Share the KV blocks of common prefixes between sequences and keep released ones cached
+    # (`engine.prefix_cache`); off: every sequence computes all of its tokens.
+    prefix_caching: bool = True
     max_resident_adapters: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     lora_max_rank: int = 16
@@ -70,7 +73,7 @@ class EngineConfig:
     # Background work plans against each request's SLOs less this fraction (a reserve for what the step
     # model cannot see: steps slower than predicted, prompts arriving after the decision).
     train_slo_reserve_frac: float = 0.1
-    eval_max_tokens: int | None = 4096  # held-out tokens per domain an evaluation request scores at most
+    eval_max_tokens: int | None = 1024  # held-out tokens per domain an evaluation request scores at most
     eval_cache_entries: int = 64  # evaluation results kept (by weights digest and eval set)
     # Precision of the base model's products in evaluation passes: "auto" (bfloat16 on a CPU with AMX,
     # else the model's dtype), "bfloat16", or "float32"/"model" (the model's own dtype).
@@ -91,6 +94,7 @@ class EngineConfig:
                 block_size=s.kv_block_tokens,
                 kv_admission=s.kv_admission,
             ),
+            prefix_caching=s.prefix_caching,
             max_resident_adapters=s.max_resident_adapters,
             lora_targets=tuple(s.lora_target_modules.split(",")),
             lora_max_rank=s.lora_max_rank,
@@ -210,3 +214,7 @@ class EngineSnapshot:
     local_samples: int
     domains: list[str]
     train_limits: dict[str, int] = field(default_factory=dict)
+    # The prefix cache (`engine.prefix_cache`): known tokens of the admitted sequences, and of those the
+    # tokens taken from the cache instead of computed.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
