@@ -14,7 +14,8 @@ class AggregatorSettings(CommonSettings):
     strategy: Literal["product_svd", "fedavg"] = Field(
         "product_svd",
         description="How updates are combined: product_svd averages B·A and re-factorises to the same rank "
-        "(exact when the average has rank <= r); fedavg averages A and B separately. See bench/federated.",
+        "(exact when the average has rank <= r); fedavg averages A and B separately. See bench/README.md, "
+        "Federated aggregation.",
     )
     clip_norm: float | None = Field(
         None, gt=0, description="If set, each update's change from the base is clipped to this L2 norm first."
@@ -23,7 +24,8 @@ class AggregatorSettings(CommonSettings):
         1.0,
         description="Server learning rate eta: the candidate is base + eta x (aggregate - base); 1 is plain "
         "averaging. 'participants': eta = the number of accepted updates, so the participants' changes add "
-        "up rather than average (each domain keeps its own participant's full step; bench/federated).",
+        "up rather than average (each domain keeps its own participant's full step; measured by "
+        "`python -m collm_bench federated rounds --server-lr participants`).",
     )
     blas_threads: int | None = Field(
         1,
@@ -86,7 +88,7 @@ class AggregatorSettings(CommonSettings):
         32, ge=1, description="Held-out examples each replica scores per candidate."
     )
     eval_max_tokens: int | None = Field(
-        4096,
+        1024,
         ge=1,
         description="Held-out tokens per domain each replica scores per version at most (at least one "
         "example; None: examples only). With eval_max_examples, bounds the promotion gate's work.",

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.integration
 
 
 async def test_silent_participant_with_real_replicas(fault_stack: FaultStack) -> None:
-    report = await straggler(fault_stack, deadline_s=5.0)
+    # The real replicas train their 64 tokens beside a background load before the deadline: 12 s leaves
+    # room for a CPU shared with other work.
+    report = await straggler(fault_stack, deadline_s=12.0)
     report.print()
     assert not report.failed_checks, (report.failed_checks, report.details, fault_stack.log_tail())

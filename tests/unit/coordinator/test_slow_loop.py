@@ -201,3 +201,44 @@ def test_the_starvation_floor_gives_an_adapter_left_without_rounds_one_step() ->
     for times in by_adapter.values():
         assert times[0] >= cfg.starvation_floor_s  # waited the floor since it was first seen (t = 0)
         assert all(b - a >= cfg.starvation_floor_s for a, b in zip(times, times[1:], strict=False))
+
+
+def test_the_starvation_floor_takes_a_turn_on_replicas_whose_shares_are_full() -> None:
+    """Two replicas hold three adapters' data and two of them outbid the third for all training time (their
+    rounds overlap, so the replicas' shares stay full): the third still gets a round every
+    `starvation_floor_s` (plus at most one slow interval), a share of a replica's training time as large as
+    each of its jobs gets in turn, and no replica is asked to train more than its whole time."""
+    doms = ("med", "bank", "code")
+    cfg = config(
+        starvation_floor_s=180.0,
+        round_deadline_s=25.0,
+        quality_prior={"code": 0.001, "med": 0.2, "bank": 0.2},
+    )
+    core = CoordinatorCore(cfg, "collm")
+    ends: dict[str, float] = {}
+    planned: dict[str, list[float]] = {a: [] for a in doms}
+    t = 0.0
+    while t <= 900.0:
+        for a, end in list(ends.items()):
+            if t >= end:  # each round lasts 45 s, past the next slow tick
+                core.state.rounds.pop(a, None)
+                del ends[a]
+        d = tick(
+            core,
+            t,
+            *(obs(r, t, busy=0.05, domains=doms, adapters=doms, samples=300) for r in ("r0", "r1")),
+        )
+        assert all(s.share <= 1.0 for s in d.fast.shares)
+        if d.slow is not None:
+            for p in d.slow.plans:
+                ends[p.adapter] = t + 45.0
+                planned[p.adapter].append(t)
+                if p.adapter == "code":
+                    assert "starvation floor" in p.reason and len(p.participants) == 1
+                    assert p.participants[0].share == pytest.approx(0.3)  # a third of a full replica
+        t += 1.0
+    assert len(planned["med"]) > 20 and len(planned["bank"]) > 20
+    code = planned["code"]
+    assert code, "the starved adapter got rounds"
+    waits = [b - a for a, b in zip([0.0, *code], [*code, t], strict=True)]
+    assert max(waits) <= cfg.starvation_floor_s + cfg.slow_interval_s

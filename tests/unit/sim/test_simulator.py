@@ -473,9 +473,12 @@ def test_rounds_wait_for_their_evaluators_and_evaluations_cost_replica_time() ->
     res = simulate(cfg, calibration_for_tests(eval_cost=(10.0, 0.5)))
     assert res.sim["evaluations_modelled"] and res.sim["rounds"]["published"] >= 4
     busy = res.sim["busy_s_by_replica"]
-    # Every replica trains and scores its own domain's rounds: each evaluation of 4096 tokens in 8
-    # batches costs 8 x 10 + 4096 x 0.5 ms.
-    assert all(b["evaluation"] >= 2 * (80 + 2048) / 1e3 for b in busy.values())
+    # Every replica trains and scores its own domain's rounds: each evaluation of `eval_tokens` tokens in
+    # batches of `eval_batch_tokens` costs 10 ms per batch + 0.5 ms per token.
+    eng = cfg.engine
+    assert eng.eval_tokens is not None
+    one_eval_ms = -(-eng.eval_tokens // eng.eval_batch_tokens) * 10.0 + eng.eval_tokens * 0.5
+    assert all(b["evaluation"] >= 2 * one_eval_ms / 1e3 for b in busy.values())
     plain = simulate(cfg, calibration_for_tests())
     assert not plain.sim["evaluations_modelled"]
     assert all(b["evaluation"] == 0 for b in plain.sim["busy_s_by_replica"].values())
@@ -487,11 +490,11 @@ def test_rounds_wait_for_their_evaluators_and_evaluations_cost_replica_time() ->
     for r in ("r0", "r1"):
         assert eval_s[r] == pytest.approx(busy[r]["evaluation"])
     for r in ("r2", "r3"):  # one evaluation of the gate per round of its domain less
-        assert eval_s[r] < busy[r]["evaluation"] - 2 * (80 + 2048) / 1e3
+        assert eval_s[r] < busy[r]["evaluation"] - 2 * one_eval_ms / 1e3
     # Evaluations longer than the aggregator waits: rounds publish at its timeout, none is lost.
     slow = simulate(
         replace(cfg, eval_timeout_s=5.0, workload=synthetic(rate=0.5, duration=100.0)),
-        calibration_for_tests(eval_cost=(10.0, 5.0)),  # 20 s per evaluation
+        calibration_for_tests(eval_cost=(10.0, 20.0)),  # 20 s per evaluation of 1024 tokens
     )
     assert slow.sim["rounds"]["published"] >= 2
 

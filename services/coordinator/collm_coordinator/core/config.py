@@ -175,12 +175,14 @@ class CoreConfig:
     )
     # An adapter with data that has had no round planned for this long gets one share step on its best
     # participant at the next slow tick even when its gain does not pay the risk penalty (never on a
-    # replica at SLO risk, never past util_cap): no adapter waits for minutes behind the others.
+    # replica at SLO risk, never past util_cap), or, where no step has room, a turn in the training time a
+    # replica already has (slow_loop._floor_inside): no adapter waits for minutes behind the others.
     starvation_floor_s: float = knob(
         180.0,
         "An adapter with local data that has had no round planned for this long gets one share step "
         "on its best participant at the next slow tick even when its expected gain does not pay the "
-        "SLO-risk penalty (never on a replica at SLO risk, never past the utilisation cap).",
+        "SLO-risk penalty (never on a replica at SLO risk, never past the utilisation cap); where no step "
+        "has room, a turn in a replica's training time beside its other jobs (its share unchanged).",
         gt=0,
     )
     # --- fast loop -----------------------------------------------------------------------------------

@@ -237,25 +237,26 @@ def collm_slow(view: ClusterView) -> SlowDecision:
         seq += 1
 
     # The starvation floor: an adapter left without a share for `starvation_floor_s` gets one step on
-    # its candidate with the largest marginal gain that has room, whatever the risk penalty.
+    # its candidate with the largest marginal gain that has room, whatever the risk penalty; where no
+    # step fits (its replicas' shares are full, or one more step would pass the utilisation cap), it
+    # takes a turn in the training time a replica already has (`_floor_inside`).
     floored: set[str] = set()
     for adapter, _, _ in ready:
         waited_s = view.now_s - view.last_planned_s.get(adapter, view.now_s)
         if x[adapter] > 0 or waited_s < cfg.starvation_floor_s:
             continue
-        fits = [
-            c
-            for (a, rid), c in cands.items()
-            if a == adapter and share[rid] + cfg.share_step <= room[rid] + 1e-9
-        ]
-        if not fits or util(cfg.share_step) > cfg.util_cap:
-            continue
-        c = max(fits, key=lambda c: (marginal(c), c.replica_id))
-        x[adapter] += c.step_tokens(t_s, cfg.share_step)
-        c.share += cfg.share_step
-        share[c.replica_id] += cfg.share_step
-        free_sum = None
-        floored.add(adapter)
+        mine = [c for (a, _), c in cands.items() if a == adapter]
+        fits = [c for c in mine if share[c.replica_id] + cfg.share_step <= room[c.replica_id] + 1e-9]
+        if fits and util(cfg.share_step) <= cfg.util_cap:
+            c = max(fits, key=lambda c: (marginal(c), c.replica_id))
+            x[adapter] += c.step_tokens(t_s, cfg.share_step)
+            c.share += cfg.share_step
+            share[c.replica_id] += cfg.share_step
+            free_sum = None
+            floored.add(adapter)
+        elif (inside := _floor_inside(view, mine, share, cands)) is not None:
+            x[adapter] += effective_tokens(inside.tokens(t_s), inside.data_tokens)
+            floored.add(adapter)
 
     plans: list[RoundPlanDecision] = []
     for adapter, version, _ in ready:
@@ -298,6 +299,34 @@ def collm_slow(view: ClusterView) -> SlowDecision:
     return SlowDecision(
         tuple(plans), tuple(skipped), demand, view.forecast_arrivals_per_s, Z, f"{head}; stop: {stop}"
     )
+
+
+def _floor_inside(
+    view: ClusterView,
+    mine: list[_Candidate],
+    share: dict[str, float],
+    cands: dict[tuple[str, str], _Candidate],
+) -> _Candidate | None:
+    """A starved adapter's turn in training time a replica already has: of `mine` (its candidates), the
+    one whose replica trains the largest share (rounds in flight and this plan's steps, `share`) gets a
+    share of it as large as each of that replica's jobs gets when they take turns (its co-scheduler runs
+    its jobs round-robin), in steps of `share_step`. The replica's share stays what it is, so serving
+    loses nothing the plan had not already given to training. None: none of them trains."""
+    cfg = view.config
+    busy = [c for c in mine if share[c.replica_id] > 0]
+    if not busy:
+        return None
+    c = max(busy, key=lambda c: (share[c.replica_id], c.replica_id))
+    rid = c.replica_id
+    in_flight = sum(
+        1
+        for rnd in view.rounds.values()
+        if rid not in rnd.done and any(p.replica_id == rid for p in rnd.plan.participants)
+    )
+    planned = sum(1 for (a, r), o in cands.items() if r == rid and a != c.adapter and o.share > 0)
+    turn = share[rid] / (in_flight + planned + 1)
+    c.share = max(cfg.share_step, math.floor(turn / cfg.share_step + 1e-9) * cfg.share_step)
+    return c
 
 
 def _why_none(
