@@ -307,13 +307,15 @@ def _floor_inside(
     share: dict[str, float],
     cands: dict[tuple[str, str], _Candidate],
 ) -> _Candidate | None:
-    """A starved adapter's turn in training time a replica already has: of `mine` (its candidates), the
-    one whose replica trains the largest share (rounds in flight and this plan's steps, `share`) gets a
-    share of it as large as each of that replica's jobs gets when they take turns (its co-scheduler runs
-    its jobs round-robin), in steps of `share_step`. The replica's share stays what it is, so serving
-    loses nothing the plan had not already given to training. None: none of them trains."""
+    """A starved adapter's turn in training time a replica already has: of `mine` (its candidates) on
+    replicas that train their whole `max_share` (rounds in flight and this plan's steps, `share`), one gets
+    a share of that time as large as each of the replica's jobs gets when they take turns (its
+    co-scheduler runs its jobs round-robin), in steps of `share_step`. The replica's share stays
+    `max_share` (`ClusterState.plan_shares` caps the sum there), so serving loses nothing the plan had not
+    already given to training. None: no holder trains its whole share (where serving bounds the share, the
+    floor waits for room)."""
     cfg = view.config
-    busy = [c for c in mine if share[c.replica_id] > 0]
+    busy = [c for c in mine if share[c.replica_id] >= cfg.max_share - 1e-9]
     if not busy:
         return None
     c = max(busy, key=lambda c: (share[c.replica_id], c.replica_id))

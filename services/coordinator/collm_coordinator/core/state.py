@@ -420,12 +420,14 @@ class ClusterState:
                 self.shares.pop(rid, None)
 
     def plan_shares(self, live: list[str]) -> dict[str, float]:
-        """The share each live replica should train at under the rounds in flight (0 when done)."""
+        """The share each live replica should train at under the rounds in flight (0 when done), at most
+        `max_share` (a starved adapter's turn shares a full replica's time: slow_loop._floor_inside)."""
         out = dict.fromkeys(live, 0.0)
+        cap = self.config.max_share
         for rnd in self.rounds.values():
             for p in rnd.plan.participants:
                 if p.replica_id in out and p.replica_id not in rnd.done:
-                    out[p.replica_id] = min(1.0, out[p.replica_id] + p.share)
+                    out[p.replica_id] = min(cap, out[p.replica_id] + p.share)
         return out
 
     def unplanned_training(
