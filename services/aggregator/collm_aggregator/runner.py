@@ -275,15 +275,16 @@ class RoundRunner:
             self.ended.set()
 
     async def _finish(self) -> None:
-        await self._announce()
         m = self.machine
+        # Counted before the announcement: whoever sees a round's final event sees it in the metrics too.
+        metrics.ROUNDS.labels(m.adapter, m.phase.value).inc()
+        for phase, nxt in zip(list(m.timeline), list(m.timeline)[1:], strict=False):
+            metrics.PHASE_SECONDS.labels(phase).observe(max(0.0, m.timeline[nxt] - m.timeline[phase]))
+        await self._announce()
         closed, ended = m.timeline.get(Phase.AGGREGATING.value), m.timeline.get(m.phase.value)
         if m.phase in (Phase.PUBLISHED, Phase.HELD_BACK) and closed is not None and ended is not None:
             self.deps.lead.observe(m.adapter, ended - closed)
         await self._drop_blobs()
-        metrics.ROUNDS.labels(m.adapter, m.phase.value).inc()
-        for phase, nxt in zip(list(m.timeline), list(m.timeline)[1:], strict=False):
-            metrics.PHASE_SECONDS.labels(phase).observe(max(0.0, m.timeline[nxt] - m.timeline[phase]))
         log.info(
             "round %s %s: %s", self.round_id, m.phase.value, m.reason,
             extra={"round_id": self.round_id, "adapter": m.adapter, "state": m.phase.value},

@@ -318,10 +318,11 @@ class Aggregator:
             if not await self.records.create(plan, outcome):
                 raise ServiceFailure(409, f"round {round_id} already exists")
             metrics.ROUNDS_OPENED.labels(plan.policy).inc()
+            if reason:  # counted before the event, as a runner's final state (RoundRunner._finish)
+                metrics.ROUNDS.labels(plan.adapter, "aborted").inc()
             with contextlib.suppress(Exception):
                 await self.bus.publish(subjects.round_event(round_id, state), outcome)
             if reason:
-                metrics.ROUNDS.labels(plan.adapter, "aborted").inc()
                 log.info("round %s aborted at open: %s", round_id, reason)
                 return outcome
             self._spawn(RoundRunner(self._deps(), plan))
