@@ -27,8 +27,8 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
     goes negative while attainment stays above the target: headroom h = min(1, headroom_gain * -q)
     (target.py).
   Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
-  Starvation floor: an adapter that has had no round planned for `starvation_floor_s` gets one share
-  step on its best candidate with room, whatever the risk penalty (never past util_cap); where none has
+  Starvation floor: an adapter whose wait without a planned round would pass `starvation_floor_s` before
+  the next slow tick gets one share step on its best candidate with room, whatever the risk penalty (never past util_cap); where none has
   room it takes a turn in a replica's training time (as much as each of that replica's jobs gets
   round-robin), the replica's share unchanged.
   An adapter left without a plan because every replica holding its data was at risk at the tick is

@@ -173,15 +173,15 @@ class CoreConfig:
         "risk, so training resumes within minutes of attainment recovering.",
         gt=0,
     )
-    # An adapter with data that has had no round planned for this long gets one share step on its best
-    # participant at the next slow tick even when its gain does not pay the risk penalty (never on a
-    # replica at SLO risk, never past util_cap), or, where no step has room, a turn in the training time a
-    # replica already has (slow_loop._floor_inside): no adapter waits for minutes behind the others.
+    # An adapter with data gets one share step on its best participant at the last slow tick before its
+    # wait without a planned round would pass this bound, even when its gain does not pay the risk
+    # penalty (never on a replica at SLO risk, never past util_cap), or, where no step has room, a turn
+    # in the training time a replica already has (slow_loop._floor_inside).
     starvation_floor_s: float = knob(
         180.0,
-        "An adapter with local data that has had no round planned for this long gets one share step "
-        "on its best participant at the next slow tick even when its expected gain does not pay the "
-        "SLO-risk penalty (never on a replica at SLO risk, never past the utilisation cap); where no step "
+        "Bound on an adapter's wait between two planned rounds: an adapter with local data gets one "
+        "share step on its best participant at the last slow tick before its wait would pass this "
+        "bound, even when its expected gain does not pay the SLO-risk penalty (never on a replica at SLO risk, never past the utilisation cap); where no step "
         "has room, a turn in a replica's training time beside its other jobs (its share unchanged).",
         gt=0,
     )

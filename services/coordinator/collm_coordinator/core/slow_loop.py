@@ -236,14 +236,14 @@ def collm_slow(view: ClusterView) -> SlowDecision:
         heapq.heappush(heap, (-marginal(c), seq, adapter, rid))
         seq += 1
 
-    # The starvation floor: an adapter left without a share for `starvation_floor_s` gets one step on
-    # its candidate with the largest marginal gain that has room, whatever the risk penalty; where no
-    # step fits (its replicas' shares are full, or one more step would pass the utilisation cap), it
+    # The starvation floor: an adapter whose wait without a planned round would pass `starvation_floor_s`
+    # before the next slow tick gets one step now on its candidate with the largest marginal gain that
+    # has room, whatever the risk penalty; where no step fits (its replicas' shares are full, or one more step would pass the utilisation cap), it
     # takes a turn in the training time a replica already has (`_floor_inside`).
     floored: set[str] = set()
     for adapter, _, _ in ready:
         waited_s = view.now_s - view.last_planned_s.get(adapter, view.now_s)
-        if x[adapter] > 0 or waited_s < cfg.starvation_floor_s:
+        if x[adapter] > 0 or waited_s + cfg.slow_interval_s <= cfg.starvation_floor_s:
             continue
         mine = [c for (a, _), c in cands.items() if a == adapter]
         fits = [c for c in mine if share[c.replica_id] + cfg.share_step <= room[c.replica_id] + 1e-9]
