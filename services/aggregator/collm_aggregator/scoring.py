@@ -53,6 +53,7 @@ class CandidateScoring:
         self.through_outage = through_outage
         self.current: dict[str, EvalReport] = {}  # the pre-scored current version, by replica
         self.current_version = plan.base_version  # the version the candidate is judged against
+        self._prescore: asyncio.Task[None] | None = None  # `score_current`, while it runs
 
     def rebase(self, version: int, reports: Sequence[EvalReport]) -> None:
         """Judge the candidate against `version` (the round was rebased onto it); `reports`: that version's
@@ -82,6 +83,17 @@ class CandidateScoring:
         except BusError as exc:
             log.warning("round %s: %s could not evaluate: %s", self.round_id, rid, exc.message)
             return None
+
+    def start_prescore(self) -> None:
+        """Start `score_current` beside the collection; `evaluate` awaits it."""
+        self._prescore = asyncio.create_task(self.score_current())
+
+    def stop_prescore(self) -> None:
+        """Cancel the pre-scoring if it still runs and forget it: the round ended before its evaluation,
+        or its scores no longer judge the candidate (`evaluate` then scores both versions)."""
+        if self._prescore is not None:
+            self._prescore.cancel()
+            self._prescore = None
 
     async def score_current(self) -> None:
         """Score the current (base) version on every evaluator while participants train: it does not
@@ -129,13 +141,13 @@ class CandidateScoring:
         ]
         return cand.model_copy(update={"losses": losses})
 
-    async def evaluate(self, key: str, sha: str, prescore: Awaitable[None] | None) -> EvalSummary:
+    async def evaluate(self, key: str, sha: str) -> EvalSummary:
         """The candidate under `key` (digest `sha`) scored against the current version on every evaluator,
-        the reports saved on the round's record; `prescore`: the pre-scoring of the current version, if
-        running (awaited first: it normally finished while participants trained)."""
+        the reports saved on the round's record; the pre-scoring of the current version, if started, is
+        awaited first (it normally finished while participants trained)."""
         s = self.deps.settings
-        if prescore is not None:
-            await prescore
+        if self._prescore is not None:
+            await self._prescore
         who = await self.evaluators()
         both = EvaluateCandidate(
             adapter=self.plan.adapter,

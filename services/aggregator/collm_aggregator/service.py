@@ -8,6 +8,9 @@
 * Telemetry from `subjects.telemetry_all()` tells which replicas are alive, hold local data and cover
   which domains (built-in plans and the choice of evaluators).
 * At start, every round that was not final is resumed from its durable record (see `runner`).
+* Its collaborators: `runner.RoundRunner` drives each round, `builtin.BuiltinPlans` opens rounds when no
+  coordinator plans (`default_plan`), `imports.import_version` answers `import`, and
+  `quality_probe.QualityProbe` scores published versions on their tasks.
 
 Only one aggregator instance should run per Redis prefix: round ids come from one counter, but two
 instances would both drive the same active rounds.
@@ -21,42 +24,23 @@ import logging
 import math
 import uuid
 from collections.abc import Collection, Coroutine, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError
-
 from collm_aggregator import metrics
-from collm_aggregator.imports import import_status, reference_shapes
+from collm_aggregator.builtin import BuiltinPlans
+from collm_aggregator.imports import import_version
 from collm_aggregator.intake import UpdateIntake
 from collm_aggregator.lead import PublishLead
 from collm_aggregator.machine import Phase
-from collm_aggregator.planner import (
-    PlanConfig,
-    PlanDraft,
-    ReplicaView,
-    Skip,
-    choose_evaluators,
-    default_plans,
-    eligible,
-)
+from collm_aggregator.planner import ReplicaView, choose_evaluators, eligible
 from collm_aggregator.quality_probe import QualityProbe
 from collm_aggregator.runner import RoundDeps, RoundRunner
 from collm_aggregator.settings import AggregatorSettings
 from collm_aggregator.strategies import make_strategy
 from collm_common import subjects
-from collm_common.adapter_io import (
-    AdapterImportError,
-    check_base_dims,
-    check_shapes,
-    import_peft_dir,
-    same_base_model,
-    shown,
-)
-from collm_common.bus import Bus, BusError, MicroService, ServiceFailure
+from collm_common.bus import Bus, MicroService, ServiceFailure
 from collm_common.clock import Clock
-from collm_common.lora import decode_adapter, encode_adapter
-from collm_common.store import AdapterStore, Conflict, NotFound, StoreError, VersionRecord, version_id
+from collm_common.store import AdapterStore, Conflict, NotFound, StoreError, VersionRecord
 from collm_common.streams import ensure_streams
 from collm_common.wire.adapters import AdapterPublished
 from collm_common.wire.admin import (
@@ -71,8 +55,8 @@ from collm_common.wire.admin import (
     RoundList,
     StatusRequest,
 )
-from collm_common.wire.control import ControlReply, CoordinatorDecisions, StartTraining
-from collm_common.wire.rounds import ParticipantPlan, RoundOutcome, RoundPlan
+from collm_common.wire.control import CoordinatorDecisions
+from collm_common.wire.rounds import RoundOutcome, RoundPlan
 from collm_common.wire.telemetry import ReplicaTelemetry
 
 from .records import RoundRecords
@@ -123,14 +107,15 @@ class Aggregator:
         self.last_coordinator_plan_unix_s: float | None = None
         # When the coordinator last published a decision (it decides every fast tick, planning or not).
         self.last_coordinator_seen_unix_s: float | None = None
-        self._last_builtin: dict[str, float] = {}
-        self._skip_reasons: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._bg: list[asyncio.Task[None]] = []
         self._open_lock = asyncio.Lock()
         self.svc: MicroService | None = None
         self.intake = UpdateIntake(settings, bus, store, self.records, clock, self.runners)
         self.probe = QualityProbe(bus, store, settings, clock, self.eval_replicas, self._spawn_task)
+        self.builtin = BuiltinPlans(
+            settings, bus, store, clock, self.replicas, self.runners, self._coordinator_heard, self._open
+        )
 
     # --- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -157,7 +142,7 @@ class Aggregator:
             await svc.endpoint(name, subjects.aggregator(name), req_type, handler)
         self._bg.append(asyncio.create_task(self.intake.run(), name="aggregator-consumer"))
         if self.settings.default_plan:
-            self._bg.append(asyncio.create_task(self._plan_loop(), name="aggregator-planner"))
+            self._bg.append(asyncio.create_task(self.builtin.run(), name="aggregator-planner"))
 
     async def stop(self) -> None:
         for t in [*self._bg, *self._tasks]:
@@ -219,6 +204,11 @@ class Aggregator:
     # --- telemetry and domains --------------------------------------------------------------------------
     async def _on_decisions(self, _d: CoordinatorDecisions, _msg: object) -> None:
         self.last_coordinator_seen_unix_s = self.clock.now()
+
+    def _coordinator_heard(self) -> float:
+        """When a coordinator last planned or decided; this service's start if never (`BuiltinPlans`)."""
+        seen = [t for t in (self.last_coordinator_plan_unix_s, self.last_coordinator_seen_unix_s) if t]
+        return max(seen, default=self.started_unix_s)
 
     async def _on_telemetry(self, t: ReplicaTelemetry, _msg: object) -> None:
         # Receive time, not the replica's clock: staleness must not depend on clock skew.
@@ -340,102 +330,6 @@ class Aggregator:
             await runner._finish()
         self._round_done(runner.round_id)
 
-    async def _plan_loop(self) -> None:
-        s = self.settings
-        tick_s = min(1.0, s.default_plan_period_s / 4)
-        while True:
-            try:
-                await self._plan_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("built-in planning failed")
-            await self.clock.sleep(tick_s)
-
-    async def _plan_once(self) -> None:
-        s = self.settings
-        now = self.clock.now()
-        # Built-in plans stand in for a coordinator that is not there: not for one that decides not to
-        # plan (every data holder at SLO risk) nor one starting beside the aggregator, which is given
-        # default_plan_idle_s for its first decision.
-        seen = [t for t in (self.last_coordinator_plan_unix_s, self.last_coordinator_seen_unix_s) if t]
-        if now - max(seen, default=self.started_unix_s) < s.default_plan_idle_s:
-            return
-        adapters = {a: list(d) for a, d in s.default_plan_adapters.items()}
-        for name in await self.store.list_adapters():
-            if name not in adapters:
-                meta = await self.store.meta(name)
-                if meta.get("domains"):  # opted in: `import` with domains, or set by an operator
-                    adapters[name] = [d for d in meta["domains"].split(",") if d]
-        due = {
-            a: d
-            for a, d in adapters.items()
-            if now - self._last_builtin.get(a, -math.inf) >= s.default_plan_period_s
-        }
-        if not due:
-            return
-        currents = {a: await self.store.current(a) for a in due}
-        busy = {r.plan.adapter for r in self.runners.values() if not r.machine.final}
-        cfg = PlanConfig(
-            token_budget=s.default_token_budget,
-            learning_rate=s.default_learning_rate,
-            deadline_s=s.round_deadline_s,
-            quorum_fraction=s.quorum_fraction,
-            telemetry_stale_s=s.telemetry_stale_s,
-        )
-        for item in default_plans(list(self.replicas.values()), due, currents, busy, cfg, now):
-            if isinstance(item, Skip):
-                if self._skip_reasons.get(item.adapter) != item.reason:  # log and count each new reason once
-                    log.info("built-in plan for %s skipped: %s", item.adapter, item.reason)
-                    self._skip_reasons[item.adapter] = item.reason
-                    metrics.PLANS_SKIPPED.labels(item.adapter).inc()
-                if currents.get(item.adapter) is None and s.default_plan_bootstrap:
-                    if await self._bootstrap(item.adapter, due[item.adapter], now):
-                        self._last_builtin[item.adapter] = now
-                continue
-            self._skip_reasons.pop(item.adapter, None)
-            self._last_builtin[item.adapter] = now
-            await self._open_draft(item)
-
-    async def _bootstrap(self, adapter: str, domains: list[str], now: float) -> bool:
-        """Ask one replica with data to create `adapter@v1` (replicas create v1 on StartTraining without
-        a base version); the adapter's first round follows at the next period."""
-        s = self.settings
-        who = eligible(list(self.replicas.values()), domains, now, s.telemetry_stale_s)
-        if not who:
-            return False
-        cmd = StartTraining(
-            adapter=adapter, token_budget=s.default_token_budget, learning_rate=s.default_learning_rate
-        )
-        try:
-            reply = await self.bus.request(
-                subjects.replica(who[0], "control"), cmd, ControlReply, s.control_timeout_s
-            )
-            log.info("asked %s to create %s@v1: %s", who[0], adapter, reply.message)
-            return True
-        except BusError as exc:
-            log.warning("could not ask %s to create %s@v1: %s", who[0], adapter, exc.message)
-            return False
-
-    async def _open_draft(self, d: PlanDraft) -> None:
-        plan = RoundPlan(
-            adapter=d.adapter,
-            base_version=d.base_version,
-            participants=[
-                ParticipantPlan(replica_id=r, token_budget=d.token_budget, learning_rate=d.learning_rate)
-                for r in d.participants
-            ],
-            quorum=d.quorum,
-            opened_unix_s=d.opened_unix_s,
-            deadline_unix_s=d.deadline_unix_s,
-            policy="builtin",
-            reason=d.reason,
-        )
-        try:
-            await self._open(plan)
-        except ServiceFailure as exc:
-            log.info("built-in round for %s not opened: %s", d.adapter, exc.message)
-
     # --- admin endpoints ------------------------------------------------------------------------------------
     async def status(self, _req: StatusRequest, _headers: Mapping[str, str]) -> AggregatorStatus:
         active = []
@@ -519,90 +413,8 @@ class Aggregator:
         return version_info(rec)
 
     async def import_adapter(self, req: ImportAdapter, _headers: Mapping[str, str]) -> AdapterVersionInfo:
-        """A PEFT directory as the next version of `req.adapter` (statuses: `collm_aggregator.imports`)."""
-        try:
-            subjects.check_token(req.adapter, "adapter name")
-        except ValueError as exc:
-            raise ServiceFailure(400, str(exc)) from None
-        path = Path(req.path).expanduser()
-        roots = [Path(r).expanduser().resolve() for r in self.settings.import_roots]
-        if roots:
-            try:
-                resolved = path.resolve()
-            except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
-                raise ServiceFailure(404, f"{shown(path)} does not exist ({exc})") from None
-            if not any(resolved.is_relative_to(r) for r in roots):
-                raise ServiceFailure(
-                    403, f"{shown(path)} is outside the import roots {[str(r) for r in roots]}"
-                )
-        current = await self.store.current(req.adapter)
-        expected_shapes = None
-        current_spec = None
-        base_model = req.base_model
-        if current is not None:
-            try:
-                cur = decode_adapter(await self.store.get_blob(req.adapter, current))
-            except (StoreError, ValueError, KeyError, SafetensorError) as exc:
-                raise ServiceFailure(409, f"current version of {req.adapter} is unreadable: {exc}") from None
-            expected_shapes = {k: tuple(v.shape) for k, v in cur.tensors.items()}
-            current_spec = cur.spec
-            if base_model and cur.base_model and not same_base_model(base_model, cur.base_model):
-                raise ServiceFailure(
-                    409,
-                    f"{req.adapter} is trained on {cur.base_model!r}, not {base_model!r}; "
-                    "import it under a new adapter name",
-                )
-            base_model = base_model or cur.base_model or None
-        s = self.settings
-        try:
-            weights = await asyncio.to_thread(
-                import_peft_dir,
-                path,
-                expected_base_model=base_model,
-                supported_modules=tuple(s.supported_target_modules),
-                max_rank=s.max_import_rank,
-            )
-        except AdapterImportError as exc:
-            raise ServiceFailure(import_status(exc), f"cannot import {shown(path)}: {exc}") from None
-        if current_spec is not None and weights.spec != current_spec:
-            raise ServiceFailure(
-                409,
-                f"LoRA spec {weights.spec.to_json()} differs from {req.adapter}'s {current_spec.to_json()}; "
-                "import it under a new adapter name",
-            )
-        if not weights.base_model:
-            raise ServiceFailure(422, "the adapter names no base model; pass base_model")
-        # The shapes a version must have: the current version's (same names and shapes), else the base
-        # model's layer shapes as another adapter on it shows them (any rank).
-        shapes = {k: tuple(v.shape) for k, v in weights.tensors.items()}
-        if expected_shapes is not None and current is not None:
-            reference = (version_id(req.adapter, current), expected_shapes)
-            check = check_shapes
-        else:
-            reference = await reference_shapes(self.store, weights.base_model, req.adapter)
-            check = check_base_dims
-        if reference is not None:
-            try:
-                check(shapes, reference[1])
-            except AdapterImportError as exc:
-                raise ServiceFailure(
-                    422, f"cannot import {shown(path)}: {exc} (compared with {reference[0]})"
-                ) from None
-        blob = encode_adapter(weights)
-        try:
-            rec = await self.store.publish(
-                req.adapter,
-                blob,
-                expected_current=current,
-                base_model=weights.base_model,
-                source="import",
-                parent=current,
-                meta={"imported_from": str(path)},
-            )
-        except Conflict as exc:
-            raise ServiceFailure(409, f"{exc}; retry the import") from None
-        if req.domains is not None:
-            await self.store.set_meta(req.adapter, {"domains": ",".join(req.domains)})
-        log.info("imported %s as %s", path, rec.id)
+        """A PEFT directory as the next version of `req.adapter` (checks and statuses:
+        `collm_aggregator.imports`)."""
+        rec = await import_version(self.store, self.settings, req)
         await self._announce_version(rec, "import")
         return version_info(rec)

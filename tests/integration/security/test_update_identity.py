@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from collm_aggregator.runner import to_numpy
+from collm_aggregator.collection import to_numpy
 from collm_aggregator.service import Aggregator
 from collm_aggregator.settings import AggregatorSettings
 from collm_aggregator.strategies import WeightedUpdate, make_strategy
