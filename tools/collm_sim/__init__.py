@@ -5,8 +5,9 @@ batching and co-scheduling policies, run unchanged against calibrated cost and q
     result = simulate(SimConfig(replicas=8, policy="collm", workload=WorkloadSpec(rate_rps=10)), calibration)
 """
 
-from collm_sim.cluster import SimResult, Simulation, simulate
+from collm_sim.cluster import Simulation, simulate
 from collm_sim.config import EngineSpec, GatewaySpec, SimConfig
+from collm_sim.results import SimResult
 from collm_sim.workload import WorkloadSpec, build_workload
 
 __all__ = [

@@ -7,8 +7,8 @@ piece in progress; a micro-step carries over to the next stretch and its tokens 
 An evaluation the aggregator asks for (`EvalTask`) costs `CostModel.eval_ms` of the replica's held-out
 set, in pieces of one batch's `eval_pieces_per_batch`-th; it runs within the window the replica's
 background decision grants, at least one piece per iteration, and more while it is behind the even pace
-to its deadline (`behind_schedule`), as the engine's `Evaluations.work`. `SimReplica` decides the
-windows (`scheduler.decide_background`) and spends them here.
+to its deadline (`behind_schedule`), as the engine's `Evaluations.work`. `windows.BackgroundWindows`
+decides the windows (`scheduler.decide_background`) and spends them here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from collm_common.calibration import CostModel
 from collm_sim.config import EngineSpec
-from collm_sim.plugins import TrainCost, behind_schedule
+from collm_sim.plugins import JobView, TrainCost, behind_schedule
 
 
 class Job:
@@ -43,6 +43,11 @@ class Job:
     @property
     def done(self) -> bool:
         return self.tokens_done >= self.budget
+
+    def view(self, now_s: float) -> JobView:
+        """The job as the engine's background decision sees it (`TrainingJob.due`, `in_progress`): due
+        once it is past its round's send-by time less the margin, in progress with a micro-step begun."""
+        return JobView(due=self.active and now_s >= self.stop_s, in_progress=self.progress_ms > 0)
 
 
 class EvalTask:
@@ -91,6 +96,7 @@ class Background:
             self.eval_piece_ms = self.eval_ms_each / (batches * max(1, engine.eval_pieces_per_batch))
         self.evals: deque[EvalTask] = deque()
         self.job: Job | None = None
+        self.job_rr = 0  # the background decision's round-robin counter over jobs (`decide_background`)
         # Seconds this replica held an active round job, by how each job ended ("budget": its token
         # budget done; "stop": the round's send-by time; "replaced": a new job took its place).
         self.job_s: dict[str, float] = {"budget": 0.0, "stop": 0.0, "replaced": 0.0}

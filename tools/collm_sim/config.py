@@ -41,6 +41,7 @@ class EngineSpec:
     ft_guard_frac: float = _R["ft_guard_frac"]
     ft_spend_stretch_frac: float = _R["ft_spend_stretch_frac"]
     default_ttft_slo_ms: float = _R["default_ttft_slo_ms"]
+    default_tpot_slo_ms: float = _R["default_tpot_slo_ms"]
     # Training runs in pieces of about one decoder layer (forward, then backward) plus the LM head: for
     # SmolLM2-135M's 30 layers, 61 pieces per micro-step. A stretch of training ends at a piece boundary:
     # when the next piece would overrun the co-scheduler's budget, or after the piece in progress when a

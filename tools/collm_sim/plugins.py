@@ -9,8 +9,9 @@ The simulator does not model these decisions: it calls the very code the service
 * replica: `collm_replica.engine.scheduler.plan_iteration` (continuous batching with chunked prefill,
   paged KV admission and preemption: `engine.kv.blocks_for`), `scheduler.decide_background` (the
   training and evaluation windows after each step and the job to train, through the co-schedulers of
-  `collm_replica.cosched`: `slo`, `fixed`, `leftover`), with `effective_share` for the coordinator's
-  share and its TTL and `behind_schedule` for an evaluation's pace; `repeated_decodes` says how many
+  `collm_replica.cosched`: `slo`, `fixed`, `leftover`) on the input `scheduler.background_input` builds
+  (the coordinator's share and its TTL, the `ArrivalHistory` of TTFT SLOs), with `effective_share` for
+  the share in force and `behind_schedule` for an evaluation's pace; `repeated_decodes` says how many
   iterations in a row its plan stays one decode token per running request.
 
 Which co-scheduler a replica runs follows the policy under test, as the live benchmark configures the
@@ -29,18 +30,18 @@ from collm_replica.cosched import (
     TrainCost,
     behind_schedule,
     effective_share,
-    likely_arrivals,
     make_coscheduler,
 )
 from collm_replica.costs import FinishedSample, LatencyWindow
 from collm_replica.engine.kv import blocks_for
 from collm_replica.engine.scheduler import (
-    BackgroundInput,
+    ArrivalHistory,
     BackgroundSettings,
     BatchConfig,
     JobView,
     RequestView,
     SeqView,
+    background_input,
     decide_background,
     plan_iteration,
     repeated_decodes,
@@ -62,7 +63,7 @@ def series_setup(series: str) -> tuple[str, str]:
 __all__ = [
     "COSCHEDULER_FOR_POLICY",
     "REFERENCES",
-    "BackgroundInput",
+    "ArrivalHistory",
     "BackgroundSettings",
     "BatchConfig",
     "CoScheduler",
@@ -77,11 +78,11 @@ __all__ = [
     "SeqView",
     "TrainCost",
     "WeightsSnapshot",
+    "background_input",
     "behind_schedule",
     "choose_evaluators",
     "decide_background",
     "effective_share",
-    "likely_arrivals",
     "make_coscheduler",
     "plan_iteration",
     "repeated_decodes",

@@ -2,15 +2,16 @@
 
 Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtual time:
 
-1. drop waiting requests past their deadline;
+1. drop waiting requests past their deadline (`collm_sim.batch.ServingBatch`);
 2. the replica's `engine.scheduler.plan_iteration` picks decode tokens and prefill chunks, admits FCFS
    and preempts by the blocks of the paged KV cache (`kv_admission`, as the replica: a preempted request
    goes back to the front of the queue and recomputes its prompt and output before its next token);
 3. the replica's `engine.scheduler.decide_background` decides the training and evaluation windows after
-   the step, through its co-scheduler (`collm_replica.cosched`), given the coordinator's share (with its
-   TTL: `effective_share`), the requests as the engine's `Sequence.timing` shows them (`max_tokens` is
-   the output length: the benchmark client asks for exactly that many tokens) and the arrival history's
-   tightest TTFT SLO and likely arrivals, exactly as the engine's `_decide_background` calls it;
+   the step, through its co-scheduler (`collm_replica.cosched`), on the input `scheduler.
+   background_input` builds from the replica's state, the rule the engine's `_decide_background` uses
+   (`collm_sim.windows.BackgroundWindows`: the coordinator's share with its TTL, the requests as the
+   engine's `Sequence.timing` shows them, with `max_tokens` their output length as the benchmark client
+   asks for exactly that many tokens, the arrival history's tightest TTFT SLO and likely arrivals);
 4. the inference step costs `CostModel.step_ms` (what the step log's comparison predicts too):
    `decode_step_ms(decodes)`, plus `decode_ms_per_context_token` per token of the decoding sequences'
    contexts beyond `decode_context_tokens` each, plus `prefill_ms_per_token` per prefill token and
@@ -40,103 +41,23 @@ pending each iteration still gets its co-scheduler decision, but its plan is the
 `repeated_decodes` vouches for it and nothing arrives (`SamePlan`): `plan_iteration` is not asked again.
 
 The co-scheduler is given the calibration's costs as its predictions (the live engine learns the same
-costs online). Telemetry is built like the live replica's (a window of `slo_window_s` for latency
-percentiles and attainment, rates over the interval).
+costs online). Telemetry is built like the live replica's (`collm_sim.telemetry`: a window of
+`slo_window_s` for latency percentiles and attainment, rates over the interval).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable
-from itertools import islice
 
 from collm_common.calibration import CostModel
-from collm_common.slo import meets_slo
-from collm_common.step_log import BackgroundWork, InferenceStep
-from collm_common.wire.telemetry import ReplicaTelemetry, ResidentAdapter, TrainingJobStatus
+from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_sim.background import Background, EvalTask, Job
+from collm_sim.batch import Req, ServingBatch
 from collm_sim.config import EngineSpec
-from collm_sim.plugins import (
-    BackgroundInput,
-    BackgroundSettings,
-    BatchConfig,
-    CoScheduler,
-    FinishedSample,
-    JobView,
-    LatencyWindow,
-    RequestView,
-    SeqView,
-    blocks_for,
-    decide_background,
-    effective_share,
-    likely_arrivals,
-    plan_iteration,
-    repeated_decodes,
-)
-
-
-class Req:
-    """One request's life in the simulation."""
-
-    __slots__ = (
-        "idx",
-        "sid",
-        "arrival_s",
-        "prompt_len",
-        "out_len",
-        "domain",
-        "computed",
-        "generated",
-        "t_first",
-        "t_end",
-        "status",
-        "replica",
-        "version",
-        "view",
-        "reserve",
-        "attempts",
-        "target",
-        "blocks",
-    )
-
-    def __init__(self, idx: int, arrival_s: float, prompt_len: int, out_len: int, domain: str) -> None:
-        self.idx = idx
-        self.sid = str(idx)
-        self.arrival_s = arrival_s
-        self.prompt_len = prompt_len
-        self.out_len = out_len
-        self.domain = domain
-        self.computed = 0
-        self.generated = 0
-        self.t_first: float | None = None
-        self.t_end: float | None = None
-        self.status = "pending"
-        self.replica: str | None = None
-        self.version: str | None = None
-        self.reserve = prompt_len + out_len
-        # The scheduler's view (None: to be built from the request's state, `seq_view`).
-        self.view: SeqView | None = SeqView(self.sid, prompt_len, 0, self.reserve)
-        self.attempts = 0
-        self.target = (
-            prompt_len  # tokens to compute before the next token: the prompt (+ output to recompute)
-        )
-        self.blocks = 0  # KV blocks held (paged admission)
-
-    def seq_view(self) -> SeqView:
-        """The scheduler's view of the request: the one set last, or, after `SimReplica._set_view`, its
-        state now (built when a plan first needs it: iterations that reuse a plan never do)."""
-        view = self.view
-        if view is None:
-            view = self.view = SeqView(
-                self.sid, self.prompt_len, self.kv_tokens(), self.reserve, output_len=self.generated,
-                blocks_held=self.blocks,
-            )  # fmt: skip
-        return view
-
-    def kv_tokens(self) -> int:
-        """Tokens in the KV cache: the prefill done so far, or the prompt and all but the last output."""
-        return self.computed if self.computed < self.target else self.prompt_len + self.generated - 1
+from collm_sim.plugins import BackgroundSettings, CoScheduler
+from collm_sim.telemetry import ReplicaStats, StepLogFn, StepShape, replica_telemetry
+from collm_sim.windows import BackgroundWindows
 
 
 class SamePlan:
@@ -156,41 +77,20 @@ class SamePlan:
         self.left = left
 
 
-class KeptSummaryWindow(LatencyWindow):
-    """The replica's `LatencyWindow`, whose summary is computed again only when a sample came in or
-    leaves the window (its pruning drops samples older than `window_s`); the same summaries."""
-
-    def __init__(self, window_s: float) -> None:
-        super().__init__(window_s)
-        self._times: deque[float] = deque()  # the samples' times, as the window holds them
-        self._summary: dict[str, float | int | None] | None = None
-
-    def add(self, sample: FinishedSample) -> None:
-        super().add(sample)
-        self._times.append(sample.t_s)
-        self._summary = None
-
-    def summary(self, now_s: float) -> dict[str, float | int | None]:
-        times = self._times
-        limit = now_s - self.window_s
-        if times and times[0] < limit:
-            while times and times[0] < limit:
-                times.popleft()
-            self._summary = None
-        if self._summary is None:
-            self._summary = super().summary(now_s)
-        return self._summary
-
-
 # The most decode iterations one run takes at once (anything reaching the replica cuts a run, and the
 # step costs of the iterations after the cut are wasted work).
 RUN_MAX = 64
 
-FinishFn = Callable[["Req"], None]
+FinishFn = Callable[[Req], None]
 JobDoneFn = Callable[["SimReplica", Job, float], None]
 
 
 class SimReplica:
+    """One simulated replica: the engine's iteration loop over its requests (`batch`), with its background
+    decision (`windows`), its background work (`bg`), and its counters, step log and telemetry (`stats`).
+    `versions` is the cluster's current version of each adapter (shared, read-only here); `on_finish(req)`
+    is told when a request ends, `on_job_done(replica, job, t)` when a round job does."""
+
     def __init__(
         self,
         replica_id: str,
@@ -208,112 +108,93 @@ class SimReplica:
     ) -> None:
         self.replica_id = replica_id
         self.engine = engine
-        self.cosched = cosched
         self.domain = domain
         self.samples = samples
-        self.versions = versions  # the cluster's current version of each adapter (shared, read-only here)
-        self.batch_cfg = BatchConfig(
-            engine.max_batch,
-            engine.max_batch_tokens,
-            engine.prefill_chunk_tokens,
-            engine.kv_budget_tokens,
-            block_size=engine.kv_block_tokens,
-            kv_admission=engine.kv_admission,  # type: ignore[arg-type]
-        )
+        self.cost = cost
         # Decode step cost by number of decoding sequences, computed once (the cost model interpolates).
         self.decode_ms = [0.0] + [cost.decode_ms(b) for b in range(1, engine.max_batch_tokens + 1)]
-        self.cost = cost
         self.prefill_per_token_ms = cost.prefill_ms_per_token
-        self.ttft_slo_s = (ttft_slo_ms or 1e12) / 1e3
-        self.tpot_slo_s = (tpot_slo_ms or 1e12) / 1e3
-        self.ttft_slo_ms = ttft_slo_ms
-        self.tpot_slo_ms = tpot_slo_ms
-        self.request_timeout_s = request_timeout_s
-        self.on_finish = on_finish
-
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.by_sid: dict[str, Req] = {}
-        self.kv_reserved = 0
-        self.blocks_used = 0  # KV blocks held by running requests (paged admission)
-        self.preemptions = 0
+        self.stats = ReplicaStats(engine.slo_window_s)
+        self.batch = ServingBatch(
+            engine, versions, ttft_slo_ms, tpot_slo_ms, request_timeout_s, self.stats.window, on_finish
+        )
+        self.bg = Background(self, cost, engine, on_job_done)
+        self.windows = BackgroundWindows(
+            engine, cosched, self.batch.cfg, self.decode_ms, self.prefill_per_token_ms, self.bg
+        )
         self.idle = True
         # The iteration in progress: (items, end of its inference step, end of its evaluation pieces, end
-        # of its training stretch, whether its evaluation catches up on its pace).
+        # of its training stretch, whether its evaluation catches up on its pace), its inference step
+        # (ms, tokens) and its shape for the step log.
         self.pending: tuple[list[tuple[Req, int]], float, float, float, bool] | None = None
+        self._pending_step = (0.0, 0)
+        self._step_shape: StepShape = (0, 0, [], 0, (0.0, None))
         self.gen = 0  # bumped when an arrival cuts the iteration short (its old end event is stale)
+        self.iteration = 0
+        self.iterations_total = 0
         # A run of decode-only iterations taken at once (`_decode_run`): (end s, inference ms, decode context
         # tokens) of the iterations before `pending`, not yet applied from index `_run_i` on.
         self._run: list[tuple[float, float, int]] = []
         self._run_i = 0
-        self._resident: dict[tuple[str, int, int], ResidentAdapter] = {}
         # The iterations ahead that plan as the last one did (`_plan_repeats`), or None.
         self._same_plan: SamePlan | None = None
-        self.block_size = engine.kv_block_tokens
-        self.settings = BackgroundSettings(
-            batch=self.batch_cfg,
-            train_guard_frac=engine.ft_guard_frac,
-            train_slack_frac=engine.ft_slack_frac,
-            train_slo_reserve_frac=engine.ft_slo_reserve_frac,
-            micro_tokens=engine.train_micro_tokens,
-            batch_tokens=engine.train_batch_tokens,
-            train_spend_stretch_frac=engine.ft_spend_stretch_frac,
-        )
-        self.iteration = 0
-        self.share: float | None = None
-        self.share_expires_s: float | None = None
-        self.spend = 0.0
-        self.bg = Background(self, cost, engine, on_job_done)
-        self.window = KeptSummaryWindow(engine.slo_window_s)
-        # Counters of the current telemetry interval, and totals.
-        self._arrivals = 0
-        self._recent_arrivals: deque[float] = deque()
-        self._prompt_tokens_ewma = 64.0
-        self._gen_tokens = 0
-        self._prefill_tokens = 0
-        self._ft_tokens = 0
-        self._infer_ms = 0.0
-        self._train_ms = 0.0
-        self._pending_step = (0.0, 0)  # the pending iteration's inference step: (ms, tokens)
-        # Busy time by kind of work (ms): inference, training, evaluation (a job's own and the gate's).
-        self.busy_ms = {"inference": 0.0, "training": 0.0, "evaluation": 0.0}
-        # (end s, ms, tokens) of every inference step, so its work can be read up to a cut
-        # (`inference_until`), and (end s, tokens) of every training stretch that completed micro-steps
-        # (`ft_tokens_until`).
-        self.inference_steps: list[tuple[float, float, int]] = []
-        self.training_done: list[tuple[float, int]] = []
-        self._last_telemetry_s = 0.0
-        self.ft_tokens_total = 0
-        self.iterations_total = 0
-        # Told every inference step and stretch of background work, in the live step log's records (the
-        # engine's `step_log`), so a simulated run's steps can be set beside a live run's.
-        self.step_log: Callable[[InferenceStep | BackgroundWork], None] | None = None
-        self._step_shape: tuple[int, int, list[tuple[int, int]], int, tuple[float, str | None]] = (
-            0, 0, [], 0, (0.0, None),
-        )  # fmt: skip
+
+    # --- what the cluster and the benchmarks read -----------------------------------------------------
+    @property
+    def running(self) -> list[Req]:
+        return self.batch.running
+
+    @property
+    def blocks_used(self) -> int:
+        return self.batch.blocks_used
+
+    @property
+    def preemptions(self) -> int:
+        return self.batch.preemptions
+
+    @property
+    def settings(self) -> BackgroundSettings:
+        return self.windows.settings
+
+    @property
+    def busy_ms(self) -> dict[str, float]:
+        return self.stats.busy_ms
+
+    @property
+    def ft_tokens_total(self) -> int:
+        return self.stats.ft_tokens_total
+
+    @property
+    def inference_steps(self) -> list[tuple[float, float, int]]:
+        return self.stats.inference_steps
+
+    @property
+    def step_log(self) -> StepLogFn | None:
+        """Told every inference step and stretch of background work (`ReplicaStats.step_log`)."""
+        return self.stats.step_log
+
+    @step_log.setter
+    def step_log(self, log: StepLogFn | None) -> None:
+        self.stats.step_log = log
 
     def inference_until(self, cut_s: float) -> tuple[float, int]:
-        """(seconds, tokens) of the inference steps completed by `cut_s`, as a live replica's counters
-        read when the load generator stops at the cut (they count a step when it completes)."""
-        done = [(ms, n) for end_s, ms, n in self.inference_steps if end_s <= cut_s]
-        return sum(ms for ms, _ in done) / 1e3, sum(n for _, n in done)
+        return self.stats.inference_until(cut_s)
 
     def ft_tokens_until(self, cut_s: float) -> int:
-        """Fine-tuning tokens of the micro-steps completed by `cut_s`, as a live replica's counter reads
-        when the load generator stops at the cut."""
-        return sum(n for end_s, n in self.training_done if end_s <= cut_s)
+        return self.stats.ft_tokens_until(cut_s)
+
+    def telemetry(self, now: float, interval_s: float) -> ReplicaTelemetry:
+        self.sync(now)
+        return replica_telemetry(self, now, interval_s)
 
     # --- requests ----------------------------------------------------------------------------------
     def enqueue(self, req: Req, now: float) -> bool:
         """Admission to the waiting queue; False (a 429) when the queue is full."""
-        if len(self.waiting) >= self.engine.max_queue:
+        if not self.batch.enqueue(req):
             return False
         req.replica = self.replica_id
-        self.waiting.append(req)
-        self._arrivals += 1
-        # As the engine at each arrival: the window of recent arrivals and the next prompt's length guess.
-        self._recent_arrivals.append(now)
-        self._prompt_tokens_ewma = 0.9 * self._prompt_tokens_ewma + 0.1 * req.prompt_len
+        self.stats.arrivals += 1
+        self.windows.arrived(now, self.batch.ttft_slo_s * 1e3, req.prompt_len)
         return True
 
     def interrupt(self, now: float) -> float | None:
@@ -347,65 +228,14 @@ class SimReplica:
         self.gen += 1
         return new_end
 
-    def _set_view(self, req: Req) -> None:
-        """After the request's step: the KV blocks it now holds, and its view for the planner to be
-        built from its state (`Req.seq_view`)."""
-        blocks = blocks_for(req.kv_tokens(), self.block_size)
-        self.blocks_used += blocks - req.blocks
-        req.blocks = blocks
-        req.view = None
-
-    def _preempt(self, sids: list[str]) -> None:
-        """Preempted requests give back their blocks and return to the front of the queue, in arrival
-        order, to recompute their prompt and output (as the replica's engine does)."""
-        for req in sorted((self.by_sid[s] for s in sids), key=lambda r: r.idx, reverse=True):
-            self.running.remove(req)
-            del self.by_sid[req.sid]
-            self.kv_reserved -= req.reserve
-            self.blocks_used -= req.blocks
-            req.blocks = 0
-            req.computed = 0
-            req.target = req.prompt_len + req.generated
-            req.view = SeqView(req.sid, req.prompt_len, 0, req.reserve, output_len=req.generated)
-            self.waiting.appendleft(req)
-        self.preemptions += len(sids)
-
-    def _finish(self, req: Req, t: float, status: str) -> None:
-        req.t_end = t
-        req.status = status
-        if status == "ok":
-            self.running.remove(req)
-            del self.by_sid[req.sid]
-            self.kv_reserved -= req.reserve
-            self.blocks_used -= req.blocks
-            req.blocks = 0
-            # As the engine: an answer without tokens has its first token at its end (TTFT = e2e).
-            first_s = req.t_first if req.t_first is not None else t
-            ttft_ms = (first_s - req.arrival_s) * 1e3
-            tpot_ms = None
-            if req.generated > 1 and req.t_first is not None:
-                tpot_ms = (t - req.t_first) * 1e3 / (req.generated - 1)
-            good = meets_slo(ttft_ms, tpot_ms, self.ttft_slo_ms, self.tpot_slo_ms)
-            self.window.add(FinishedSample(t, ttft_ms, tpot_ms, good))
-        elif status == "timeout":  # as the engine: dropped from the queue at its deadline, a miss
-            self.window.add(FinishedSample(t, None, None, False))
-        self.on_finish(req)
-
-    def _expire(self, now: float) -> None:
-        w = self.waiting
-        limit = now - self.request_timeout_s
-        while w and w[0].arrival_s < limit:
-            self._finish(w.popleft(), now, "timeout")
-
     # --- control --------------------------------------------------------------------------------------
     def set_share(self, share: float, expires_s: float, spend: float = 0.0) -> None:
-        self.share = share
-        self.share_expires_s = expires_s
-        self.spend = spend
+        """The coordinator's share command: `share` (and `spend`) in force until `expires_s`."""
+        self.windows.set_share(share, expires_s, spend)
 
     def share_now(self, now: float) -> float:
         """The training share in force at `now`: the coordinator's until its TTL, then the default."""
-        return effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)[0]
+        return self.windows.share_in_force(now)[0]
 
     def start_job(
         self, adapter: str, round_id: int, base_version: int, budget: int, deadline_s: float, now: float
@@ -444,15 +274,8 @@ class SimReplica:
         reaches the replica (which cuts the run: `interrupt`): they are taken at once, each with its own
         step cost (the context grows by a token per sequence), and applied when the run ends or the
         replica is read (`sync`). Returns the run's end, or None when there is no run."""
-        running = self.running
-        most = min(r.out_len - r.generated for r in running)
-        if most < 2:
-            return None
-        free_blocks = self.batch_cfg.num_blocks - self.blocks_used
-        k = repeated_decodes(
-            self.batch_cfg, [r.seq_view() for r in running], (), free_blocks, min(most, RUN_MAX)
-        )
-        if k < 2:
+        k = self.batch.decode_repeats(RUN_MAX)
+        if not k:
             return None
         n_dec, dec_context, _, n_adapters, _ = self._step_shape
         run: list[tuple[float, float, int]] = []
@@ -481,24 +304,13 @@ class SimReplica:
         assert self.pending is not None
         items = self.pending[0]
         n = len(items)
-        log = self.step_log
+        stats = self.stats
         n_dec, _, _, n_adapters, _ = self._step_shape
         for t_inf, ms, ctx in self._run[start:upto]:
-            self._infer_ms += ms
-            self.busy_ms["inference"] += ms
-            self.inference_steps.append((t_inf, ms, n))
-            if log is not None:
-                log(
-                    InferenceStep(
-                        t_s=t_inf - ms / 1e3, decodes=n_dec, decode_context_tokens=ctx, prefill=[],
-                        adapters=n_adapters, forward_ms=ms, step_ms=ms, train_budget_ms=0.0, train_limit=None,
-                    )
-                )  # fmt: skip
+            stats.inference_step(t_inf, ms, n, (n_dec, ctx, [], n_adapters, (0.0, None)), logged=True)
         m = upto - start
-        self._gen_tokens += m * n
-        for req, _ in items:
-            req.generated += m
-            self._set_view(req)
+        stats.gen_tokens += m * n
+        self.batch.decoded(items, m)
         self._run_i = upto
 
     def sync(self, now: float) -> None:
@@ -511,7 +323,7 @@ class SimReplica:
     def _cut_run(self, now: float) -> float | None:
         """End the run with its iteration in progress at `now` (`interrupt`), unless the run still holds:
         nothing waits and there is no job or evaluation (a share alone changes nothing without a job)."""
-        if not (self.waiting or self.bg.evals or self.bg.has_job):
+        if not (self.batch.waiting or self.bg.evals or self.bg.has_job):
             return None
         run, i = self._run, self._run_i
         while i < len(run) and run[i][0] <= now:
@@ -532,33 +344,17 @@ class SimReplica:
         self.gen += 1
         return t_inf
 
-    def _request_view(self, r: Req) -> RequestView:
-        """The request as the engine's background decision sees it (`Sequence.timing`): its SLOs, first
-        token, prompt, tokens computed and output so far; `max_tokens` is its output length (the benchmark
-        client asks for exactly the trace's output length)."""
-        return RequestView(
-            r.sid, r.arrival_s, self.ttft_slo_s, self.tpot_slo_s, r.t_first, r.prompt_len, r.computed,
-            r.generated, r.out_len,
-        )  # fmt: skip
-
-    def _likely_arrivals(self, now: float, within_s: float) -> int:
-        """The engine's `_likely_arrivals`: arrivals to expect within `within_s` at the rate of the last
-        SLO window, at least 1 and at most 4."""
-        recent = self._recent_arrivals
-        while recent and recent[0] < now - self.engine.slo_window_s:
-            recent.popleft()
-        if not recent:
-            return 1
-        return likely_arrivals(len(recent), recent[0], recent[-1], within_s)
-
+    # --- one iteration -------------------------------------------------------------------------------
     def _start(self, now: float) -> float | None:
-        self._expire(now)
+        """Start the next iteration at `now`: its plan, its background windows, its end (None: idle)."""
+        batch = self.batch
+        batch.expire(now)
         job = self.bg.job
         if job is not None and job.active and now >= job.stop_s:
             self.bg.finish_job(now, "stop")
-        running = self.running
+        running = batch.running
         memo = self._same_plan
-        if memo is not None and memo.left > 0 and not self.waiting and len(running) == memo.n_dec:
+        if memo is not None and memo.left > 0 and not batch.waiting and len(running) == memo.n_dec:
             # The plan `repeated_decodes` vouched for: one more decode token for every running request.
             memo.left -= 1
             memo.dec_context += memo.n_dec  # every sequence's context grew by the token it decoded
@@ -566,61 +362,11 @@ class SimReplica:
             chunks: list[tuple[int, int]] = []
             tokens, changed = n_dec, False
         else:
-            items, n_dec, dec_context, chunks, n_adapters, tokens, changed = self._plan(running)
+            items, n_dec, dec_context, chunks, n_adapters, tokens, changed = batch.plan()
             memo = self._same_plan = None
         inf_ms = self.cost.step_ms(n_dec, dec_context, chunks, n_adapters) if items else 0.0
-        train_ms = eval_ms = 0.0
-        catch_up = False
-        job = self.bg.job
-        has_job = job is not None and job.active
-        decision: tuple[float, str | None] = (0.0, None)  # the training budget and what bounded it
-        if has_job or self.bg.evals:
-            share, source = effective_share(
-                now, self.share, self.share_expires_s, self.engine.ft_share_default
-            )
-            min_ttft_ms = min(
-                self.ttft_slo_ms or self.engine.default_ttft_slo_ms, self.engine.default_ttft_slo_ms
-            )
-            d = decide_background(
-                BackgroundInput(
-                    now_s=now,
-                    share=share,
-                    running=[self._request_view(r) for r in running],
-                    waiting=[self._request_view(r) for r in self.waiting],
-                    plan_items=[(r.sid, n) for r, n in items],
-                    plan_tokens=tokens,
-                    step_ms=inf_ms,
-                    decode_step_ms=self.decode_ms[max(1, len(running))],
-                    prefill_ms_per_token=self.prefill_per_token_ms,
-                    train=self.bg.train_cost,
-                    min_ttft_slo_ms=min_ttft_ms,
-                    prompt_tokens_guess=round(self._prompt_tokens_ewma),
-                    arrivals_within_ttft=self._likely_arrivals(now, min_ttft_ms / 1e3),
-                    jobs=[JobView(due=False, in_progress=job.progress_ms > 0)] if has_job and job else [],
-                    training_paused=False,
-                    evals_pending=bool(self.bg.evals),
-                    iteration=self.iteration,
-                    job_rr=0,
-                    spend=self.spend if source == "coordinator" else 0.0,
-                ),
-                self.settings,
-                self.cosched,
-            )  # fmt: skip
-            if self.bg.evals:
-                catch_up_ms = self.engine.ft_guard_frac * min_ttft_ms
-                eval_ms, catch_up = self.bg.eval_stretch(d.eval_ms, catch_up_ms, now + inf_ms / 1e3)
-            if job is not None and d.job is not None:
-                # As the engine: the decision's training window, spent in whole pieces (at least one when
-                # idle and no evaluation is pending), never past what the job still needs; evaluation
-                # pieces count against the same window.
-                decision = (max(0.0, d.train_ms), d.limit)
-                window_ms = d.train_ms
-                if d.idle and not self.bg.evals:
-                    window_ms = max(window_ms, self.bg.piece_ms)
-                pieces = int(max(0.0, window_ms - eval_ms) / self.bg.piece_ms + 1e-9)
-                train_ms = min(pieces * self.bg.piece_ms, self.bg.ms_to_finish(job))
-            elif d.has_job:
-                decision = (max(0.0, d.train_ms), d.limit)
+        grant = self.windows.grant(now, self.iteration, batch, items, tokens, inf_ms)
+        train_ms, eval_ms = grant.train_ms, grant.eval_ms
         self.iteration += 1
         if not items and train_ms <= 0 and eval_ms <= 0:
             self.idle = True
@@ -628,12 +374,12 @@ class SimReplica:
         self.iterations_total += 1
         t_inf = now + inf_ms / 1e3
         t_ev = t_inf + eval_ms / 1e3
-        self.pending = (items, t_inf, t_ev, t_ev + train_ms / 1e3, catch_up)
+        self.pending = (items, t_inf, t_ev, t_ev + train_ms / 1e3, grant.catch_up)
         self._pending_step = (inf_ms, tokens)
-        self._step_shape = (n_dec, dec_context, chunks, n_adapters, decision)
+        self._step_shape = (n_dec, dec_context, chunks, n_adapters, grant.decision)
         self.idle = False
-        if n_dec == len(items) == len(running) and not (self.waiting or changed):
-            if not (has_job or self.bg.evals):
+        if n_dec == len(items) == len(running) and not (batch.waiting or changed):
+            if not (self.bg.has_job or self.bg.evals):
                 end = self._decode_run(now, items, inf_ms)
                 if end is not None:
                     self._same_plan = None
@@ -642,215 +388,37 @@ class SimReplica:
                 self._same_plan = self._plan_repeats(items, n_dec, dec_context, n_adapters)
         return t_ev + train_ms / 1e3
 
-    def _plan(
-        self, running: list[Req]
-    ) -> tuple[list[tuple[Req, int]], int, int, list[tuple[int, int]], int, int, bool]:
-        """This iteration's inference step by the replica's `plan_iteration`, with its admissions and
-        preemptions applied: (items, decodes, their tokens of context, prefill chunks as (tokens, earlier
-        tokens), distinct adapters, tokens, whether it admitted or preempted)."""
-        free = self.engine.max_batch - len(running)
-        wviews = [r.seq_view() for r in islice(self.waiting, free)] if free > 0 and self.waiting else []
-        free_blocks = self.batch_cfg.num_blocks - self.blocks_used
-        plan = plan_iteration(
-            self.batch_cfg, [r.seq_view() for r in running], wviews, self.kv_reserved, free_blocks
-        )
-        if plan.preempted:
-            self._preempt(plan.preempted)
-        for sid in plan.admitted:
-            req = self.waiting.popleft()
-            assert req.sid == sid, "admission is FCFS"
-            running.append(req)
-            self.by_sid[sid] = req
-            self.kv_reserved += req.reserve
-            v = self.versions.get(req.domain)
-            req.version = f"{req.domain}@v{v}" if v else "base"
-        items: list[tuple[Req, int]] = []
-        n_dec = 0
-        dec_context = 0  # tokens of context of the decoding sequences
-        chunks: list[tuple[int, int]] = []  # (tokens, earlier tokens) of each prefill chunk
-        adapters: set[str] = set()
-        by_sid = self.by_sid
-        tokens = 0
-        for sid, n in plan.items:
-            req = by_sid[sid]
-            items.append((req, n))
-            adapters.add(req.domain)
-            tokens += n
-            if req.computed >= req.target:
-                n_dec += 1
-                dec_context += req.prompt_len + req.generated - 1  # the tokens before this one
-            else:
-                chunks.append((n, req.computed))
-        changed = bool(plan.admitted or plan.preempted)
-        return items, n_dec, dec_context, chunks, len(adapters), tokens, changed
-
     def _plan_repeats(
         self, items: list[tuple[Req, int]], n_dec: int, dec_context: int, n_adapters: int
     ) -> SamePlan | None:
         """After a plan that gives every running request one decode token with nothing waiting: the
         iterations after it that `repeated_decodes` says plan the same while nothing arrives (none
         finishes before the first request to finish does, at the last of them), or None."""
-        running = self.running
-        most = min(r.out_len - r.generated for r in running)
-        if most < 2:
-            return None
-        # Blocks before this iteration's step: those its plan takes are counted by `repeated_decodes`.
-        free_blocks = self.batch_cfg.num_blocks - self.blocks_used
-        k = repeated_decodes(self.batch_cfg, [r.seq_view() for r in running], (), free_blocks, most)
-        if k < 2:
-            return None
-        return SamePlan(items, n_dec, dec_context, n_adapters, k - 1)
+        k = self.batch.decode_repeats()
+        return SamePlan(items, n_dec, dec_context, n_adapters, k - 1) if k else None
 
     def _complete(self) -> None:
+        """End the iteration in progress: count its inference step, emit its tokens, spend its
+        evaluation pieces and its training stretch."""
         assert self.pending is not None
         items, t_inf, t_ev, t_end, _ = self.pending
         self.pending = None
         eval_ms = max(0.0, (t_ev - t_inf) * 1e3)
         train_ms = max(0.0, (t_end - t_ev) * 1e3)  # an arrival may have cut the stretch short
         inf_ms, tokens = self._pending_step
-        self._infer_ms += inf_ms
-        self._train_ms += train_ms
-        busy = self.busy_ms
-        busy["inference"] += inf_ms
-        self.inference_steps.append((t_inf, inf_ms, tokens))
-        log = self.step_log
-        if log is not None and items:
-            n_dec, dec_context, chunks, n_adapters, (budget_ms, limit) = self._step_shape
-            log(
-                InferenceStep(
-                    t_s=t_inf - inf_ms / 1e3,
-                    decodes=n_dec,
-                    decode_context_tokens=dec_context,
-                    prefill=chunks,
-                    adapters=n_adapters,
-                    forward_ms=inf_ms,
-                    step_ms=inf_ms,
-                    train_budget_ms=budget_ms,
-                    train_limit=limit,
-                )
-            )
-        if log is not None and eval_ms > 0:
-            log(BackgroundWork(kind="eval", t_s=t_inf, ms=eval_ms))
-        busy["evaluation"] += eval_ms
-        block_size = self.block_size
-        generated = grown = 0  # tokens out of this step, blocks taken by the decoding requests
-        for req, n in items:
-            if req.computed < req.target:
-                req.computed += n
-                self._prefill_tokens += n
-                if req.computed < req.target:
-                    self._set_view(req)
-                    continue
-                if req.t_first is None:
-                    req.t_first = t_inf
-            req.generated += 1
-            generated += 1
-            if req.generated >= req.out_len:
-                self._finish(req, t_inf, "ok")
-            else:  # `_set_view` of a decoding request: its KV holds the prompt and all but the last output
-                blocks = blocks_for(req.prompt_len + req.generated - 1, block_size)
-                grown += blocks - req.blocks
-                req.blocks = blocks
-                req.view = None
-        self._gen_tokens += generated
-        self.blocks_used += grown
+        stats = self.stats
+        stats.inference_step(t_inf, inf_ms, tokens, self._step_shape, logged=bool(items))
+        stats.train_ms += train_ms
+        stats.evaluation(t_inf, eval_ms)
+        prefilled, generated = self.batch.emit(items, t_inf)
+        stats.prefill_tokens += prefilled
+        stats.gen_tokens += generated
         if eval_ms > 0:
             self.bg.spend_evals(eval_ms, t_ev)
         job = self.bg.job
         if train_ms > 0 and job is not None and job.active:
-            self.cosched.charge(train_ms)
+            self.windows.cosched.charge(train_ms)
             train_tokens, micro_steps = self.bg.train(job, train_ms)
-            if log is not None:
-                log(
-                    BackgroundWork(
-                        kind="train", t_s=t_ev, ms=train_ms, tokens=train_tokens, micro_steps=micro_steps
-                    )
-                )
-            self.busy_ms["training"] += train_ms
-            self._ft_tokens += train_tokens
-            self.ft_tokens_total += train_tokens
-            if train_tokens:
-                self.training_done.append((t_end, train_tokens))
+            stats.training(t_ev, t_end, train_ms, train_tokens, micro_steps)
             if job.done:
                 self.bg.finish_job(t_end, "budget")
-
-    # --- telemetry ------------------------------------------------------------------------------------
-    def _resident_adapter(self, name: str, version: int, in_flight: int) -> ResidentAdapter:
-        """The telemetry's entry of one resident adapter (built once per value: entries are immutable)."""
-        key = (name, version, in_flight)
-        entry = self._resident.get(key)
-        if entry is None:
-            entry = self._resident[key] = ResidentAdapter(
-                name=name, version_id=f"{name}@v{version}", version=version, in_flight=in_flight
-            )
-        return entry
-
-    def telemetry(self, now: float, interval_s: float) -> ReplicaTelemetry:
-        self.sync(now)
-        dt = max(1e-9, now - self._last_telemetry_s) if self._last_telemetry_s else interval_s
-        lat = self.window.summary(now)
-        share, source = effective_share(now, self.share, self.share_expires_s, self.engine.ft_share_default)
-        in_flight: dict[str, int] = {}
-        for r in self.running:
-            in_flight[r.domain] = in_flight.get(r.domain, 0) + 1
-        job = self.bg.job
-        jobs = []
-        if job is not None:
-            jobs.append(
-                TrainingJobStatus(
-                    adapter=job.adapter,
-                    state="running" if job.active else "done",
-                    base_version_id=f"{job.adapter}@v{job.base_version}",
-                    round_id=job.round_id,
-                    tokens_done=job.tokens_done,
-                    token_budget=job.budget,
-                )
-            )
-        busy = self.engine.report_busy_fractions
-        t = ReplicaTelemetry(
-            replica_id=self.replica_id,
-            ts_unix_s=now,
-            interval_s=interval_s,
-            model="simulated",
-            queue_len=len(self.waiting),
-            running=len(self.running),
-            max_batch=self.engine.max_batch,
-            kv_used_frac=(
-                self.blocks_used / self.batch_cfg.num_blocks
-                if self.batch_cfg.kv_admission == "paged"
-                else self.kv_reserved / self.engine.kv_budget_tokens
-            ),
-            tokens_per_s=self._gen_tokens / dt,
-            prefill_tokens_per_s=self._prefill_tokens / dt,
-            arrivals_per_s=self._arrivals / dt,
-            ttft_ms_p50=lat["ttft_ms_p50"],
-            ttft_ms_p99=lat["ttft_ms_p99"],
-            tpot_ms_p50=lat["tpot_ms_p50"],
-            tpot_ms_p99=lat["tpot_ms_p99"],
-            finished=int(lat["finished"] or 0),
-            good=int(lat["good"] or 0),
-            slo_attainment=lat["slo_attainment"],
-            decode_step_ms=self.decode_ms[self.engine.max_batch],
-            prefill_ms_per_token=self.prefill_per_token_ms,
-            train_step_ms=self.bg.train_cost.ms(self.engine.train_micro_tokens),
-            infer_busy_frac=min(1.0, self._infer_ms / 1e3 / dt) if busy else None,
-            train_busy_frac=min(1.0, self._train_ms / 1e3 / dt) if busy else None,
-            ft_share=share,
-            ft_share_source=source,  # type: ignore[arg-type]
-            ft_spend=self.spend if source == "coordinator" else 0.0,
-            ft_tokens_per_s=self._ft_tokens / dt,
-            training_jobs=jobs,
-            adapters=[
-                self._resident_adapter(d, v, in_flight.get(d, 0)) for d, v in sorted(self.versions.items())
-            ],
-            round_role="participant"
-            if job is not None and job.active
-            else ("done" if job is not None else "idle"),
-            round_id=job.round_id if job is not None else None,
-            local_samples=self.samples,
-            domains=[self.domain],
-        )
-        self._arrivals = self._gen_tokens = self._prefill_tokens = self._ft_tokens = 0
-        self._infer_ms = self._train_ms = 0.0
-        self._last_telemetry_s = now
-        return t

@@ -199,11 +199,11 @@ def test_participants_send_the_aggregators_publish_lead_before_the_round_deadlin
 
             rep.start_job = start  # type: ignore[method-assign]
 
-        def publish(rnd: Any, t: float, f: Any = sim._publish) -> None:
+        def publish(rnd: Any, t: float, f: Any = sim.aggregator.publish) -> None:
             pubs.append((rnd.adapter, t, t - rnd.closed_s))
             f(rnd, t)
 
-        sim._publish = publish  # type: ignore[method-assign]
+        sim.aggregator.publish = publish  # type: ignore[method-assign]
         sim.run()
         return sim, jobs, pubs
 
@@ -394,11 +394,12 @@ def test_the_background_windows_are_the_replicas_decision(monkeypatch: pytest.Mo
     """Each iteration's training window is what the replica's `scheduler.decide_background` grants,
     asked with the requests as the engine's `Sequence.timing` shows them; a preempted request waits
     with its prompt and output to recompute and the rest of its output to generate."""
-    import collm_sim.replica as sim_replica
+    import collm_sim.batch as sim_batch
+    import collm_sim.windows as sim_windows
     from collm_replica.cosched import SloAwareCoScheduler
     from collm_replica.engine.scheduler import BackgroundDecision, BackgroundInput, timings
 
-    real = sim_replica.decide_background
+    real = sim_windows.decide_background
     seen: list[tuple[BackgroundInput, BackgroundDecision]] = []
 
     def spy(inp: BackgroundInput, settings: Any, policy: Any) -> BackgroundDecision:
@@ -406,13 +407,13 @@ def test_the_background_windows_are_the_replicas_decision(monkeypatch: pytest.Mo
         seen.append((inp, d))
         return d
 
-    monkeypatch.setattr(sim_replica, "decide_background", spy)
+    monkeypatch.setattr(sim_windows, "decide_background", spy)
     done: list[object] = []
     engine = EngineSpec(train_micro_tokens=32, train_pieces_per_micro_step=4)
     rep: Any = eval_replica(engine, SloAwareCoScheduler(), done, ttft_ms=2000.0, tpot_ms=400.0)
     rep.set_share(1.0, 1e9)
     rep.start_job("med", 1, 1, budget=100_000, deadline_s=1e9, now=0.0)
-    req = sim_replica.Req(0, 0.0, 100, 20, "med")
+    req = sim_batch.Req(0, 0.0, 100, 20, "med")
     rep.enqueue(req, 0.0)
     t: float | None = 0.0
     trained = 0
@@ -430,16 +431,57 @@ def test_the_background_windows_are_the_replicas_decision(monkeypatch: pytest.Mo
             assert (view.n_output, view.computed) == (req.generated, req.computed)  # before the step's tokens
     assert len(seen) > 5 and trained > 0 and req.status == "ok"
     # A request preempted after 7 tokens: 107 tokens to recompute, 13 to generate.
-    late = sim_replica.Req(1, 0.0, 100, 20, "med")
+    late = sim_batch.Req(1, 0.0, 100, 20, "med")
     late.generated, late.computed, late.target = 7, 0, 107
-    (_, (waiting,), _) = timings(0.0, [], [rep._request_view(late)], [], rep.settings, 20.0, 1.0)
+    (_, (waiting,), _) = timings(0.0, [], [rep.batch.request_view(late)], [], rep.settings, 20.0, 1.0)
     assert (waiting.prompt_left, waiting.tokens_left) == (107, 13)
+
+
+def test_the_background_input_is_built_by_the_engines_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulated replica's decision input comes from the engine's `scheduler.background_input` on
+    its state: the tightest TTFT SLO of the requests present and of the arrivals within the SLO window
+    (the engine's default once they left it), the coordinator's share and spend until its TTL, the job
+    as the engine's `JobView` shows it, the round-robin counter the last decision returned."""
+    import collm_sim.windows as sim_windows
+    from collm_replica.cosched import SloAwareCoScheduler
+    from collm_replica.engine.scheduler import BackgroundDecision, BackgroundInput, JobView
+    from collm_sim.batch import Req
+
+    real = sim_windows.decide_background
+    seen: list[tuple[BackgroundInput, BackgroundDecision]] = []
+
+    def spy(inp: BackgroundInput, settings: Any, policy: Any) -> BackgroundDecision:
+        d = real(inp, settings, policy)
+        seen.append((inp, d))
+        return d
+
+    monkeypatch.setattr(sim_windows, "decide_background", spy)
+    engine = EngineSpec(train_micro_tokens=32, train_pieces_per_micro_step=4, slo_window_s=30.0)
+    rep: Any = eval_replica(engine, SloAwareCoScheduler(), [], ttft_ms=150.0, tpot_ms=50.0)
+    rep.set_share(0.5, 10.0, 0.2)
+    rep.start_job("med", 1, 1, budget=100_000, deadline_s=1e9, now=0.0)
+    req = Req(0, 0.0, 20, 2, "med")
+    rep.enqueue(req, 0.0)
+    t = 0.0
+    while req.t_end is None:
+        t = rep.step(t)
+    first, _ = seen[0]
+    assert (first.min_ttft_slo_ms, first.share, first.spend) == (pytest.approx(150.0), 0.5, 0.2)
+    assert first.jobs == [JobView(due=False, in_progress=False)] and not first.training_paused
+    assert first.iteration == 0 and first.job_rr == 0
+    for (_, before), (after, _) in itertools.pairwise(seen):
+        assert after.job_rr == before.job_rr
+    assert seen[-1][1].job_rr >= 1
+    rep.step(40.0)  # the arrival left the SLO window and the share its TTL
+    late, _ = seen[-1]
+    assert late.min_ttft_slo_ms == engine.default_ttft_slo_ms
+    assert (late.share, late.spend) == (engine.ft_share_default, 0.0)
 
 
 def test_a_gate_evaluation_takes_the_idle_time_and_one_piece_per_iteration_under_load() -> None:
     from collm_replica.cosched import SloAwareCoScheduler
     from collm_sim.background import EvalTask
-    from collm_sim.replica import Req
+    from collm_sim.batch import Req
 
     engine = EngineSpec(eval_tokens=100, eval_batch_tokens=100, eval_pieces_per_batch=2)  # 2 x 30 ms
     reported: list[tuple[int, float]] = []
@@ -592,7 +634,7 @@ def test_a_small_kv_pool_preempts_and_every_request_still_completes() -> None:
 
 def test_the_snapshots_per_request_are_the_telemetry_snapshots_with_their_age_and_in_flight_count() -> None:
     from collm_gateway.routing import ReplicaSnapshot
-    from collm_sim.cluster import snapshots_at
+    from collm_sim.control import snapshots_at
 
     base = {
         rid: ReplicaSnapshot(rid, 0.0, 1.0, queue_len=q, running=5, max_batch=16, adapters={"a": 2})
@@ -618,7 +660,8 @@ def test_the_simulators_shortcuts_compute_what_one_iteration_and_one_summary_at_
     the same run with each replica planning every iteration and summarizing its window every time."""
     from collm_replica.costs import LatencyWindow
     from collm_sim.cli import load_calibration
-    from collm_sim.replica import KeptSummaryWindow, SimReplica
+    from collm_sim.replica import SimReplica
+    from collm_sim.telemetry import KeptSummaryWindow
     from tests.unit.sim.test_fixed_seed_results import CALIBRATION, fingerprint
 
     core = {"slow_interval_s": 20.0, "round_deadline_s": 15.0}

@@ -2,9 +2,10 @@
 
 Each iteration the engine plans its inference step (`plan_iteration`: which sequences run, how many
 tokens each brings, admission and preemption over the paged KV cache), then decides the background work
-that fits after it (`decide_background`): how long training and pending evaluations may run and which
-training job runs. Both take plain data: views of the requests, the cost predictions, the current time
-as an argument. The simulator (`tools/collm_sim`) calls the same functions.
+that fits after it (`decide_background`, on the input `background_input` builds from the replica's
+state): how long training and pending evaluations may run and which training job runs. They take plain
+data: views of the requests, the cost predictions, the current time as an argument. The simulator
+(`tools/collm_sim`) calls the same functions.
 
 ## The iteration batch plan
 
@@ -58,6 +59,7 @@ from collm_replica.cosched import (
     TrainCost,
     arrival_guard_s,
     background_budget_ms,
+    effective_share,
     likely_arrivals,
     request_deadlines,
     running_timing,
@@ -445,6 +447,101 @@ def timings(
     return run, wait, model
 
 
+def background_input(
+    now_s: float,
+    running: Sequence[RequestView],
+    waiting: Sequence[RequestView],
+    plan_items: Sequence[tuple[str, int]],
+    plan_tokens: int,
+    step_ms: float,
+    *,
+    share: float | None,
+    share_expires_s: float | None,
+    share_default: float,
+    spend: float,
+    decode_ms_at: Callable[[int], float],
+    prefill_ms_per_token: float,
+    train: TrainCost,
+    arrivals: ArrivalHistory,
+    default_ttft_slo_ms: float,
+    prompt_tokens_ewma: float,
+    jobs: Sequence[JobView],
+    training_paused: bool,
+    evals_pending: bool,
+    iteration: int,
+    job_rr: int,
+) -> BackgroundInput:
+    """The background decision's input from a replica's state at `now_s`, the one rule for the engine
+    and the simulator.
+
+    `running`/`waiting`: the requests (`RequestView`); `plan_items`/`plan_tokens`: this iteration's planned
+    step and `step_ms` its predicted cost. The share in force is the coordinator's `share` until
+    `share_expires_s`, else `share_default` (`cosched.effective_share`), and the coordinator's `spend`
+    counts only while its share is in force. A decode step of the running batch costs
+    `decode_ms_at(len(running))` (of one sequence when none runs). The tightest TTFT SLO is that of the
+    present requests and of the arrivals within `arrivals`' window (`default_ttft_slo_ms` at most;
+    `ArrivalHistory.min_ttft_slo_ms`, which prunes the older arrivals), and the arrivals to expect within
+    it are at the window's rate; the next prompt's length is `prompt_tokens_ewma`, rounded. `jobs`,
+    `training_paused`, `evals_pending`, `iteration` and `job_rr` are passed through (`BackgroundInput`)."""
+    in_force, source = effective_share(now_s, share, share_expires_s, share_default)
+    present_ms = [r.ttft_slo_s * 1e3 for r in (*running, *waiting)]
+    min_ttft_ms = arrivals.min_ttft_slo_ms(now_s, present_ms, default_ttft_slo_ms)
+    return BackgroundInput(
+        now_s=now_s,
+        share=in_force,
+        running=running,
+        waiting=waiting,
+        plan_items=plan_items,
+        plan_tokens=plan_tokens,
+        step_ms=step_ms,
+        decode_step_ms=decode_ms_at(max(1, len(running))),
+        prefill_ms_per_token=prefill_ms_per_token,
+        train=train,
+        min_ttft_slo_ms=min_ttft_ms,
+        prompt_tokens_guess=round(prompt_tokens_ewma),
+        arrivals_within_ttft=arrivals.likely_arrivals(min_ttft_ms / 1e3),
+        jobs=jobs,
+        training_paused=training_paused,
+        evals_pending=evals_pending,
+        iteration=iteration,
+        job_rr=job_rr,
+        spend=spend if source == "coordinator" else 0.0,
+    )
+
+
+def _deadlines_and_guard(
+    inp: BackgroundInput, settings: BackgroundSettings, guard_ms: float
+) -> tuple[tuple[float, ...], float]:
+    """The requests' deadlines after the planned step (`cosched.request_deadlines`), and the background
+    time (ms) within `guard_ms` that the next arrivals could absorb while requests run
+    (`cosched.arrival_guard_s`; `guard_ms` when none runs)."""
+    running, waiting, model = timings(
+        inp.now_s,
+        inp.running,
+        inp.waiting,
+        inp.plan_items,
+        settings,
+        inp.decode_step_ms,
+        inp.prefill_ms_per_token,
+    )
+    deadlines = request_deadlines(running, waiting, model)
+    if inp.running:
+        guard_ms = min(
+            guard_ms,
+            1e3
+            * arrival_guard_s(
+                running,
+                waiting,
+                model,
+                inp.step_ms / 1e3,
+                (1.0 - settings.train_slo_reserve_frac) * inp.min_ttft_slo_ms / 1e3,
+                inp.prompt_tokens_guess,
+                inp.arrivals_within_ttft,
+            ),
+        )
+    return deadlines, guard_ms
+
+
 def decide_background(
     inp: BackgroundInput, settings: BackgroundSettings, policy: CoScheduler
 ) -> BackgroundDecision:
@@ -458,36 +555,13 @@ def decide_background(
     wraps up and sends its update), then one with a micro-step or evaluation batch half done, else the
     next in turn (jobs yield to each other at those boundaries, so each gets its share)."""
     min_ttft_ms = inp.min_ttft_slo_ms
-    guard_ms = settings.train_guard_frac * min_ttft_ms
     has_job = bool(inp.jobs) and not inp.training_paused
+    guard_ms = settings.train_guard_frac * min_ttft_ms
     deadlines: tuple[float, ...] = ()
     # Without background work to grant (no evaluation pending, and no job or a share of 0: no
     # co-scheduler trains then) the requests' deadlines and the arrival guard are not needed.
     if inp.evals_pending or (has_job and inp.share > 0):
-        running, waiting, model = timings(
-            inp.now_s,
-            inp.running,
-            inp.waiting,
-            inp.plan_items,
-            settings,
-            inp.decode_step_ms,
-            inp.prefill_ms_per_token,
-        )
-        deadlines = request_deadlines(running, waiting, model)
-        if inp.running:
-            guard_ms = min(
-                guard_ms,
-                1e3
-                * arrival_guard_s(
-                    running,
-                    waiting,
-                    model,
-                    inp.step_ms / 1e3,
-                    (1.0 - settings.train_slo_reserve_frac) * min_ttft_ms / 1e3,
-                    inp.prompt_tokens_guess,
-                    inp.arrivals_within_ttft,
-                ),
-            )
+        deadlines, guard_ms = _deadlines_and_guard(inp, settings, guard_ms)
     cin = CoSchedInput(
         now_s=inp.now_s,
         share=inp.share,
