@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,6 +165,17 @@ def _stop_on_sigterm(*_: object) -> None:
     raise KeyboardInterrupt  # the stack and the load generator are stopped on the way out
 
 
+@dataclass
+class _Window:
+    """One run of the stack for the window: when it became ready (time 0), what was read from it at the
+    end, and the chaos loop with what was checked after it (when `--chaos`)."""
+
+    t0: float
+    snap: dict[str, Any]
+    monkey: Any
+    chaos_extra: dict[str, Any]
+
+
 def run(args: argparse.Namespace, command: str) -> int:
     """Run the default stack for the window (with load and chaos as asked), write the result, print its
     table and draw its figure."""
@@ -183,6 +195,42 @@ def run(args: argparse.Namespace, command: str) -> int:
         cfg.service_env.setdefault("gateway", {})["COLLM_ADMIN_KEY"] = admin_key
     stack = Stack(cfg)
     print(f"adaptation: starting the default stack (logs in {cfg.log_dir})", flush=True)
+    win = _run_window(stack, args, plan, run_dir, admin_key)
+    result: dict[str, Any] = {
+        "schema": adaptation.RESULT_SCHEMA,
+        "name": name,
+        "title": f"collm up: demo adapters, {'idle' if plan is None else f'{args.load_frac:g} x capacity'}",
+        "command": command,
+        "started_unix_s": round(win.t0, 1),
+        "window_s": window_s,
+        "ready_s": round(stack.ready_s or 0.0, 1),
+        "adapters": {},
+        "rounds": adaptation.round_summary(win.snap["rounds"], win.t0),
+        "serving": None,
+    }
+    for adapter, a in sorted(win.snap["adapters"].items()):
+        points = adaptation.version_points(a["versions"], a["quality"], adapter, win.t0, a.get("task"))
+        result["adapters"][adapter] = {
+            "versions": points,
+            "summary": adaptation.adapter_summary(points, window_s),
+        }
+    if plan is not None:
+        result["serving"] = _serving(plan, run_dir / "loadgen" / "summary.json")
+    ADAPTATION_RESULTS.mkdir(parents=True, exist_ok=True)
+    path = ADAPTATION_RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"adaptation: wrote {path.relative_to(REPO)}", flush=True)
+    if win.monkey is not None:
+        _write_chaos(args, result, run_dir, win.monkey, win.chaos_extra)
+    return report_one(path)
+
+
+def _run_window(
+    stack: Any, args: argparse.Namespace, plan: dict[str, Any] | None, run_dir: Path, admin_key: str
+) -> _Window:
+    """Start the stack, run the chaos loop and the replay as asked for `--minutes`, read the stack's
+    adapters and rounds, then stop the load generator and the stack."""
+    window_s = args.minutes * 60.0
     stack.start()
     t0 = time.time()
     print(f"adaptation: ready in {stack.ready_s:.1f} s; {args.minutes:g} min window", flush=True)
@@ -208,48 +256,27 @@ def run(args: argparse.Namespace, command: str) -> int:
         if gen is not None and gen.poll() is None:
             gen.terminate()
         stack.stop()
-    result: dict[str, Any] = {
-        "schema": adaptation.RESULT_SCHEMA,
-        "name": name,
-        "title": f"collm up: demo adapters, {'idle' if plan is None else f'{args.load_frac:g} x capacity'}",
-        "command": command,
-        "started_unix_s": round(t0, 1),
-        "window_s": window_s,
-        "ready_s": round(stack.ready_s or 0.0, 1),
-        "adapters": {},
-        "rounds": adaptation.round_summary(snap["rounds"], t0),
-        "serving": None,
+    return _Window(t0, snap, monkey, chaos_extra)
+
+
+def _serving(plan: dict[str, Any], summary_path: Path) -> dict[str, Any]:
+    """The replay's settings and what the load generator's summary says of it."""
+    s = json.loads(summary_path.read_text())
+    lat = s["latency_ms"]
+    return {
+        k: plan[k]
+        for k in ("trace", "load_frac", "capacity_estimate_rps", "rate_rps", "slo_ttft_ms", "slo_tpot_ms")
+    } | {
+        "requests": s["counts"]["submitted"],
+        "completed": s["counts"]["completed"],
+        "attainment": s["attainment"],
+        "goodput_rps": s["goodput_rps"],
+        "ttft_ms_p50": lat["ttft"]["p50"],
+        "ttft_ms_p99": lat["ttft"]["p99"],
+        "tpot_ms_p50": lat["tpot"]["p50"],
+        "tpot_ms_p99": lat["tpot"]["p99"],
+        "by_status": s["counts"]["by_status"],
     }
-    for adapter, a in sorted(snap["adapters"].items()):
-        points = adaptation.version_points(a["versions"], a["quality"], adapter, t0, a.get("task"))
-        result["adapters"][adapter] = {
-            "versions": points,
-            "summary": adaptation.adapter_summary(points, window_s),
-        }
-    if plan is not None:
-        s = json.loads((run_dir / "loadgen" / "summary.json").read_text())
-        lat = s["latency_ms"]
-        result["serving"] = {
-            k: plan[k]
-            for k in ("trace", "load_frac", "capacity_estimate_rps", "rate_rps", "slo_ttft_ms", "slo_tpot_ms")
-        } | {
-            "requests": s["counts"]["submitted"],
-            "completed": s["counts"]["completed"],
-            "attainment": s["attainment"],
-            "goodput_rps": s["goodput_rps"],
-            "ttft_ms_p50": lat["ttft"]["p50"],
-            "ttft_ms_p99": lat["ttft"]["p99"],
-            "tpot_ms_p50": lat["tpot"]["p50"],
-            "tpot_ms_p99": lat["tpot"]["p99"],
-            "by_status": s["counts"]["by_status"],
-        }
-    ADAPTATION_RESULTS.mkdir(parents=True, exist_ok=True)
-    path = ADAPTATION_RESULTS / f"{name}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"adaptation: wrote {path.relative_to(REPO)}", flush=True)
-    if monkey is not None:
-        _write_chaos(args, result, run_dir, monkey, chaos_extra)
-    return report_one(path)
 
 
 def _start_chaos(stack: Any, t0: float, window_s: float, seed: int, admin_key: str) -> Any:

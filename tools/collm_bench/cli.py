@@ -19,9 +19,9 @@ import json
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from collm_bench.client import ClientOptions, endpoint_url
 from collm_bench.goodput import SloOverride, summarize
@@ -40,11 +40,25 @@ from collm_bench.traces import (
     resolve_trace,
     trace_stats,
 )
-from collm_bench.workload import ArrivalSpec, ModelMap, Slo, plan_requests, request_shapes
+from collm_bench.workload import (
+    ArrivalSpec,
+    ModelMap,
+    PlannedRequest,
+    Slo,
+    plan_requests,
+    request_shapes,
+)
+
+if TYPE_CHECKING:
+    from collm_bench.runner import RunResult
 
 # Default data locations: the project's sibling `shared/data` (never copied into the project).
 _REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = _REPO.parent / "shared" / "data"
+
+
+# What `ArgumentParser.add_subparsers` returns: where each command adds its parser.
+_Subcommands = argparse._SubParsersAction  # argparse names no public type for it
 
 
 class UsageError(Exception):
@@ -91,6 +105,7 @@ def _domain_slos(values: Sequence[str] | None, default: Slo) -> dict[str, Slo]:
 
 # --- argument parser --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of `loadgen`, `summarize` and `traces` (the other commands have their own)."""
     p = argparse.ArgumentParser(
         prog="python -m collm_bench",
         description="CoLLM load generator: replay traces or synthetic arrivals against any "
@@ -99,7 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"{', '.join(GROUPS)} NAME (the group alone lists its names).",
     )
     sub = p.add_subparsers(dest="command", required=True)
+    _add_loadgen(sub)
+    _add_summarize(sub)
+    _add_traces(sub)
+    return p
 
+
+def _add_loadgen(sub: _Subcommands) -> None:
+    """`loadgen` and its flags, by group."""
     lg = sub.add_parser(
         "loadgen",
         help="run a load test and write requests.jsonl + summary.json",
@@ -107,7 +129,22 @@ def build_parser() -> argparse.ArgumentParser:
         "written as each finishes) and OUT/summary.json (schema collm-bench-summary/1).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = lg.add_argument_group("target")
+    for add_group in (
+        _target_args,
+        _arrival_args,
+        _length_args,
+        _prompt_args,
+        _slo_args,
+        _client_args,
+        _output_args,
+        _quality_args,
+    ):
+        add_group(lg)
+
+
+def _target_args(p: argparse.ArgumentParser) -> None:
+    """loadgen's server: URL, endpoint, API key."""
+    g = p.add_argument_group("target")
     g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)")
     g.add_argument(
         "--endpoint",
@@ -117,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
 
-    g = lg.add_argument_group("arrivals")
+
+def _arrival_args(p: argparse.ArgumentParser) -> None:
+    """loadgen's arrivals: trace, process, rate, duration, seed."""
+    g = p.add_argument_group("arrivals")
     g.add_argument(
         "--trace",
         default=None,
@@ -163,7 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-requests", type=int, default=None, help="cap on the number of requests")
     g.add_argument("--seed", type=int, default=0, help="seed of arrivals, domain draws and prompts")
 
-    g = lg.add_argument_group("token lengths (scaled, then clipped)")
+
+def _length_args(p: argparse.ArgumentParser) -> None:
+    """loadgen's token lengths (scaled, then clipped)."""
+    g = p.add_argument_group("token lengths (scaled, then clipped)")
     g.add_argument("--input-tokens", type=int, default=256, help="prompt tokens without a trace")
     g.add_argument("--output-tokens", type=int, default=64, help="output tokens without a trace")
     g.add_argument("--input-scale", type=float, default=1.0, help="multiply trace prompt lengths")
@@ -178,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="model context: prompt + output are kept within it (e.g. 2048)",
     )
 
-    g = lg.add_argument_group("prompts and models")
+
+def _prompt_args(p: argparse.ArgumentParser) -> None:
+    """loadgen's prompts, domains, models and tokenizer."""
+    g = p.add_argument_group("prompts and models")
     g.add_argument(
         "--mix",
         default=None,
@@ -224,7 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens the chat template adds (default: measured with --tokenizer, else 0)",
     )
 
-    g = lg.add_argument_group("SLOs (always used for scoring)")
+
+def _slo_args(p: argparse.ArgumentParser) -> None:
+    """loadgen's SLOs (scoring, and optionally sent in the body)."""
+    g = p.add_argument_group("SLOs (always used for scoring)")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO of every request")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO of every request")
     g.add_argument(
@@ -239,7 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the SLO in the body as CoLLM's extension slo: {ttft_ms, tpot_ms}",
     )
 
-    g = lg.add_argument_group("client")
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    """loadgen's client: concurrency, timeouts, sampling, extra body."""
+    g = p.add_argument_group("client")
     g.add_argument(
         "--max-concurrency",
         type=int,
@@ -262,13 +314,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
 
-    g = lg.add_argument_group("output")
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    """loadgen's output directory, progress, dry run and timeline."""
+    g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, required=True, help="output directory")
     g.add_argument("--progress-interval-s", type=float, default=5.0, help="status line period; 0: off")
     g.add_argument("--dry-run", action="store_true", help="write OUT/plan.jsonl and stop without sending")
     g.add_argument("--timeline-bin-s", type=float, default=10.0, help="bin width of summary.timeline")
-    _quality_args(lg)
 
+
+def _add_summarize(sub: _Subcommands) -> None:
+    """`summarize` and its flags."""
     sm = sub.add_parser(
         "summarize",
         help="(re)compute a summary from requests.jsonl",
@@ -283,10 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--timeline-bin-s", type=float, default=10.0, help="bin width of summary.timeline")
     _quality_args(sm)
 
+
+def _add_traces(sub: _Subcommands) -> None:
+    """`traces` and its flags."""
     tr = sub.add_parser("traces", help="statistics of a trace file", description="Print trace statistics.")
     tr.add_argument("trace", help=f"{', '.join(NAMED_TRACES)} or a path")
     tr.add_argument("--traces-dir", type=Path, default=DEFAULT_DATA_DIR / "traces")
-    return p
 
 
 def _quality_args(p: argparse.ArgumentParser) -> None:
@@ -348,16 +407,30 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp.replace(path)
 
 
-def cmd_loadgen(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from collm_bench.runner import run_plan  # httpx import only for real runs
+@dataclass(frozen=True)
+class _LoadPlan:
+    """The requests a loadgen run sends, and what they were drawn from."""
 
+    requests: list[PlannedRequest]
+    arrivals: str  # the arrival process: trace, poisson, gamma or constant
+    trace_path: Path | None
+    lengths: LengthPolicy
+    mix: dict[str, float]
+    models: ModelMap
+    default_slo: Slo
+    slo_by_domain: dict[str, Slo]
+    token_counter: str
+
+
+def _client_options(args: argparse.Namespace) -> ClientOptions:
+    """How each request is sent (endpoint, key, SLO and body extensions, timeout) from the flags."""
     try:
         extra = json.loads(args.extra_body) if args.extra_body else {}
     except json.JSONDecodeError as e:
         raise UsageError(f"--extra-body is not JSON: {e}") from e
     if not isinstance(extra, dict):
         raise UsageError("--extra-body must be a JSON object")
-    opts = ClientOptions(
+    return ClientOptions(
         url=endpoint_url(args.url, args.endpoint),
         endpoint=args.endpoint,
         api_key=args.api_key,
@@ -367,6 +440,11 @@ def cmd_loadgen(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         request_timeout_s=args.request_timeout_s,
         extra_body=extra,
     )
+
+
+def _plan_load(args: argparse.Namespace, err: TextIO) -> _LoadPlan:
+    """The run's requests: arrivals and token lengths (from the trace or synthetic), a domain, prompt,
+    model and SLO each. Raises UsageError when the plan is empty; warns on `err` when no SLO is given."""
     trace = None
     trace_path = None
     if args.trace:
@@ -405,24 +483,28 @@ def cmd_loadgen(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise UsageError("the plan is empty: raise --rate or --duration")
     if default_slo.ttft_ms is None and default_slo.tpot_ms is None and not slo_by_domain:
         err.write("collm-bench: no SLO given: every completed request counts as good\n")
+    return _LoadPlan(plan, kind, trace_path, lengths, mix, models, default_slo, slo_by_domain, counter.name)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    run_info: dict[str, Any] = {
+
+def _run_info(args: argparse.Namespace, opts: ClientOptions, load: _LoadPlan) -> dict[str, Any]:
+    """summary.json's `run`: the run's settings and its plan's size and means."""
+    plan = load.requests
+    return {
         "tool": "collm_bench loadgen",
         "argv": sys.argv[1:],
         "url": opts.url,
         "endpoint": args.endpoint,
-        "arrivals": kind,
-        "trace": str(trace_path) if trace_path else None,
+        "arrivals": load.arrivals,
+        "trace": str(load.trace_path) if load.trace_path else None,
         "trace_start_s": args.trace_start_s,
         "rate_rps": args.rate,
-        "burstiness": args.burstiness if kind == "gamma" else None,
+        "burstiness": args.burstiness if load.arrivals == "gamma" else None,
         "duration_s": args.duration,
         "seed": args.seed,
-        "mix": mix,
-        "models": {d: models.model_for(d) for d in mix},
-        "slo": asdict(default_slo),
-        "slo_by_domain": {d: asdict(s) for d, s in slo_by_domain.items()},
+        "mix": load.mix,
+        "models": {d: load.models.model_for(d) for d in load.mix},
+        "slo": asdict(load.default_slo),
+        "slo_by_domain": {d: asdict(s) for d, s in load.slo_by_domain.items()},
         "send_slo": args.send_slo,
         "ignore_eos": args.ignore_eos,
         "max_concurrency": args.max_concurrency,
@@ -430,30 +512,42 @@ def cmd_loadgen(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "drain_timeout_s": args.drain_timeout_s
         if args.drain_timeout_s is not None
         else args.request_timeout_s,
-        "token_counter": counter.name,
-        "lengths": asdict(lengths),
+        "token_counter": load.token_counter,
+        "lengths": asdict(load.lengths),
         "planned_requests": len(plan),
         "plan_input_tokens_mean": sum(p.target_input_tokens for p in plan) / len(plan),
         "plan_output_tokens_mean": sum(p.max_tokens for p in plan) / len(plan),
         "plan_estimated_input_tokens_mean": sum(p.estimated_input_tokens for p in plan) / len(plan),
         "plan_last_arrival_s": plan[-1].scheduled_s,
     }
-    if args.dry_run:
-        with (args.out / "plan.jsonl").open("w", encoding="utf-8") as f:
-            for p in plan:
-                f.write(json.dumps(p.as_dict()) + "\n")
-        _write_json(args.out / "run.json", run_info)
-        out.write(f"planned {len(plan)} requests -> {args.out / 'plan.jsonl'}\n")
-        return 0
 
-    records_path = args.out / "requests.jsonl"
+
+def _write_plan(out_dir: Path, plan: Sequence[PlannedRequest], run_info: dict[str, Any]) -> None:
+    """A dry run's output: OUT/plan.jsonl (one planned request a line) and OUT/run.json."""
+    with (out_dir / "plan.jsonl").open("w", encoding="utf-8") as f:
+        for p in plan:
+            f.write(json.dumps(p.as_dict()) + "\n")
+    _write_json(out_dir / "run.json", run_info)
+
+
+def _send_plan(
+    args: argparse.Namespace,
+    plan: Sequence[PlannedRequest],
+    opts: ClientOptions,
+    err: TextIO,
+    records_path: Path,
+) -> RunResult:
+    """Run `plan` open-loop until it ends or SIGINT / SIGTERM, appending each record to `records_path`
+    as it finishes (completion order); progress lines go to `err`."""
+    from collm_bench.runner import run_plan  # httpx import only for real runs
+
     with records_path.open("w", encoding="utf-8") as sink:
 
         def on_record(rec: RequestRecord) -> None:
             sink.write(rec.to_json() + "\n")
             sink.flush()
 
-        async def run() -> Any:
+        async def run() -> RunResult:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -470,7 +564,23 @@ def cmd_loadgen(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 duration_s=args.duration,
             )
 
-        result = asyncio.run(run())
+        return asyncio.run(run())
+
+
+def cmd_loadgen(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Plan the run, then write the plan (`--dry-run`) or send it and write its records and summary;
+    130 when it was interrupted."""
+    opts = _client_options(args)
+    load = _plan_load(args, err)
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_info = _run_info(args, opts, load)
+    if args.dry_run:
+        _write_plan(args.out, load.requests, run_info)
+        out.write(f"planned {len(load.requests)} requests -> {args.out / 'plan.jsonl'}\n")
+        return 0
+
+    records_path = args.out / "requests.jsonl"
+    result = _send_plan(args, load.requests, opts, err, records_path)
     # Rewrite in request order (the live file is in completion order).
     write_records(records_path, result.records)
     run_info.update(

@@ -99,6 +99,104 @@ def _heap_frozen(
     return frozen
 
 
+@dataclass
+class _OpenLoop:
+    """One open-loop run in progress: sends the plan's requests at their times over `http`, and keeps
+    a record of every request scheduled so far (`records`, and the task of each one sent in `tasks`)."""
+
+    plan: Sequence[PlannedRequest]
+    opts: ClientOptions
+    http: httpx.AsyncClient
+    progress: Progress
+    stop: asyncio.Event
+    sem: asyncio.Semaphore | None
+    on_record: Callable[[RequestRecord], None] | None
+    t0: float
+    records: list[RequestRecord] = field(default_factory=list)
+    tasks: dict[asyncio.Task[None], RequestRecord] = field(default_factory=dict)
+
+    def now(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.t0
+
+    def done(self, rec: RequestRecord) -> None:
+        self.progress.finished(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+
+    async def _send(self, p: PlannedRequest, rec: RequestRecord) -> None:
+        self.progress.sent += 1
+        try:
+            await send_request(self.http, p, self.opts, rec, self.now)
+        except Exception as e:  # a failure nobody foresaw still ends as a failed record, not a lost one
+            rec.end_s = self.now()
+            rec.status, rec.error = "error", f"client failure: {type(e).__name__}: {e}"[:300]
+
+    async def _one(self, p: PlannedRequest, rec: RequestRecord) -> None:
+        if self.sem is None:
+            await self._send(p, rec)
+        else:
+            async with self.sem:
+                await self._send(p, rec)
+        self.done(rec)
+
+    async def arrive(self) -> bool:
+        """Start each planned request at its scheduled time; whether `stop` interrupted the arrivals
+        (the requests already due then are recorded as never sent)."""
+        for pos, p in enumerate(self.plan):
+            delay = p.scheduled_s - self.now()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), timeout=delay)
+            if self.stop.is_set():
+                # Requests whose time had come are part of the run and were never sent.
+                for q in self.plan[pos:]:
+                    if q.scheduled_s <= self.now():
+                        rec = new_record(q)
+                        rec.end_s = self.now()
+                        rec.error = "run interrupted before it was sent"
+                        self.records.append(rec)
+                        self.done(rec)
+                return True
+            rec = new_record(p)
+            self.records.append(rec)
+            self.tasks[asyncio.create_task(self._one(p, rec))] = rec
+        return False
+
+    async def drain(self, drain_s: float) -> bool:
+        """Wait up to `drain_s` for the requests still running (unless stopped); whether `stop` cut
+        the wait short."""
+        pending: set[asyncio.Task[None]] = set(self.tasks)
+        if not pending or self.stop.is_set():
+            return False
+        stopper = asyncio.create_task(self.stop.wait())
+        deadline = self.now() + drain_s
+        while pending and not self.stop.is_set() and self.now() < deadline:
+            finished, _ = await asyncio.wait(
+                pending | {stopper}, timeout=deadline - self.now(), return_when=asyncio.FIRST_COMPLETED
+            )
+            pending -= finished
+        stopper.cancel()
+        return self.stop.is_set()
+
+    async def cancel_unfinished(self) -> None:
+        """Cancel the requests still running, recorded as `dropped` (never sent) or `timeout`."""
+        pending = {t for t in self.tasks if not t.done()}
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for t in pending:
+            if not t.cancelled():
+                continue  # it finished on its own before the cancel landed
+            rec = self.tasks[t]
+            rec.end_s = self.now()
+            if rec.sent_s is None:
+                rec.status, rec.error = "dropped", "run ended before it was sent"
+            else:
+                rec.status, rec.error = "timeout", "run ended before it completed"
+            self.done(rec)
+
+
 @_heap_frozen
 async def run_plan(
     plan: Sequence[PlannedRequest],
@@ -123,98 +221,28 @@ async def run_plan(
     # Shown in the status line only: the nominal duration, else the last scheduled arrival.
     shown = duration_s if duration_s is not None else (plan[-1].scheduled_s if plan else 0.0)
     progress = Progress(total=len(plan), duration_s=shown)
-    records: list[RequestRecord] = []
-    tasks: dict[asyncio.Task[None], RequestRecord] = {}
     t0 = time.perf_counter()
     started_unix = time.time()
-
-    def now() -> float:
-        return time.perf_counter() - t0
-
-    def done(rec: RequestRecord) -> None:
-        progress.finished(rec)
-        if on_record is not None:
-            on_record(rec)
-
     limits = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=None)
     timeout = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
     async with httpx.AsyncClient(
         limits=limits, timeout=timeout, trust_env=False, transport=transport
     ) as http:
-
-        async def send(p: PlannedRequest, rec: RequestRecord) -> None:
-            progress.sent += 1
-            try:
-                await send_request(http, p, opts, rec, now)
-            except Exception as e:  # a failure nobody foresaw still ends as a failed record, not a lost one
-                rec.end_s = now()
-                rec.status, rec.error = "error", f"client failure: {type(e).__name__}: {e}"[:300]
-
-        async def one(p: PlannedRequest, rec: RequestRecord) -> None:
-            if sem is None:
-                await send(p, rec)
-            else:
-                async with sem:
-                    await send(p, rec)
-            done(rec)
-
+        run = _OpenLoop(plan, opts, http, progress, stop, sem, on_record, t0)
+        out = progress_out or sys.stderr
         reporter = None
         if progress_interval_s:
-            out = progress_out or sys.stderr
             reporter = asyncio.create_task(_report(progress, t0, progress_interval_s, out))
-        interrupted = False
         try:
-            for pos, p in enumerate(plan):
-                delay = p.scheduled_s - now()
-                if delay > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), timeout=delay)
-                if stop.is_set():
-                    interrupted = True
-                    # Requests whose time had come are part of the run and were never sent.
-                    for q in plan[pos:]:
-                        if q.scheduled_s <= now():
-                            rec = new_record(q)
-                            rec.end_s = now()
-                            rec.error = "run interrupted before it was sent"
-                            records.append(rec)
-                            done(rec)
-                    break
-                rec = new_record(p)
-                records.append(rec)
-                tasks[asyncio.create_task(one(p, rec))] = rec
-            pending: set[asyncio.Task[None]] = set(tasks)
-            if pending and not stop.is_set():
-                stopper = asyncio.create_task(stop.wait())
-                deadline = now() + drain
-                while pending and not stop.is_set() and now() < deadline:
-                    finished, _ = await asyncio.wait(
-                        pending | {stopper}, timeout=deadline - now(), return_when=asyncio.FIRST_COMPLETED
-                    )
-                    pending -= finished
-                stopper.cancel()
-                interrupted = interrupted or stop.is_set()
-            pending = {t for t in tasks if not t.done()}
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for t in pending:
-                if not t.cancelled():
-                    continue  # it finished on its own before the cancel landed
-                rec = tasks[t]
-                rec.end_s = now()
-                if rec.sent_s is None:
-                    rec.status, rec.error = "dropped", "run ended before it was sent"
-                else:
-                    rec.status, rec.error = "timeout", "run ended before it completed"
-                done(rec)
+            interrupted = await run.arrive()
+            interrupted = await run.drain(drain) or interrupted
+            await run.cancel_unfinished()
         finally:
             if reporter is not None:
                 reporter.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reporter
-                out = progress_out or sys.stderr
-                out.write(("\r" if out.isatty() else "") + progress.line(now()) + "\n")
+                out.write(("\r" if out.isatty() else "") + progress.line(run.now()) + "\n")
                 out.flush()
-    records.sort(key=lambda r: r.index)
-    return RunResult(records, started_unix, now(), interrupted, len(plan))
+    run.records.sort(key=lambda r: r.index)
+    return RunResult(run.records, started_unix, run.now(), interrupted, len(plan))

@@ -28,6 +28,7 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -158,90 +159,116 @@ class Generation:
                 raise self._fail(self._timeout_error(waiting_first, stage_s))
             # Wake up at least every LIVENESS_CHECK_S (and every heartbeat) while waiting.
             step_s = min(wait_s, LIVENESS_CHECK_S, heartbeat_s or LIVENESS_CHECK_S)
-            try:
-                async with asyncio.timeout(step_s):
-                    raw = await self._leg.replies.next(_NO_LIMIT_S)
-            except TimeoutError:
+            raw = await self._next_reply(step_s)
+            if raw is None:
                 if step_s >= wait_s:
-                    raise self._fail(self._timeout_error(waiting_first, stage_s)) from None
-                if not self._d.cluster.is_fresh(self.replica_id) and await self._d.replica_gone(
-                    self.replica_id
-                ):
-                    # A replica that died mid-request stops publishing telemetry: fail now rather
-                    # than wait out the token timeouts (its in-flight work is gone with it). Telemetry
-                    # also stops arriving when this gateway lost NATS itself: say which it was.
-                    if self._d.bus.connected and self._can_fail_over():
-                        await self._fail_over(
-                            f"replica {self.replica_id} was lost before the first token",
-                            "lost_before_first_token",
-                        )
-                        continue
-                    why = (
-                        f"replica {self.replica_id} stopped reporting telemetry while generating"
-                        if self._d.bus.connected
-                        else f"NATS connection lost while replica {self.replica_id} was generating"
-                    )
-                    raise self._fail(
-                        errors.APIError(
-                            503,
-                            why,
-                            code="replica_lost" if self._d.bus.connected else "nats_unavailable",
-                            headers={"Retry-After": str(s.retry_after_s)},
-                        )
-                    ) from None
+                    raise self._fail(self._timeout_error(waiting_first, stage_s))
+                if await self._moved_off_lost_replica():
+                    continue
                 if heartbeat_s and clock.monotonic() - last_beat_s >= heartbeat_s:
                     last_beat_s = clock.monotonic()
                     yield None
                 continue
-            except BusError as exc:
-                self._replica_done = True
-                raise self._fail(
-                    errors.from_replica(exc.code, exc.message, exc.type, exc.param, error_code=exc.error_code)
-                ) from None
-            try:
-                event = decode(GENERATE_EVENT, raw.data)
-            except WireError as exc:
-                raise self._fail(
-                    errors.protocol_error(f"replica {self.replica_id} sent a bad event: {exc}")
-                ) from None
-            self._last_event_s = clock.monotonic()
-            if isinstance(event, TokenChunk):
-                self._check_seq(event.seq)
-                if event.token_ids and self.first_token_s is None:
-                    self.first_token_s = self._last_event_s
-                self.completion_tokens += len(event.token_ids)
-                self._chunks += 1
+            event = await self._on_reply(raw)
+            if event is not None:
                 yield event
-            elif isinstance(event, Finished):
-                self._check_seq(event.seq)
-                self._replica_done = True
-                self.end_s = self._last_event_s
-                if event.finish_reason == "deadline":
-                    raise self._fail(errors.timeout("the replica dropped the request at its deadline"))
-                if event.finish_reason == "cancelled":
-                    raise self._fail(
-                        errors.APIError(
-                            503, "the replica cancelled the generation", code="generation_cancelled"
-                        )
-                    )
-                self.finished = event
-                self.completion_tokens = event.completion_tokens
-                yield event
-            elif isinstance(event, GenerateError):
-                self._replica_done = True
-                if event.code in errors.RETRYABLE_REFUSALS and self._can_fail_over():
-                    await self._fail_over(
-                        f"replica {self.replica_id} answered {event.code} after accepting: {event.message}",
-                        f"refused_{event.code}_after_accept",
-                    )
-                    continue
-                raise self._fail(
-                    errors.from_replica(
-                        event.code, event.message, event.type, event.param, s.retry_after_s, event.error_code
-                    )
+
+    async def _next_reply(self, step_s: float) -> Msg | None:
+        """The replica's next reply, or None when `step_s` passes without one. Raises the APIError of an
+        error reply on the stream."""
+        try:
+            async with asyncio.timeout(step_s):
+                return await self._leg.replies.next(_NO_LIMIT_S)
+        except TimeoutError:
+            return None
+        except BusError as exc:
+            self._replica_done = True
+            raise self._fail(
+                errors.from_replica(exc.code, exc.message, exc.type, exc.param, error_code=exc.error_code)
+            ) from None
+
+    async def _moved_off_lost_replica(self) -> bool:
+        """During a silence: whether the replica is gone and the request was moved to another one (True).
+        False while it is alive; raises the 503 of a replica lost when the request cannot move (or of
+        this gateway's NATS connection down)."""
+        if self._d.cluster.is_fresh(self.replica_id) or not await self._d.replica_gone(self.replica_id):
+            return False
+        # A replica that died mid-request stops publishing telemetry: fail now rather than wait out the
+        # token timeouts (its in-flight work is gone with it). Telemetry also stops arriving when this
+        # gateway lost NATS itself: say which it was.
+        if self._d.bus.connected and self._can_fail_over():
+            await self._fail_over(
+                f"replica {self.replica_id} was lost before the first token", "lost_before_first_token"
+            )
+            return True
+        why = (
+            f"replica {self.replica_id} stopped reporting telemetry while generating"
+            if self._d.bus.connected
+            else f"NATS connection lost while replica {self.replica_id} was generating"
+        )
+        raise self._fail(
+            errors.APIError(
+                503,
+                why,
+                code="replica_lost" if self._d.bus.connected else "nats_unavailable",
+                headers={"Retry-After": str(self._d.settings.retry_after_s)},
+            )
+        )
+
+    async def _on_reply(self, raw: Msg) -> TokenChunk | Finished | None:
+        """Check and account one reply of the stream: the event to yield, or None when a refusal after
+        acceptance moved the request to another replica. Raises APIError when the stream fails."""
+        try:
+            event = decode(GENERATE_EVENT, raw.data)
+        except WireError as exc:
+            raise self._fail(
+                errors.protocol_error(f"replica {self.replica_id} sent a bad event: {exc}")
+            ) from None
+        self._last_event_s = self._d.clock.monotonic()
+        if isinstance(event, TokenChunk):
+            self._check_seq(event.seq)
+            if event.token_ids and self.first_token_s is None:
+                self.first_token_s = self._last_event_s
+            self.completion_tokens += len(event.token_ids)
+            self._chunks += 1
+            return event
+        if isinstance(event, Finished):
+            return self._on_finished(event)
+        if isinstance(event, GenerateError):
+            self._replica_done = True
+            if event.code in errors.RETRYABLE_REFUSALS and self._can_fail_over():
+                await self._fail_over(
+                    f"replica {self.replica_id} answered {event.code} after accepting: {event.message}",
+                    f"refused_{event.code}_after_accept",
                 )
-            else:
-                raise self._fail(errors.protocol_error(f"replica {self.replica_id} sent a second Accepted"))
+                return None
+            raise self._fail(
+                errors.from_replica(
+                    event.code,
+                    event.message,
+                    event.type,
+                    event.param,
+                    self._d.settings.retry_after_s,
+                    event.error_code,
+                )
+            )
+        raise self._fail(errors.protocol_error(f"replica {self.replica_id} sent a second Accepted"))
+
+    def _on_finished(self, event: Finished) -> Finished:
+        """The replica's end of the generation: the event when it completed, the APIError raised when it
+        ended at its deadline or was cancelled."""
+        self._check_seq(event.seq)
+        self._replica_done = True
+        self.end_s = self._last_event_s
+        if event.finish_reason == "deadline":
+            raise self._fail(errors.timeout("the replica dropped the request at its deadline"))
+        if event.finish_reason == "cancelled":
+            raise self._fail(
+                errors.APIError(503, "the replica cancelled the generation", code="generation_cancelled")
+            )
+        self.finished = event
+        self.completion_tokens = event.completion_tokens
+        return event
 
     def _can_fail_over(self) -> bool:
         return self._chunks == 0 and len(self.lost_replicas) < self._d.settings.max_retries
@@ -443,24 +470,12 @@ class Dispatcher:
     async def _attempt(
         self, req: GenerateRequest, choice: Choice, timeout_s: float, attempt: int
     ) -> _Leg | Refusal:
+        """Send `req` to `choice`'s replica and wait up to `timeout_s` for its first answer: the accepted
+        leg, or the refusal to try the next replica with. Raises APIError when no replica could take it."""
         rid = choice.replica_id
         subject = subjects.replica(rid, "generate")
         stack = contextlib.AsyncExitStack()
-        span = self._tracer.start_span(
-            f"generate {rid}",
-            kind=SpanKind.CLIENT,
-            attributes={
-                "messaging.system": "nats",
-                "messaging.destination.name": subject,
-                "collm.request_id": req.request_id,
-                "collm.replica": rid,
-                "collm.adapter": req.adapter or "",
-                "collm.attempt": attempt,
-                "collm.routing_source": choice.source,
-                "gen_ai.provider.name": GEN_AI_PROVIDER,
-                "gen_ai.request.model": req.adapter or self.settings.base_model,
-            },
-        )
+        span = self._attempt_span(req, choice, subject, attempt)
         stack.callback(span.end)
         self.cluster.begin(rid)
         stack.callback(self.cluster.end, rid)
@@ -491,36 +506,67 @@ class Dispatcher:
                 if exc.code in errors.RETRYABLE_REFUSALS:
                     return await self._refused(stack, span, f"refused_{exc.code}", err)
                 raise err from None
-            try:
-                event = decode(GENERATE_EVENT, raw.data)
-            except WireError as exc:
-                await self.cancel(rid, req.request_id, "protocol_error")
-                raise errors.protocol_error(f"replica {rid} sent a bad first event: {exc}") from None
-            if isinstance(event, GenerateError):
-                err = errors.from_replica(
-                    event.code,
-                    event.message,
-                    event.type,
-                    event.param,
-                    self.settings.retry_after_s,
-                    event.error_code,
-                )
-                if event.code in errors.RETRYABLE_REFUSALS:
-                    return await self._refused(stack, span, f"refused_{event.code}", err)
-                raise err
-            if not isinstance(event, Accepted):
-                await self.cancel(rid, req.request_id, "protocol_error")
-                raise errors.protocol_error(
-                    f"replica {rid} streamed {event.kind!r} before accepting the request"
-                )
-            span.set_attribute("collm.adapter_version", event.adapter_version_id)
-            span.set_attribute("collm.queue_position", event.queue_position)
-            return _Leg(choice, event, replies, stack, span)
+            return await self._first_event(req, choice, raw, replies, stack, span)
         except BaseException as exc:
             if isinstance(exc, APIError):
                 span.set_status(Status(StatusCode.ERROR, exc.message))
             await stack.aclose()
             raise
+
+    def _attempt_span(self, req: GenerateRequest, choice: Choice, subject: str, attempt: int) -> trace.Span:
+        """The client span of one attempt to place `req` on `choice`'s replica (started, not current)."""
+        rid = choice.replica_id
+        return self._tracer.start_span(
+            f"generate {rid}",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "messaging.system": "nats",
+                "messaging.destination.name": subject,
+                "collm.request_id": req.request_id,
+                "collm.replica": rid,
+                "collm.adapter": req.adapter or "",
+                "collm.attempt": attempt,
+                "collm.routing_source": choice.source,
+                "gen_ai.provider.name": GEN_AI_PROVIDER,
+                "gen_ai.request.model": req.adapter or self.settings.base_model,
+            },
+        )
+
+    async def _first_event(
+        self,
+        req: GenerateRequest,
+        choice: Choice,
+        raw: Msg,
+        replies: StreamReplies,
+        stack: contextlib.AsyncExitStack,
+        span: trace.Span,
+    ) -> _Leg | Refusal:
+        """The replica's first answer on the stream: the accepted leg, a refusal (429/503) to try the next
+        replica with; raises APIError on its other errors or a protocol error."""
+        rid = choice.replica_id
+        try:
+            event = decode(GENERATE_EVENT, raw.data)
+        except WireError as exc:
+            await self.cancel(rid, req.request_id, "protocol_error")
+            raise errors.protocol_error(f"replica {rid} sent a bad first event: {exc}") from None
+        if isinstance(event, GenerateError):
+            err = errors.from_replica(
+                event.code,
+                event.message,
+                event.type,
+                event.param,
+                self.settings.retry_after_s,
+                event.error_code,
+            )
+            if event.code in errors.RETRYABLE_REFUSALS:
+                return await self._refused(stack, span, f"refused_{event.code}", err)
+            raise err
+        if not isinstance(event, Accepted):
+            await self.cancel(rid, req.request_id, "protocol_error")
+            raise errors.protocol_error(f"replica {rid} streamed {event.kind!r} before accepting the request")
+        span.set_attribute("collm.adapter_version", event.adapter_version_id)
+        span.set_attribute("collm.queue_position", event.queue_position)
+        return _Leg(choice, event, replies, stack, span)
 
     async def _refused(
         self, stack: contextlib.AsyncExitStack, span: trace.Span, reason: str, err: APIError

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -386,11 +387,58 @@ def pool(runs: list[dict[str, Any]], train_only_tps: float) -> dict[str, Any]:
     return out
 
 
-def bench_coexec(args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class _Coexec:
+    """The co-execution benchmark's fixed parts: the flags, the model, the medical dataset, the job's
+    configuration and the tokenised questions (eval then train examples)."""
+
+    args: argparse.Namespace
+    loaded: Any
+    ds: LocalDataset
+    job_cfg: JobConfig
+    questions: list[list[int]]
+
+    def engine(self, policy: CoScheduler, share: float) -> Engine:
+        return coexec_engine(self.loaded, policy, self.ds, self.job_cfg, share, self.args.slack_frac)
+
+
+@dataclass(frozen=True)
+class _Unloaded:
+    """Measured with fine-tuning off: each lone request, the medians (s), the capacity at 16 concurrent
+    requests, and the base model's eval loss."""
+
+    singles: list[Trace]
+    ttft_s: float
+    tpot_s: float
+    capacity_rps: float
+    base_eval: float | None
+
+
+@dataclass(frozen=True)
+class _OfferedLoad:
+    """The open-loop load every run replays: Poisson arrivals at `rate_rps`, their questions, the SLOs."""
+
+    rate_rps: float
+    ttft_slo_s: float
+    tpot_slo_s: float
+    arrivals_s: list[float]
+    questions: list[list[int]]
+
+    def requests(self, tag: str, n_new: int) -> list[EngineRequest]:
+        return [
+            greedy(
+                f"{tag}{i}", q, n_new, ttft_slo_ms=self.ttft_slo_s * 1e3, tpot_slo_ms=self.tpot_slo_s * 1e3
+            )
+            for i, q in enumerate(self.questions)
+        ]
+
+
+def _coexec_setup(args: argparse.Namespace) -> _Coexec | None:
+    """The model, dataset, job and questions; None (after a SKIP line) without the medical data."""
     examples = domain_examples("medical", 600)
     if not examples:
         print("SKIP: ../shared/data/domains/medical is absent")
-        return
+        return None
     loaded = load_smollm2()
     ds = LocalDataset([], [])
     for e in examples:
@@ -403,11 +451,14 @@ def bench_coexec(args: argparse.Namespace) -> None:
         eval_max_examples=16,
     )
     questions = [chat_ids(loaded, e.prompt) for e in ds.eval + ds.train][: args.requests + 40]
-    n_new = args.new_tokens
+    return _Coexec(args, loaded, ds, job_cfg, questions)
 
-    # Unloaded latency and capacity, fine-tuning off.
-    sf = args.slack_frac
-    with coexec_engine(loaded, NoTraining(), ds, job_cfg, 0.0, sf) as eng:
+
+def _measure_unloaded(cx: _Coexec) -> _Unloaded:
+    """Unloaded latency and capacity, fine-tuning off."""
+    n_new = cx.args.new_tokens
+    questions = cx.questions
+    with cx.engine(NoTraining(), 0.0) as eng:
         run_batch(eng, [greedy("warm", questions[0], 4)])
         # Unloaded latency: the median of 5 requests alone (the machine is shared: a single one is noisy).
         singles = [run_batch(eng, [greedy(f"u{i}", questions[i], n_new)])[0][0] for i in range(5)]
@@ -415,11 +466,17 @@ def bench_coexec(args: argparse.Namespace) -> None:
         tpot0 = percentile([t.tpot_s for t in singles], 50)  # type: ignore[misc]
         cap_traces, cap_s = run_batch(eng, [greedy(f"c{i}", q, n_new) for i, q in enumerate(questions[5:21])])
         base_eval = eval_loss(eng, None)
-    capacity_rps = len(cap_traces) / cap_s
-    rate = args.load * capacity_rps
-    ttft_slo, tpot_slo = args.ttft_scale * ttft0, args.tpot_scale * tpot0
+    return _Unloaded(singles, ttft0, tpot0, len(cap_traces) / cap_s, base_eval)
+
+
+def _offered_load(cx: _Coexec, unloaded: _Unloaded) -> _OfferedLoad:
+    """`--load` x the capacity, with SLOs scaled from the unloaded latency (printed)."""
+    args = cx.args
+    rate = args.load * unloaded.capacity_rps
+    ttft_slo, tpot_slo = args.ttft_scale * unloaded.ttft_s, args.tpot_scale * unloaded.tpot_s
     print(
-        f"unloaded TTFT {ttft0 * 1e3:.0f} ms, TPOT {tpot0 * 1e3:.0f} ms; capacity {capacity_rps:.2f} req/s "
+        f"unloaded TTFT {unloaded.ttft_s * 1e3:.0f} ms, TPOT {unloaded.tpot_s * 1e3:.0f} ms; "
+        f"capacity {unloaded.capacity_rps:.2f} req/s "
         f"(16 concurrent); offered load {rate:.2f} req/s; "
         f"SLOs TTFT {ttft_slo * 1e3:.0f} ms, TPOT {tpot_slo * 1e3:.0f} ms"
     )
@@ -428,85 +485,111 @@ def bench_coexec(args: argparse.Namespace) -> None:
     for _ in range(args.requests):
         t += rnd.expovariate(rate)
         arrivals.append(t)
-    qs = questions[21 : 21 + args.requests]
+    return _OfferedLoad(rate, ttft_slo, tpot_slo, arrivals, cx.questions[21 : 21 + args.requests])
 
-    def reqs(tag: str) -> list[EngineRequest]:
-        return [
-            greedy(f"{tag}{i}", q, n_new, ttft_slo_ms=ttft_slo * 1e3, tpot_slo_ms=tpot_slo * 1e3)
-            for i, q in enumerate(qs)
-        ]
 
-    def train_only() -> tuple[float, float, float | None]:
-        """The reference fine-tuning throughput: the same job on an idle replica (tokens/s, busy, step ms)."""
-        with coexec_engine(loaded, SloAwareCoScheduler(slack_frac=sf), ds, job_cfg, 1.0, sf) as eng:
-            start_job(eng, loaded, args.lr)
-            snap0, t0 = eng.snapshot(), time.perf_counter()
-            time.sleep(args.train_only_s)
-            snap1 = eng.snapshot()
-            dt = time.perf_counter() - t0
-        tps = (snap1.ft_tokens_total - snap0.ft_tokens_total) / dt
-        busy = (snap1.train_ms_total - snap0.train_ms_total) / 1e3 / dt
-        print(
-            f"train only: {tps:.1f} training tokens/s (training busy {busy:.2f}; "
-            f"step {snap1.train_step_ms or 0:.0f} ms)"
+def _train_only(cx: _Coexec) -> tuple[float, float, float | None]:
+    """The reference fine-tuning throughput: the same job on an idle replica (tokens/s, busy, step ms)."""
+    args = cx.args
+    with cx.engine(SloAwareCoScheduler(slack_frac=args.slack_frac), 1.0) as eng:
+        start_job(eng, cx.loaded, args.lr)
+        snap0, t0 = eng.snapshot(), time.perf_counter()
+        time.sleep(args.train_only_s)
+        snap1 = eng.snapshot()
+        dt = time.perf_counter() - t0
+    tps = (snap1.ft_tokens_total - snap0.ft_tokens_total) / dt
+    busy = (snap1.train_ms_total - snap0.train_ms_total) / 1e3 / dt
+    print(
+        f"train only: {tps:.1f} training tokens/s (training busy {busy:.2f}; "
+        f"step {snap1.train_step_ms or 0:.0f} ms)"
+    )
+    return tps, busy, snap1.train_step_ms
+
+
+def _coexec_run(
+    cx: _Coexec,
+    load: _OfferedLoad,
+    base_eval: float | None,
+    name: str,
+    policy: CoScheduler,
+    train: bool,
+    rep: int,
+    ref_tps: float,
+) -> dict[str, Any]:
+    """One run of the offered load under `policy` (training when `train`): its SLO and fine-tuning
+    figures, printed on one line."""
+    with cx.engine(policy, 1.0 if train else 0.0) as eng:
+        live = start_job(eng, cx.loaded, cx.args.lr) if train else None
+        s0 = eng.snapshot()
+        f0, tm0, im0 = s0.ft_tokens_total, s0.train_ms_total, s0.infer_ms_total
+        eng.longest_background_ms = 0.0
+        traces, dur = open_loop(eng, load.requests(f"{name[:1]}{rep}-", cx.args.new_tokens), load.arrivals_s)
+        s1 = eng.snapshot()
+        ft_tokens = s1.ft_tokens_total - f0
+        eng.pause_training()
+        stats: dict[str, Any] = slo_stats(traces, load.ttft_slo_s, load.tpot_slo_s, dur)
+        stats.update(
+            {
+                "duration_s": dur,
+                "ft_tokens": ft_tokens,
+                "ft_tokens_per_s": ft_tokens / dur,
+                "train_only_tokens_per_s": ref_tps,
+                "ft_frac_of_train_only": (ft_tokens / dur) / ref_tps,
+                "eval_loss_after": eval_loss(eng, live) if live is not None else base_eval,
+                "optimizer_steps": eng.snapshot().jobs[0].steps_done if train else 0,
+                # Where the wall time went during the run (ms of inference iterations, of training
+                # pieces), and the longest stretch of background work between two iterations.
+                "infer_busy_frac": (s1.infer_ms_total - im0) / 1e3 / dur,
+                "train_busy_frac": (s1.train_ms_total - tm0) / 1e3 / dur,
+                "longest_background_ms": eng.longest_background_ms,
+                "train_step_ms": s1.train_step_ms,
+                # Serving iterations by what bounded their training (`collm_replica.cosched.Limit`).
+                "train_limits": {k: v - s0.train_limits.get(k, 0) for k, v in s1.train_limits.items()},
+            }
         )
-        return tps, busy, snap1.train_step_ms
+    print(
+        f"{name} #{rep}: attainment {stats['attainment']:.3f} ({stats['good']}/{stats['submitted']}), "
+        f"goodput {stats['goodput_rps']:.2f} req/s, TTFT p50 {stats['ttft_ms_p50']:.0f} ms, "
+        f"TPOT p50 {stats['tpot_ms_p50']:.0f} ms, FT {stats['ft_tokens_per_s']:.1f} tok/s "
+        f"({100 * stats['ft_frac_of_train_only']:.0f}% of train-only), "
+        f"eval loss {stats['eval_loss_after']:.4f}; busy: inference {stats['infer_busy_frac']:.2f}, "
+        f"training {stats['train_busy_frac']:.2f}; longest background stretch "
+        f"{stats['longest_background_ms']:.0f} ms; training bounded by {stats['train_limits']}",
+        flush=True,
+    )
+    return stats
 
-    def one_run(name: str, policy: CoScheduler, train: bool, rep: int, ref_tps: float) -> dict[str, Any]:
-        with coexec_engine(loaded, policy, ds, job_cfg, 1.0 if train else 0.0, sf) as eng:
-            live = start_job(eng, loaded, args.lr) if train else None
-            s0 = eng.snapshot()
-            f0, tm0, im0 = s0.ft_tokens_total, s0.train_ms_total, s0.infer_ms_total
-            eng.longest_background_ms = 0.0
-            traces, dur = open_loop(eng, reqs(f"{name[:1]}{rep}-"), arrivals)
-            s1 = eng.snapshot()
-            ft_tokens = s1.ft_tokens_total - f0
-            eng.pause_training()
-            stats: dict[str, Any] = slo_stats(traces, ttft_slo, tpot_slo, dur)
-            stats.update(
-                {
-                    "duration_s": dur,
-                    "ft_tokens": ft_tokens,
-                    "ft_tokens_per_s": ft_tokens / dur,
-                    "train_only_tokens_per_s": ref_tps,
-                    "ft_frac_of_train_only": (ft_tokens / dur) / ref_tps,
-                    "eval_loss_after": eval_loss(eng, live) if live is not None else base_eval,
-                    "optimizer_steps": eng.snapshot().jobs[0].steps_done if train else 0,
-                    # Where the wall time went during the run (ms of inference iterations, of training
-                    # pieces), and the longest stretch of background work between two iterations.
-                    "infer_busy_frac": (s1.infer_ms_total - im0) / 1e3 / dur,
-                    "train_busy_frac": (s1.train_ms_total - tm0) / 1e3 / dur,
-                    "longest_background_ms": eng.longest_background_ms,
-                    "train_step_ms": s1.train_step_ms,
-                    # Serving iterations by what bounded their training (`collm_replica.cosched.Limit`).
-                    "train_limits": {k: v - s0.train_limits.get(k, 0) for k, v in s1.train_limits.items()},
-                }
-            )
-        print(
-            f"{name} #{rep}: attainment {stats['attainment']:.3f} ({stats['good']}/{stats['submitted']}), "
-            f"goodput {stats['goodput_rps']:.2f} req/s, TTFT p50 {stats['ttft_ms_p50']:.0f} ms, "
-            f"TPOT p50 {stats['tpot_ms_p50']:.0f} ms, FT {stats['ft_tokens_per_s']:.1f} tok/s "
-            f"({100 * stats['ft_frac_of_train_only']:.0f}% of train-only), "
-            f"eval loss {stats['eval_loss_after']:.4f}; busy: inference {stats['infer_busy_frac']:.2f}, "
-            f"training {stats['train_busy_frac']:.2f}; longest background stretch "
-            f"{stats['longest_background_ms']:.0f} ms; training bounded by {stats['train_limits']}",
-            flush=True,
-        )
-        return stats
 
+def _coexec_repeats(
+    cx: _Coexec, load: _OfferedLoad, base_eval: float | None
+) -> tuple[list[tuple[float, float, float | None]], dict[str, list[dict[str, Any]]]]:
+    """Every repetition's train-only reference and its three runs: (a) fine-tuning off, (b) a fixed
+    ratio, (c) SLO-aware."""
+    args = cx.args
     # The machine is shared, so its speed drifts: each repetition measures the train-only reference and
     # the three runs back to back, and the figures pool the repetitions (drift hits every run alike).
     policies: list[tuple[str, Any, bool]] = [
         ("a_ft_off", NoTraining, False),
         ("b_fixed_ratio", lambda: FixedRatioCoScheduler(args.fixed_every), True),
-        ("c_slo_aware", lambda: SloAwareCoScheduler(slack_frac=sf), True),
+        ("c_slo_aware", lambda: SloAwareCoScheduler(slack_frac=args.slack_frac), True),
     ]
     refs: list[tuple[float, float, float | None]] = []
     per_rep: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in policies}
     for rep in range(args.repeat):
-        refs.append(train_only())
+        refs.append(_train_only(cx))
         for name, make, train in policies:
-            per_rep[name].append(one_run(name, make(), train, rep, refs[-1][0]))
+            per_rep[name].append(_coexec_run(cx, load, base_eval, name, make(), train, rep, refs[-1][0]))
+    return refs, per_rep
+
+
+def bench_coexec(args: argparse.Namespace) -> None:
+    cx = _coexec_setup(args)
+    if cx is None:
+        return
+    unloaded = _measure_unloaded(cx)
+    load = _offered_load(cx, unloaded)
+    base_eval = unloaded.base_eval
+    refs, per_rep = _coexec_repeats(cx, load, base_eval)
     train_only_tps = sum(r[0] for r in refs) / len(refs)
     train_only_busy = sum(r[1] for r in refs) / len(refs)
     results: dict[str, Any] = {name: pool(runs, train_only_tps) for name, runs in per_rep.items()}
@@ -526,15 +609,15 @@ def bench_coexec(args: argparse.Namespace) -> None:
         args.name,
         {
             "dataset": "medical (MedQuAD subset) from ../shared/data/domains, converted on the fly",
-            "unloaded_ttft_ms": ttft0 * 1e3,
-            "unloaded_tpot_ms": tpot0 * 1e3,
-            "capacity_rps": capacity_rps,
-            "offered_rps": rate,
+            "unloaded_ttft_ms": unloaded.ttft_s * 1e3,
+            "unloaded_tpot_ms": unloaded.tpot_s * 1e3,
+            "capacity_rps": unloaded.capacity_rps,
+            "offered_rps": load.rate_rps,
             "load": args.load,
             "requests": args.requests,
-            "new_tokens": n_new,
-            "ttft_slo_ms": ttft_slo * 1e3,
-            "tpot_slo_ms": tpot_slo * 1e3,
+            "new_tokens": args.new_tokens,
+            "ttft_slo_ms": load.ttft_slo_s * 1e3,
+            "tpot_slo_ms": load.tpot_slo_s * 1e3,
             "ttft_scale": args.ttft_scale,
             "tpot_scale": args.tpot_scale,
             "micro_tokens": args.micro_tokens,
@@ -546,9 +629,9 @@ def bench_coexec(args: argparse.Namespace) -> None:
             "train_only_by_repeat": [r[0] for r in refs],
             "repeat": args.repeat,
             "runs_by_repeat": per_rep,
-            "slack_frac": sf,
-            "unloaded_ttft_ms_each": [1e3 * (t.ttft_s or 0) for t in singles],
-            "unloaded_tpot_ms_each": [1e3 * (t.tpot_s or 0) for t in singles],
+            "slack_frac": args.slack_frac,
+            "unloaded_ttft_ms_each": [1e3 * (t.ttft_s or 0) for t in unloaded.singles],
+            "unloaded_tpot_ms_each": [1e3 * (t.tpot_s or 0) for t in unloaded.singles],
             "base_eval_loss": base_eval,
             "runs": results,
             "attainment_ratio_c_over_a": att_ratio,
@@ -556,9 +639,14 @@ def bench_coexec(args: argparse.Namespace) -> None:
             "goal_ft_frac": 0.4,
         },
     )
+    _plot_coexec(args.name, results)
+
+
+def _plot_coexec(name: str, results: dict[str, Any]) -> None:
+    """Each run's SLO attainment (bars) and fine-tuning throughput relative to train-only (line)."""
     names = list(results)
     plot(
-        ENGINE_RESULTS / f"{args.name}.png",
+        ENGINE_RESULTS / f"{name}.png",
         lambda ax: (
             ax.bar(
                 [n.replace("_", " ") for n in names],

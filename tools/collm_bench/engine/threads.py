@@ -40,6 +40,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from collm_bench.engine.common import (
@@ -168,8 +169,8 @@ def ratio(b: float, a: float) -> float | None:
     return round(b / a, 3) if a and not math.isnan(a) and not math.isnan(b) else None
 
 
-def main(argv: Sequence[str]) -> int:
-    """Run both layouts at each concurrency, write the result and print its table."""
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `engine threads`."""
     ap = argparse.ArgumentParser(
         prog=prog("engine", "threads"),
         description=__doc__,
@@ -181,54 +182,81 @@ def main(argv: Sequence[str]) -> int:
     add_output_tokens(ap, 128)
     ap.add_argument("--no-default-batch", action="store_true", help="skip the runs at max_batch 16")
     add_result_name(ap, "threads")
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
-    load0 = os.getloadavg()[0]
+    return ap
+
+
+def start_workers(
+    layouts: dict[str, list[int]], n_prompts: int, prompt_tokens: int
+) -> tuple[dict[str, list[Connection]], list[BaseProcess]]:
+    """One spawned `worker` per entry of each layout (its torch threads): each layout's pipes, and the
+    processes."""
     ctx = mp.get_context("spawn")
-    n_prompts = max(args.concurrency)
-    layouts = {"a": [args.threads], "b": [1, 1]}
     conns: dict[str, list[Connection]] = {}
     procs = []
     for key, threads in layouts.items():
         conns[key] = []
         for t in threads:
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker, args=(child, t, n_prompts, args.prompt_tokens), daemon=True)
+            p = ctx.Process(target=worker, args=(child, t, n_prompts, prompt_tokens), daemon=True)
             p.start()
             child.close()  # a worker that dies ends its pipe: the parent's recv raises instead of waiting
             procs.append(p)
             conns[key].append(parent)
+    return conns, procs
+
+
+def stop_workers(conns: dict[str, list[Connection]], procs: list[BaseProcess]) -> None:
+    """Ask every worker to exit (a dead one's pipe is skipped) and wait up to 60 s for each."""
+    for conn in [c for cs in conns.values() for c in cs]:
+        try:
+            conn.send(None)
+        except OSError:
+            pass
+    for p in procs:
+        p.join(60)
+
+
+def run_cases(
+    args: argparse.Namespace, layouts: dict[str, list[int]], conns: dict[str, list[Connection]]
+) -> list[dict[str, Any]]:
+    """Each layout at each `--concurrency` (again at the default `max_batch` where C is over it, unless
+    `--no-default-batch`), printed as it runs, with the ratios (b) / (a)."""
+    default_mb = BatchConfig().max_batch
+    cases = []
+    for c in args.concurrency:
+        for raise_batch in (True, False):
+            if not raise_batch and (args.no_default_batch or c <= default_mb):
+                continue
+            case: dict[str, Any] = {"concurrency": c, "default_max_batch": not raise_batch}
+            for key in layouts:
+                case[key] = run_layout(conns[key], c, raise_batch, args.output_tokens)
+                r = case[key]
+                print(
+                    f"C={c} max_batch {r['max_batch']} ({key}) {layouts[key]} threads: "
+                    f"{r['output_tok_s']:.1f} tok/s, TTFT p50 {r['ttft_ms_p50']:.0f} ms, "
+                    f"TPOT p50 {r['tpot_ms_p50']:.1f} ms",
+                    flush=True,
+                )
+            keys = ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50")
+            case["ratio_b_over_a"] = {k: ratio(case["b"][k], case["a"][k]) for k in keys}
+            cases.append(case)
+    return cases
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run both layouts at each concurrency, write the result and print its table."""
+    args = build_parser().parse_args(argv)
+    t_start = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    layouts = {"a": [args.threads], "b": [1, 1]}
+    conns, procs = start_workers(layouts, max(args.concurrency), args.prompt_tokens)
     loads = {key: [c.recv() for c in cs] for key, cs in conns.items()}
     model = loads["a"][0]["model"]
     print(f"loaded {model} in {len(procs)} processes", flush=True)
-    default_mb = BatchConfig().max_batch
-    cases = []
     try:
-        for c in args.concurrency:
-            for raise_batch in (True, False):
-                if not raise_batch and (args.no_default_batch or c <= default_mb):
-                    continue
-                case: dict[str, Any] = {"concurrency": c, "default_max_batch": not raise_batch}
-                for key in layouts:
-                    case[key] = run_layout(conns[key], c, raise_batch, args.output_tokens)
-                    r = case[key]
-                    print(
-                        f"C={c} max_batch {r['max_batch']} ({key}) {layouts[key]} threads: "
-                        f"{r['output_tok_s']:.1f} tok/s, TTFT p50 {r['ttft_ms_p50']:.0f} ms, "
-                        f"TPOT p50 {r['tpot_ms_p50']:.1f} ms",
-                        flush=True,
-                    )
-                keys = ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50")
-                case["ratio_b_over_a"] = {k: ratio(case["b"][k], case["a"][k]) for k in keys}
-                cases.append(case)
+        cases = run_cases(args, layouts, conns)
     finally:
-        for conn in [c for cs in conns.values() for c in cs]:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        for p in procs:
-            p.join(60)
+        stop_workers(conns, procs)
     doc = {
         "model": model,
         "config": {

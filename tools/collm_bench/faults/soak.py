@@ -38,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -222,8 +223,8 @@ def per_minute(outcomes: list[Outcome], duration_s: float) -> list[dict[str, Any
     return rows
 
 
-def main(argv: Sequence[str]) -> int:
-    """Measure the capacity, soak at `--load` of it, write the result; 1 when a goal is missed."""
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `faults soak`."""
     ap = argparse.ArgumentParser(
         prog=prog("faults", "soak"),
         description=__doc__,
@@ -245,10 +246,24 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--request-timeout-s", type=float, default=120.0, help="unanswered by then: lost")
     ap.add_argument("--keep-dir", type=Path, default=None, help="run directory kept afterwards (logs)")
     add_out(ap, RESULTS / "faults" / "soak.json")
-    args = ap.parse_args(argv)
+    return ap
 
+
+@dataclass(frozen=True)
+class SoakRun:
+    """What one run measured: the closed-loop ramp, the capacity search, the soak's rate and its
+    `open_loop` result, and the stack's processes that died."""
+
+    peak: dict[str, Any]
+    capacity: dict[str, Any]
+    rate_rps: float
+    soak: dict[str, Any]
+    dead: dict[str, int]  # name -> exit code
+
+
+def run_soak(args: argparse.Namespace) -> SoakRun:
+    """Start the stack, find its capacity, soak it at `--load` of it, and stop it."""
     from tests.integration.faults.harness import FaultStack
-    from tests.integration.faults.probe import tally
 
     with contextlib.ExitStack() as cleanup:
         tmp = args.keep_dir or Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="collm-soak-")))
@@ -275,12 +290,20 @@ def main(argv: Sequence[str]) -> int:
             dead = fs.dead_children()
         finally:
             fs.stop()
-    outcomes: list[Outcome] = res["outcomes"]
+    return SoakRun(peak, cap, rate, res, dead)
+
+
+def soak_result(args: argparse.Namespace, run: SoakRun) -> dict[str, Any]:
+    """The result file's content: the run's settings, capacity, counts, errors, latency, per-minute
+    figures, RSS growth and samples, and the goals met."""
+    from tests.integration.faults.probe import tally
+
+    outcomes: list[Outcome] = run.soak["outcomes"]
     t = tally(outcomes)
-    growth = rss_growth(res["rss"], args.duration_s)
+    growth = rss_growth(run.soak["rss"], args.duration_s)
     errors = [o for o in outcomes if o.kind != "ok"]
     ok_latency = [o.latency_s for o in outcomes if o.kind == "ok"]
-    result = {
+    return {
         "command": command_line(),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "model": "tiny",
@@ -288,10 +311,10 @@ def main(argv: Sequence[str]) -> int:
         "load_fraction": args.load,
         "max_tokens": args.max_tokens,
         "request_timeout_s": args.request_timeout_s,
-        "closed_loop": peak,
-        "capacity": cap,
-        "offered_rps": round(rate, 3),
-        "completed_rps": round(t["succeeded"] / res["wall_s"], 3),
+        "closed_loop": run.peak,
+        "capacity": run.capacity,
+        "offered_rps": round(run.rate_rps, 3),
+        "completed_rps": round(t["succeeded"] / run.soak["wall_s"], 3),
         "counts": t,
         "errors": len(errors),
         "errors_by_kind": dict(
@@ -303,8 +326,8 @@ def main(argv: Sequence[str]) -> int:
         "e2e_s": {"p50": percentile(ok_latency, 50), "p99": percentile(ok_latency, 99)},
         "per_minute": per_minute(outcomes, args.duration_s),
         "rss_growth": growth,
-        "rss_samples": res["rss"],
-        "dead_processes": dead,
+        "rss_samples": run.soak["rss"],
+        "dead_processes": run.dead,
         "goals": {
             "errors == 0": len(errors) == 0,
             "rss growth < 5% for every process": all(
@@ -312,14 +335,28 @@ def main(argv: Sequence[str]) -> int:
             ),
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+
+
+def print_report(result: dict[str, Any], rate_rps: float, out: Path) -> None:
+    """The counts, errors, rates (`rate_rps` offered) and latency, the RSS growth table and the goals of
+    `result`."""
+    t = result["counts"]
     print(f"\nrequests {t['sent']}: ok {t['succeeded']}, clear errors {t['failed_clear']}, lost {t['lost']}")
     print(f"errors by kind: {result['errors_by_kind']}")
-    print(f"offered {rate:.2f} req/s, completed {result['completed_rps']} req/s; e2e {result['e2e_s']}")
+    print(f"offered {rate_rps:.2f} req/s, completed {result['completed_rps']} req/s; e2e {result['e2e_s']}")
     print("| process | RSS first minute (MB) | RSS last minute (MB) | growth |")
     print("|---|---|---|---|")
-    for name, g in growth.items():
+    for name, g in result["rss_growth"].items():
         print(f"| {name} | {g['first_min_mb']} | {g['last_min_mb']} | {g['growth_pct']}% |")
-    print(f"goals: {result['goals']}; wrote {args.out}")
-    return 0 if all(result["goals"].values()) and not dead else 1
+    print(f"goals: {result['goals']}; wrote {out}")
+
+
+def main(argv: Sequence[str]) -> int:
+    """Measure the capacity, soak at `--load` of it, write the result; 1 when a goal is missed."""
+    args = build_parser().parse_args(argv)
+    run = run_soak(args)
+    result = soak_result(args, run)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print_report(result, run.rate_rps, args.out)
+    return 0 if all(result["goals"].values()) and not run.dead else 1

@@ -34,6 +34,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,7 @@ from collm_ops.servers import free_port
 from collm_replica.naming import served_name
 
 if TYPE_CHECKING:
+    from tests.integration.faults.report import FaultReport
     from tests.integration.faults.supervision import SupervisedTarget
 
 RESULT = RESULTS / "faults" / "supervision.json"
@@ -169,9 +171,8 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str]) -> int:
-    """Kill r0 of a supervised `collm up` under load, write the summary, print its table; 1 when a check
-    failed."""
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `faults supervise`."""
     ap = argparse.ArgumentParser(
         prog=prog("faults", "supervise"),
         description=__doc__,
@@ -185,8 +186,24 @@ def main(argv: Sequence[str]) -> int:
         "--client-timeout-s", type=float, default=180.0, help="a request unanswered by then is lost"
     )
     add_out(ap, RESULT)
-    args = ap.parse_args(argv)
+    return ap
 
+
+@dataclass(frozen=True)
+class KillRun:
+    """One run: the stack, how long it took to be ready, the scenario's report, r0's pid before the kill
+    and after the restart, the launcher's supervision lines, and `collm up`'s exit code."""
+
+    up: CollmUp
+    ready_s: float
+    report: FaultReport
+    pids: list[Any]  # as supervision.json gives them
+    launcher_lines: list[str]
+    exit_code: int | None
+
+
+def kill_under_load(args: argparse.Namespace) -> KillRun:
+    """Start `collm up`, run the supervision scenario against it (r0 killed), and stop it."""
     from tests.integration.faults.supervision import supervised_replica_kill
 
     with tempfile.TemporaryDirectory(prefix="collm-supervise-") as tmp:
@@ -212,17 +229,23 @@ def main(argv: Sequence[str]) -> int:
             lines = up.launcher_lines()
         finally:
             code = up.stop()
+    return KillRun(up, ready_s, report, [pid0, pid1], lines, code)
+
+
+def summary_of(args: argparse.Namespace, run: KillRun) -> dict[str, Any]:
+    """The compact summary written to the result file."""
+    report = run.report
     d = report.details
-    summary: dict[str, Any] = {
+    return {
         "command": command_line(),
-        "collm_up": " ".join(["python", *up.cmd[1:]]),
+        "collm_up": " ".join(["python", *run.up.cmd[1:]]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "model": args.model,
         "load": {
             "streams": args.concurrency, "max_tokens": args.max_tokens,
             "probes": "8-token streams every 0.2 s, at most 2 in flight",
         },
-        "ready_s": round(ready_s, 1),
+        "ready_s": round(run.ready_s, 1),
         "goals": {"first_new_served_s": 2.0, "serving_again_s": 60.0, "lost": 0},
         "first_new_accepted_s": d["first_new_accepted_s"],
         "first_new_served_s": d["first_new_served_s"],
@@ -233,7 +256,7 @@ def main(argv: Sequence[str]) -> int:
             "sent": report.sent, "after_kill": d["sent_after_kill"], "ok_after_kill": d["ok_after_kill"],
         },
         "kill": {
-            "moment": d["kill_moment"], "victim_streams": d["victim_streams_at_kill"], "pids": [pid0, pid1],
+            "moment": d["kill_moment"], "victim_streams": d["victim_streams_at_kill"], "pids": run.pids,
         },
         "gateway_retries": d["gateway_retries"],
         "during_outage": d["during_outage"],
@@ -242,12 +265,20 @@ def main(argv: Sequence[str]) -> int:
         "error_messages": d["error_messages"],
         "checks": report.checks,
         "failed_checks": report.failed_checks,
-        "launcher_log": lines,
-        "collm_up_exit_code": code,
+        "launcher_log": run.launcher_lines,
+        "collm_up_exit_code": run.exit_code,
     }  # fmt: skip
+
+
+def main(argv: Sequence[str]) -> int:
+    """Kill r0 of a supervised `collm up` under load, write the summary, print its table; 1 when a check
+    failed."""
+    args = build_parser().parse_args(argv)
+    run = kill_under_load(args)
+    summary = summary_of(args, run)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1, default=str))
     print(table(summary))
-    print(f"checks failed: {report.failed_checks or 'none'}; collm up exit code {code}")
+    print(f"checks failed: {run.report.failed_checks or 'none'}; collm up exit code {run.exit_code}")
     print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
-    return 0 if not report.failed_checks else 1
+    return 0 if not run.report.failed_checks else 1

@@ -30,12 +30,15 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from collm_aggregator.strategies import WeightedUpdate, fedavg, product_error, product_svd
 from collm_bench.groups import RESULTS, add_domain_data, add_lr, add_threads, command_line, prog
+
+if TYPE_CHECKING:
+    from collm_bench.federated.peft_lab import PeftLab
 
 FEDERATED_RESULTS = RESULTS / "federated"
 SMOL = {"layers": 30, "hidden": 576, "kv": 192}
@@ -115,158 +118,69 @@ def run_synthetic(args: argparse.Namespace) -> dict:
 
 # --- real -----------------------------------------------------------------------------------------------
 def run_real(args: argparse.Namespace) -> dict:
-    import torch
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from collm_bench.federated.peft_lab import PeftLab
 
-    from collm_data.converters import CONVERTERS
-    from collm_replica.models import load_model
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    t_load = time.perf_counter()
-    lm = load_model("smollm2", cache_dir=Path.home() / ".cache" / "collm" / "models")
-    print(f"model loaded in {time.perf_counter() - t_load:.1f}s", flush=True)
-    tok = lm.tokenizer
-    domains = args.domains.split(",")
-    src = Path(args.source)
-    data = {}
-    for d in domains:
-        conv = CONVERTERS[d](src / d, limit=args.train_examples, eval_limit=args.eval_examples)
-        data[d] = (conv.train, conv.eval)
-
-    def encode(e, max_len: int = 192) -> tuple[list[int], list[int]]:
-        prompt = tok.apply_chat_template(e.messages(), add_generation_prompt=True, tokenize=True)
-        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-        resp = tok(e.response + (tok.eos_token or ""), add_special_tokens=False)["input_ids"]
-        ids = (prompt + resp)[:max_len]
-        labels = ([-100] * len(prompt) + resp)[:max_len]
-        return ids, labels
-
-    enc = {d: ([encode(e) for e in tr], [encode(e) for e in ev]) for d, (tr, ev) in data.items()}
-    r, alpha = args.rank, 2.0 * args.rank
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(MODULES), lora_dropout=0.0)
-    pm = get_peft_model(lm.model, cfg, adapter_name="trainee")
-    stack_cfg = LoraConfig(
-        r=r * len(domains), lora_alpha=alpha * len(domains), target_modules=list(MODULES), lora_dropout=0.0
-    )
-    pm.add_adapter("stacked", stack_cfg)
-
-    def batch_loss(items: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-        n = max(len(i) for i, _ in items)
-        pad = tok.pad_token_id or 0
-        ids = torch.tensor([i + [pad] * (n - len(i)) for i, _ in items])
-        lab = torch.tensor([lb + [-100] * (n - len(lb)) for _, lb in items])
-        att = torch.tensor([[1] * len(i) + [0] * (n - len(i)) for i, _ in items])
-        return pm(input_ids=ids, attention_mask=att, labels=lab).loss
-
-    def set_trainee(sd: dict[str, np.ndarray]) -> None:
-        res = set_peft_model_state_dict(
-            pm, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}, adapter_name="trainee"
-        )
-        assert not res.unexpected_keys
-
-    def trainee_state() -> dict[str, np.ndarray]:
-        return {
-            k: v.detach().float().numpy().copy()
-            for k, v in get_peft_model_state_dict(pm, adapter_name="trainee").items()
-        }
-
-    @torch.no_grad()
-    def eval_loss(adapter: str | None) -> dict[str, float]:
-        pm.eval()
-        out = {}
-        for d in domains:
-            tot = n = 0.0
-            items = enc[d][1]
-            for i in range(0, len(items), 8):
-                chunk = items[i : i + 8]
-                tokens = sum(sum(1 for x in lb if x != -100) for _, lb in chunk)
-                if adapter is None:
-                    with pm.disable_adapter():
-                        loss = batch_loss(chunk)
-                else:
-                    pm.set_adapter(adapter)
-                    loss = batch_loss(chunk)
-                tot += float(loss) * tokens
-                n += tokens
-            out[d] = tot / n
-        return out
-
-    def train_local(start: dict[str, np.ndarray], d: str, round_i: int) -> dict[str, np.ndarray]:
-        set_trainee(start)
-        pm.set_adapter("trainee")
-        params = [p for n, p in pm.named_parameters() if "trainee" in n]
-        for p in params:
-            p.requires_grad_(True)
-        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-        g = np.random.default_rng(round_i * 100 + domains.index(d))
-        items = enc[d][0]
-        pm.train()
-        for _ in range(args.steps):
-            batch = [items[j] for j in g.choice(len(items), size=args.batch, replace=False)]
-            loss = batch_loss(batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        pm.eval()
-        for p in params:
-            p.requires_grad_(False)
-        return trainee_state()
-
-    def set_stacked(ups: list[WeightedUpdate]) -> None:
-        w = np.array([u.weight for u in ups], dtype=np.float64)
-        w /= w.sum()
-        sd = {}
-        for k in ups[0].tensors:
-            if k.endswith("lora_A.weight"):
-                sd[k] = np.vstack([u.tensors[k] for u in ups]).astype(np.float32)
-            else:
-                sd[k] = np.hstack([p * u.tensors[k] for p, u in zip(w, ups, strict=True)]).astype(np.float32)
-        res = set_peft_model_state_dict(
-            pm, {k: torch.from_numpy(v) for k, v in sd.items()}, adapter_name="stacked"
-        )
-        assert not res.unexpected_keys
-
-    base = trainee_state()  # PEFT's init: A random, B = 0
+    lab = PeftLab.load(args, list(MODULES))
+    base = lab.trainee_state()  # PEFT's init: A random, B = 0
     report: dict = {
         "mode": "real",
-        "domains": domains,
+        "domains": lab.domains,
         "steps": args.steps,
         "lr": args.lr,
         "batch": args.batch,
         "rounds": [],
     }
-    base_loss = eval_loss(None)
+    base_loss = lab.eval_loss(None)
     print(f"base model held-out loss: {fmt(base_loss)}", flush=True)
     for rnd in range(args.rounds):
-        t0 = time.perf_counter()
-        ups = [WeightedUpdate(d, train_local(base, d, rnd), float(len(enc[d][0]))) for d in domains]
-        t_train = time.perf_counter() - t0
-        row: dict = {"round": rnd + 1, "train_seconds": t_train, "base_model": base_loss, "local_only": {}}
-        for u in ups:
-            set_trainee(u.tensors)
-            row["local_only"][u.replica_id] = eval_loss("trainee")
-        aggs = {}
-        for name, fn in (("fedavg", fedavg), ("product_svd", product_svd)):
-            t1 = time.perf_counter()
-            aggs[name] = fn(ups)
-            dt = time.perf_counter() - t1
-            err = product_error(aggs[name], ups, base)
-            set_trainee(aggs[name])
-            row[name] = {"seconds": dt, **err, "loss": eval_loss("trainee")}
-        set_stacked(ups)
-        row["exact_average"] = {"loss": eval_loss("stacked")}
+        row, aggs = real_round(lab, args, base, rnd, base_loss)
         report["rounds"].append(row)
-        print(f"round {rnd + 1} (local training {t_train:.0f}s)", flush=True)
-        for d, u in zip(domains, ups, strict=True):
-            print(f"  local-only {d:17} {fmt(row['local_only'][u.replica_id])}")
-        for name in ("fedavg", "product_svd"):
-            x = row[name]
-            ms = x["seconds"] * 1e3
-            print(f"  {name:11} rel_delta={x['rel_delta']:.4f} agg={ms:.0f}ms loss {fmt(x['loss'])}")
-        print(f"  exact avg   loss {fmt(row['exact_average']['loss'])}", flush=True)
+        print_round(row, lab.domains)
         base = aggs[args.follow]
     return report
+
+
+def real_round(
+    lab: PeftLab, args: argparse.Namespace, base: dict[str, np.ndarray], rnd: int, base_loss: dict[str, float]
+) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
+    """Round `rnd` (from 0) from `base`: each domain's local training, then the held-out losses of each
+    local update, of each aggregate (with its distances and time) and of the exact average, beside the
+    base model's `base_loss`; and the aggregates."""
+    t0 = time.perf_counter()
+    ups = [
+        WeightedUpdate(
+            d, lab.train_local(base, d, rnd, args.steps, args.batch, args.lr), float(len(lab.enc[d][0]))
+        )
+        for d in lab.domains
+    ]
+    t_train = time.perf_counter() - t0
+    row: dict = {"round": rnd + 1, "train_seconds": t_train, "base_model": base_loss, "local_only": {}}
+    for u in ups:
+        lab.set_trainee(u.tensors)
+        row["local_only"][u.replica_id] = lab.eval_loss("trainee")
+    aggs = {}
+    for name, fn in (("fedavg", fedavg), ("product_svd", product_svd)):
+        t1 = time.perf_counter()
+        aggs[name] = fn(ups)
+        dt = time.perf_counter() - t1
+        err = product_error(aggs[name], ups, base)
+        lab.set_trainee(aggs[name])
+        row[name] = {"seconds": dt, **err, "loss": lab.eval_loss("trainee")}
+    lab.set_stacked(ups)
+    row["exact_average"] = {"loss": lab.eval_loss("stacked")}
+    return row, aggs
+
+
+def print_round(row: dict, domains: list[str]) -> None:
+    """A round's losses (and the aggregates' distances and times), one line each."""
+    print(f"round {row['round']} (local training {row['train_seconds']:.0f}s)", flush=True)
+    for d in domains:
+        print(f"  local-only {d:17} {fmt(row['local_only'][d])}")
+    for name in ("fedavg", "product_svd"):
+        x = row[name]
+        ms = x["seconds"] * 1e3
+        print(f"  {name:11} rel_delta={x['rel_delta']:.4f} agg={ms:.0f}ms loss {fmt(x['loss'])}")
+    print(f"  exact avg   loss {fmt(row['exact_average']['loss'])}", flush=True)
 
 
 def fmt(losses: dict[str, float]) -> str:

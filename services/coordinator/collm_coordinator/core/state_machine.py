@@ -86,7 +86,37 @@ class CoordinatorCore:
                 self._next_fast_s = float("-inf")
 
     def on_tick(self, now_s: float, inputs: TickInputs) -> Decisions:
+        """Ingest `inputs`, run the loops due at `now_s` (the slow one first), and return what they
+        decided with the time of the next tick wanted."""
         cfg = self.config
+        st = self.state
+        self._ingest(now_s, inputs)
+        assert self._next_fast_s is not None
+        fast_due = now_s >= self._next_fast_s - 1e-9
+        slow_due = self._next_slow_s is not None and now_s >= self._next_slow_s - 1e-9
+        if fast_due:
+            dt = cfg.fast_interval_s if self._last_fast_s is None else now_s - self._last_fast_s
+            st.target.update(dt)
+        view = st.view(now_s, record_history=fast_due)
+        slow = self._slow_loop(view, now_s, slow_due=slow_due, fast_due=fast_due)
+        if slow is not None:
+            view = st.view(now_s, record_history=False)  # the fast loop sees the new plan's shares
+        fast = self._fast_loop(view, now_s) if fast_due or slow is not None else None
+        decisions = Decisions(
+            now_s=now_s,
+            policy=self._policy.name,
+            fast=fast,
+            slow=slow,
+            next_tick_s=min(self._next_fast_s, self._next_slow_s or self._next_fast_s),
+            diagnostics=_diagnostics(view, tuple(st.notes)),
+            creates=self._creations(view, now_s) if fast_due else (),
+        )
+        self.last = decisions
+        return decisions
+
+    def _ingest(self, now_s: float, inputs: TickInputs) -> None:
+        """Fold `inputs` into the cluster state, expire what is stale at `now_s`, queue the adapters whose
+        round closed its collection for the next fast tick, and start the loops' cadences."""
         st = self.state
         st.notes.clear()
         for obs in inputs.telemetry:
@@ -103,80 +133,70 @@ class CoordinatorCore:
         if self._next_fast_s is None:
             self._next_fast_s = now_s
         if self._next_slow_s is None and st.latest:
-            self._next_slow_s = now_s + cfg.warmup_s
+            self._next_slow_s = now_s + self.config.warmup_s
 
-        fast_due = now_s >= self._next_fast_s - 1e-9
-        slow_due = self._next_slow_s is not None and now_s >= self._next_slow_s - 1e-9
-        if fast_due:
-            dt = cfg.fast_interval_s if self._last_fast_s is None else now_s - self._last_fast_s
-            st.target.update(dt)
-        view = st.view(now_s, record_history=fast_due)
-
-        slow: SlowDecision | None = None
-        catch_up = (
-            ()
-            if slow_due or not fast_due
-            else tuple(sorted({*_now_ready(view, self._waiting), *_risk_cleared(view, self._risk_waiting)}))
-        )
-        if slow_due or catch_up:
-            if slow_due:
-                slow = self._policy.slow(view)
-                assert self._next_slow_s is not None
-                self._next_slow_s = _next_due(self._next_slow_s, cfg.slow_interval_s, now_s)
-                self._waiting = _not_ready(view)
-                self._risk_waiting = _held_by_risk(view, {p.adapter for p in slow.plans})
-            else:
-                only = {a: view.adapter_domains[a] for a in catch_up}
-                slow = self._policy.slow(replace(view, adapter_domains=only))
-                self._waiting = self._waiting - set(catch_up)
-                # One caught up while all its data holders are at risk now waits for the risk to clear.
-                held = _held_by_risk(view, {p.adapter for p in slow.plans}) & set(catch_up)
-                self._risk_waiting = (self._risk_waiting - set(catch_up)) | held
-            for plan in slow.plans:
-                st.add_plan(
-                    plan,
-                    {
-                        p.replica_id: view.data_tokens.get((p.replica_id, plan.adapter), 0.0)
-                        for p in plan.participants
-                    },
-                )
-            self.last_slow = slow
-            view = st.view(now_s, record_history=False)  # the fast loop sees the new plan's shares
-
-        fast: FastDecision | None = None
-        if fast_due or slow is not None:
-            fast = self._policy.fast(view)
-            st.shares = {s.replica_id: s.share for s in fast.shares}
-            for rid in view.stale:
-                st.shares.pop(rid, None)
-            self._last_fast_s = now_s
-            self._next_fast_s = _next_due(
-                max(self._next_fast_s, now_s - cfg.fast_interval_s), cfg.fast_interval_s, now_s
+    def _slow_loop(
+        self, view: ClusterView, now_s: float, *, slow_due: bool, fast_due: bool
+    ) -> SlowDecision | None:
+        """The slow loop when it is due, else at a fast tick the catch-up of the adapters that became
+        ready (module docstring); its plans are added to the state. None when neither runs."""
+        if slow_due:
+            slow = self._scheduled_slow(view, now_s)
+        elif fast_due:
+            catch_up = tuple(
+                sorted({*_now_ready(view, self._waiting), *_risk_cleared(view, self._risk_waiting)})
             )
-            self.last_fast = fast
+            if not catch_up:
+                return None
+            slow = self._catch_up_slow(view, catch_up)
+        else:
+            return None
+        for plan in slow.plans:
+            self.state.add_plan(
+                plan,
+                {
+                    p.replica_id: view.data_tokens.get((p.replica_id, plan.adapter), 0.0)
+                    for p in plan.participants
+                },
+            )
+        self.last_slow = slow
+        return slow
 
-        diag = Diagnostics(
-            live=tuple(sorted(view.live)),
-            stale=view.stale,
-            arrivals_per_s=view.arrivals_now_per_s,
-            demand=view.demand_now,
-            attainment=view.attainment,
-            virtual_queue=view.virtual_queue,
-            headroom=view.headroom,
-            spend=view.spend,
-            notes=tuple(st.notes),
+    def _scheduled_slow(self, view: ClusterView, now_s: float) -> SlowDecision:
+        """The slow loop at its cadence, over every adapter; records which ones wait for a catch-up."""
+        slow = self._policy.slow(view)
+        assert self._next_slow_s is not None
+        self._next_slow_s = _next_due(self._next_slow_s, self.config.slow_interval_s, now_s)
+        self._waiting = _not_ready(view)
+        self._risk_waiting = _held_by_risk(view, {p.adapter for p in slow.plans})
+        return slow
+
+    def _catch_up_slow(self, view: ClusterView, catch_up: tuple[str, ...]) -> SlowDecision:
+        """The slow loop over the `catch_up` adapters alone; they leave the waiting sets unless all their
+        data holders are at risk now."""
+        only = {a: view.adapter_domains[a] for a in catch_up}
+        slow = self._policy.slow(replace(view, adapter_domains=only))
+        self._waiting = self._waiting - set(catch_up)
+        # One caught up while all its data holders are at risk now waits for the risk to clear.
+        held = _held_by_risk(view, {p.adapter for p in slow.plans}) & set(catch_up)
+        self._risk_waiting = (self._risk_waiting - set(catch_up)) | held
+        return slow
+
+    def _fast_loop(self, view: ClusterView, now_s: float) -> FastDecision:
+        """The fast loop: the replicas' shares (none for stale ones), and its next due time."""
+        cfg = self.config
+        st = self.state
+        fast = self._policy.fast(view)
+        st.shares = {s.replica_id: s.share for s in fast.shares}
+        for rid in view.stale:
+            st.shares.pop(rid, None)
+        self._last_fast_s = now_s
+        assert self._next_fast_s is not None
+        self._next_fast_s = _next_due(
+            max(self._next_fast_s, now_s - cfg.fast_interval_s), cfg.fast_interval_s, now_s
         )
-        decisions = Decisions(
-            now_s=now_s,
-            policy=self._policy.name,
-            fast=fast,
-            slow=slow,
-            next_tick_s=min(self._next_fast_s, self._next_slow_s or self._next_fast_s),
-            diagnostics=diag,
-            creates=self._creations(view, now_s) if fast_due else (),
-        )
-        self.last = decisions
-        return decisions
+        self.last_fast = fast
+        return fast
 
     def _creations(self, view: ClusterView, now_s: float) -> tuple[AdapterCreation, ...]:
         out = []
@@ -191,6 +211,21 @@ class CoordinatorCore:
             self._create_asked[adapter] = now_s
             out.append(AdapterCreation(adapter, holders[0]))
         return tuple(out)
+
+
+def _diagnostics(view: ClusterView, notes: tuple[str, ...]) -> Diagnostics:
+    """What a tick reports about the cluster view it acted on."""
+    return Diagnostics(
+        live=tuple(sorted(view.live)),
+        stale=view.stale,
+        arrivals_per_s=view.arrivals_now_per_s,
+        demand=view.demand_now,
+        attainment=view.attainment,
+        virtual_queue=view.virtual_queue,
+        headroom=view.headroom,
+        spend=view.spend,
+        notes=notes,
+    )
 
 
 def _not_ready(view: ClusterView) -> frozenset[str]:
