@@ -52,8 +52,8 @@ import torch
 from torch.profiler import ProfilerActivity, record_function
 from torch.profiler import profile as torch_profile
 
+import collm_replica.engine.batcher as batcher_mod
 import collm_replica.engine.executor as executor_mod
-import collm_replica.engine.loop as loop_mod
 from collm_bench.engine.common import (
     greedy,
     load_smollm2,
@@ -198,15 +198,15 @@ def range_cost_us(n: int = 5000) -> float:
 @contextmanager
 def ranges(eng: Engine) -> Iterator[None]:
     """`record_function` ranges around the engine's own methods while profiling: instance attributes of
-    the engine, its executor and its LoRA bank, and the planner and paged attention names of their
+    the engine core, its executor and its LoRA bank, and the planner and paged attention names of their
     modules, all put back on exit."""
 
-    ex, bank = eng.executor, eng.bank
+    core, ex, bank = eng.core, eng.executor, eng.bank
     methods: list[tuple[Any, str, str]] = [
-        (eng, "_execute", "execute"),
-        (eng, "_decide_background", "background"),
-        (eng, "_sample", "sample"),
-        (eng, "_on_token", "emit"),
+        (core, "_execute", "execute"),
+        (core, "_decide_background", "background"),
+        (core, "_sample", "sample"),
+        (core, "_on_token", "emit"),
         (ex, "forward", "forward"),
         (ex, "_layer", "layer"),
         (ex, "_proj", "proj"),
@@ -225,17 +225,17 @@ def ranges(eng: Engine) -> Iterator[None]:
             with record_function(PREFIX + "attention"):
                 return super().__call__(*args)
 
-    plan = loop_mod.plan_iteration
+    plan = batcher_mod.plan_iteration
     for obj, attr, label in methods:
         setattr(obj, attr, _ranged(label, getattr(obj, attr)))
-    loop_mod.plan_iteration = _ranged("plan", plan)
+    batcher_mod.plan_iteration = _ranged("plan", plan)
     executor_mod.PagedAttention = Attention
     try:
         yield
     finally:
         for obj, attr, _ in methods:
             vars(obj).pop(attr)
-        loop_mod.plan_iteration = plan
+        batcher_mod.plan_iteration = plan
         executor_mod.PagedAttention = base_attention
 
 

@@ -36,18 +36,20 @@ AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 class KVPool:
     """The paged KV cache's storage: for every layer, keys and values of `num_blocks * block_size` token
     slots (`[layers, kv_heads, slots, head_dim]` each: head-major, so the keys a step gathers for a
-    head lie contiguous per sequence), handed out in blocks by a `BlockManager`.
+    head lie contiguous per sequence), handed out in blocks by `blocks`, the `BlockManager` of whoever
+    allocates them (the engine's scheduler, `batcher.Batcher`).
 
     The tensors are allocated uninitialised: the OS maps a page when it is first written, and blocks are
     handed out lowest first, so resident memory follows the blocks in use, not the pool's size (with
-    `caching`, the blocks in use and the cached ones: `kv.BlockManager`)."""
+    caching, the blocks in use and the cached ones: `kv.BlockManager`)."""
 
     def __init__(
-        self, n_layers: int, n_kv: int, head_dim: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device, caching: bool = False,
+        self, n_layers: int, n_kv: int, head_dim: int, blocks: BlockManager, dtype: torch.dtype,
+        device: torch.device,
     ) -> None:  # fmt: skip
-        self.blocks = BlockManager(num_blocks, block_size, caching)
-        self.block_size = block_size
+        self.blocks = blocks
+        self.block_size = block_size = blocks.block_size
+        num_blocks = blocks.num_blocks
         # One block more than the manager hands out, zeroed: the slot padded keys read (`null_slot`), so
         # a masked key never brings uninitialised memory (a NaN there would survive its zero weight).
         shape = (n_layers, n_kv, (num_blocks + 1) * block_size, head_dim)
@@ -240,11 +242,14 @@ class Executor:
 
     # --- KV ------------------------------------------------------------------------------------------
     def init_kv_pool(self, num_blocks: int, block_size: int = 16, caching: bool = False) -> KVPool:
-        """Give this executor its paged KV pool (replacing any earlier one, whose handles stay valid);
-        `caching`: released registered blocks stay cached (the prefix cache, `kv.BlockManager`)."""
-        self.kv_pool = KVPool(
-            self.n_layers, self.n_kv, self.head_dim, num_blocks, block_size, self.dtype, self.device, caching
-        )
+        """Give this executor a paged KV pool of `num_blocks` blocks with a block manager of its own
+        (`attach_kv_pool`); `caching`: released registered blocks stay cached (`kv.BlockManager`)."""
+        return self.attach_kv_pool(BlockManager(num_blocks, block_size, caching))
+
+    def attach_kv_pool(self, blocks: BlockManager) -> KVPool:
+        """Give this executor its paged KV pool: the keys' and values' tensors of the blocks `blocks`
+        hands out (replacing any earlier pool, whose handles stay valid)."""
+        self.kv_pool = KVPool(self.n_layers, self.n_kv, self.head_dim, blocks, self.dtype, self.device)
         return self.kv_pool
 
     def new_kv(self, limit_tokens: int, initial_tokens: int | None = None) -> SeqKV:
