@@ -323,16 +323,10 @@ def _health(args: argparse.Namespace) -> int:
 
 
 # --- parser ---------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    env = _env_defaults()
-    p = argparse.ArgumentParser(prog="collm", description="Run and operate a CoLLM stack.")
-    p.add_argument("--nats-url", default=env.nats_url, help="NATS URL (default: $COLLM_NATS_URL or local)")
-    p.add_argument("--redis-url", default=env.redis_url, help="Redis URL of the adapter store")
-    p.add_argument("--redis-prefix", default=env.redis_prefix, help="key prefix of the adapter store")
-    p.set_defaults(nats_user=env.nats_user, nats_password=env.nats_password, json=False, timeout=1.0)
-
-    # The same options after the subcommand (`collm status --nats-url ...`); SUPPRESS keeps a value
-    # given before the subcommand from being overwritten by a default.
+def _common_options() -> argparse.ArgumentParser:
+    """The connection and output options every subcommand takes after its name (`collm status
+    --nats-url ...`); SUPPRESS keeps a value given before the subcommand from being overwritten by a
+    default."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--nats-url", default=argparse.SUPPRESS)
     common.add_argument("--redis-url", default=argparse.SUPPRESS)
@@ -341,9 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--timeout", type=float, default=argparse.SUPPRESS, help="seconds to wait for each answer (1)"
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    return common
 
-    up = sub.add_parser("up", parents=[common], help="start the whole stack as local processes")
+
+def _add_up_stack(up: argparse.ArgumentParser) -> None:
+    """`collm up`: what the stack runs (replicas, model, gateway, policy, data)."""
     up.add_argument("--replicas", type=int, default=2, help="number of replicas (ids r0, r1, ...)")
     up.add_argument(
         "--model", default="smollm2", help="smollm2 (default), tiny, an HF directory or a .gguf file"
@@ -376,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="no demo data: the bare server (replicas without local data train nothing)",
     )
     up.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica")
+
+
+def _add_up_servers(up: argparse.ArgumentParser) -> None:
+    """`collm up`: its own NATS and Redis, logs, metrics and traces."""
     up.add_argument(
         "--run-dir",
         default=".collm/run",
@@ -406,8 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--otlp-endpoint", default=None, help="export traces over OTLP/HTTP, e.g. http://127.0.0.1:4318"
     )
-    up.set_defaults(func=_up)
 
+
+def _add_status(sub: Any, common: argparse.ArgumentParser) -> None:
     status = sub.add_parser("status", parents=[common], help="live table of the cluster (Ctrl-C quits)")
     status.add_argument("--once", action="store_true", help="print one frame and exit")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
@@ -418,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.set_defaults(func=_status)
 
+
+def _add_adapters_and_rounds(sub: Any, common: argparse.ArgumentParser) -> None:
     adapters = sub.add_parser("adapters", help="adapter versions (store) and rollback (aggregator)")
     averbs = adapters.add_subparsers(dest="verb", required=True)
     averbs.add_parser("list", parents=[common], help="every adapter with its current version")
@@ -441,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     rshow.add_argument("round_id", type=int)
     rounds.set_defaults(func=_rounds)
 
+
+def _add_micro_and_wire(sub: Any, common: argparse.ArgumentParser) -> None:
     micro = sub.add_parser("micro", parents=[common], help="NATS micro services: ls, info, stats")
     micro.add_argument("verb", choices=["ls", "info", "stats"])
     micro.add_argument("name", nargs="?", default=None, help="service name, e.g. collm-replica")
@@ -460,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("type", nargs="?", default=None, help="validate as this type (default: raw map)")
     wire.set_defaults(func=_wire)
 
+
+def _add_health(sub: Any, common: argparse.ArgumentParser) -> None:
     health = sub.add_parser("health", help="health probes for containers (exit 0 when healthy)")
     hverbs = health.add_subparsers(dest="verb", required=True)
     hhttp = hverbs.add_parser("http", parents=[common], help="HTTP 200 from URL")
@@ -468,6 +475,25 @@ def build_parser() -> argparse.ArgumentParser:
     hmicro.add_argument("target", metavar="NAME")
     hmicro.add_argument("--meta", action="append", metavar="KEY=VALUE", help="required metadata")
     health.set_defaults(func=_health, timeout=2.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = _env_defaults()
+    p = argparse.ArgumentParser(prog="collm", description="Run and operate a CoLLM stack.")
+    p.add_argument("--nats-url", default=env.nats_url, help="NATS URL (default: $COLLM_NATS_URL or local)")
+    p.add_argument("--redis-url", default=env.redis_url, help="Redis URL of the adapter store")
+    p.add_argument("--redis-prefix", default=env.redis_prefix, help="key prefix of the adapter store")
+    p.set_defaults(nats_user=env.nats_user, nats_password=env.nats_password, json=False, timeout=1.0)
+    common = _common_options()
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", parents=[common], help="start the whole stack as local processes")
+    _add_up_stack(up)
+    _add_up_servers(up)
+    up.set_defaults(func=_up)
+    _add_status(sub, common)
+    _add_adapters_and_rounds(sub, common)
+    _add_micro_and_wire(sub, common)
+    _add_health(sub, common)
     return p
 
 

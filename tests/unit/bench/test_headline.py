@@ -13,9 +13,10 @@ import pytest
 
 from collm_bench.goodput import summarize
 from collm_bench.headline import setup
-from collm_bench.headline.cli import _probe_note, build_parser, config_from_args, main, parse_rates
+from collm_bench.headline.cli import build_parser, config_from_args, main, parse_rates
 from collm_bench.headline.config import HeadlineConfig
 from collm_bench.headline.live import Observer, Phases, parse_counter, stack_config
+from collm_bench.headline.outputs import probe_note
 from collm_bench.headline.predict import cost_band, drain_cut, sim_config, simulate_run, workload_spec
 from collm_bench.headline.rates import BestBaseline, grid_counts, search_rate
 from collm_bench.headline.table import compact, compare, markdown
@@ -307,19 +308,19 @@ def test_arguments_override_the_presets() -> None:
 def test_speed_probe_is_on_by_default_and_reported_in_the_header() -> None:
     assert HeadlineConfig().speed_probe
     assert not config_from_args(build_parser().parse_args(["--no-speed-probe"])).speed_probe
-    assert _probe_note({"calibration": {"path": "x"}}) == "" and _probe_note({"calibration": None}) == ""
-    note = _probe_note({"calibration": {"speed_probe": {"factor": 1.234}}})
+    assert probe_note({"calibration": {"path": "x"}}) == "" and probe_note({"calibration": None}) == ""
+    note = probe_note({"calibration": {"speed_probe": {"factor": 1.234}}})
     assert "1.23x the calibration's" in note and "after" not in note
     # With --probe-after, the second probe's figure is said beside the first.
     assert not HeadlineConfig().speed_probe_after
     assert config_from_args(build_parser().parse_args(["--probe-after"])).speed_probe_after
     probes = {"speed_probe": {"factor": 1.234}, "speed_probe_after": {"factor": 1.5}}
-    both = _probe_note({"calibration": probes})
+    both = probe_note({"calibration": probes})
     assert "1.23x the calibration's (median) in a probe before the runs" in both
     assert "1.50x in one after them" in both and "scaled by that" in both
     # Costs scaled by kind say so, with each kind's factor (as results.json holds them: batch keys in text).
     kinds = {"prefill": 0.8, "decode": {"16": 1.05, "1": 0.98}, "train": 0.78}
-    by_kind = _probe_note({"calibration": {"speed_probe": {"factor": 0.79, "kind_factors": kinds}}})
+    by_kind = probe_note({"calibration": {"speed_probe": {"factor": 0.79, "kind_factors": kinds}}})
     assert "scaled by kind: prefill 0.80, decode at batch 1 / 16 0.98 / 1.05, training 0.78" in by_kind
 
 

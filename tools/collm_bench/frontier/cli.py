@@ -50,14 +50,8 @@ def _floats(text: str | None, default: Sequence[float]) -> tuple[float, ...]:
         raise ValueError(f"want comma-separated numbers (got {text!r})") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m collm_bench frontier",
-        description="Each coordinator policy's trade-off curve (goodput and attainment against fine-tuning "
-        "tokens and served quality gain) over its knob grid, each policy's Pareto frontier, and the goals.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
+def _add_what_and_where(p: argparse.ArgumentParser) -> None:
+    """The mode (simulated, live, a result file's table or agreement) and the setup every mode shares."""
     p.add_argument("--sim", action="store_true", help="the simulator (default: the live stack)")
     p.add_argument("--render", type=Path, default=None, help="table and figure of a result file")
     p.add_argument(
@@ -71,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", choices=("async", "sync"), default=None, help="the coordinator's round mode")
     p.add_argument("--round-s", type=float, default=None, help="round deadline (s); slow interval 5 s longer")
     p.add_argument("--traces-dir", type=Path, default=None)
+
+
+def _add_load(p: argparse.ArgumentParser) -> None:
+    """The offered rate, and the step-load and robustness runs."""
     p.add_argument("--load", type=float, default=0.5, help="rate as a fraction of the capacity estimate")
     p.add_argument("--rate", type=float, default=None, help="offered rate (req/s), instead of --load")
     p.add_argument(
@@ -101,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="with --robustness: the frontier whose points choose fixed_ratio's K and separate's split",
     )
+
+
+def _add_grid(p: argparse.ArgumentParser) -> None:
+    """The policies and their knob grids, and the run's other settings."""
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     p.add_argument(
         "--fixed-shares", default=None, help="fixed_ratio's training shares (0.05,0.1,0.2,0.333,0.5)"
@@ -113,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", type=Path, default=None)
     p.add_argument("--jobs", type=int, default=None, help="simulated points at once (default: cores, <= 2)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
-    g = p.add_argument_group("live")
+
+
+def _add_live(g: argparse._ArgumentGroup) -> None:
+    """The live frontier's own flags."""
     g.add_argument("--model", default=None, help="smollm2 (default) or tiny")
     g.add_argument("--min-requests", type=int, default=None, help="per point; the window grows (100; tiny 4)")
     g.add_argument("--drain-s", type=float, default=None)
@@ -133,6 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the points of an earlier run of the same plan (its result file, or the results.json "
         "of its runs directory) and run only the knobs it lacks",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m collm_bench frontier",
+        description="Each coordinator policy's trade-off curve (goodput and attainment against fine-tuning "
+        "tokens and served quality gain) over its knob grid, each policy's Pareto frontier, and the goals.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    _add_what_and_where(p)
+    _add_load(p)
+    _add_grid(p)
+    _add_live(p.add_argument_group("live"))
     return p
 
 

@@ -25,12 +25,12 @@ from typing import IO, Any
 from collm_bench.headline import setup
 from collm_bench.headline.config import HeadlineConfig, tiny_preset
 from collm_bench.headline.live import LiveRunError, run_live
-from collm_bench.workload import Slo
+from collm_bench.workload import PlannedRequest, Slo
 from collm_common.calibration import Calibration
 
 from .curves import with_default_curves
 from .points import Knob, sized_window
-from .sim import SCHEMA, alone_rate, capacity_rps, max_batch, point_of
+from .sim import SCHEMA, alone_rate, max_batch, point_of
 
 # Per point beside its window and drain, measured on the default stack (2 SmolLM2 replicas, 2 cores):
 # stack start 12-17 s, v1 adapters and residency 3-5 s, read-out and stop 3-8 s.
@@ -134,7 +134,7 @@ def live_rate(
     if cfg.calibration is None or not Path(cfg.calibration).is_file():
         raise setup.SetupError("without --rate the rate comes from a calibration (--calibration FILE)")
     cal = Calibration.load(cfg.calibration)
-    cap = capacity_rps(cfg, cal, source)
+    cap = setup.capacity_rps(cfg, cal, source, max_batch())
     if live.alone_attainment is not None:
         cal, _ = with_default_curves(cal, cfg.domains)
         sim_cfg = dataclasses.replace(cfg, live=False, simulate=True)
@@ -181,9 +181,13 @@ def same_plan_config(cfg: HeadlineConfig, live: LiveFrontierConfig, rate: float,
     }
 
 
-def resume_from(prior: Mapping[str, Any], trace: str, config: Mapping[str, Any], knobs: Sequence[Knob]) -> (
-    tuple[dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any] | None]], dict[str, float] | None]
-):  # fmt: skip
+# (policy, knob label) -> (point, its run entry) of the points an earlier run lends this one.
+Kept = dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any] | None]]
+
+
+def resume_from(
+    prior: Mapping[str, Any], trace: str, config: Mapping[str, Any], knobs: Sequence[Knob]
+) -> tuple[Kept, dict[str, float] | None]:
     """The points of an earlier live run (a result file, or the `results.json` a run keeps in its runs
     directory after every point) that this run can keep: (policy, knob label) -> (point, its run entry)
     for the knobs of this grid it holds, and its base losses. Raises ValueError when the earlier run
@@ -209,6 +213,81 @@ def resume_from(prior: Mapping[str, Any], trace: str, config: Mapping[str, Any],
     return kept, (dict(base) if base else None)
 
 
+def _resumed(
+    live: LiveFrontierConfig,
+    trace: str,
+    config: Mapping[str, Any],
+    knobs: Sequence[Knob],
+    say: Callable[[str], None],
+) -> tuple[Kept, dict[str, float] | None]:
+    """The points and base losses kept from `live.resume` (`resume_from`); none without it."""
+    if live.resume is None:
+        return {}, None
+    prior = json.loads(Path(live.resume).read_text(encoding="utf-8"))
+    try:
+        kept, base = resume_from(prior, trace, config, knobs)
+    except ValueError as exc:
+        raise setup.SetupError(f"--resume {live.resume}: {exc}") from exc
+    say(f"kept {len(kept)} of {len(knobs)} points from {live.resume}")
+    return kept, base
+
+
+@dataclass
+class _Points:
+    """What every point of one live frontier shares, and the result file's content as it grows."""
+
+    cfg: HeadlineConfig
+    plan: Sequence[PlannedRequest]
+    datasets: dict[str, Path]
+    root: Path
+    results: dict[str, Any]
+    base: dict[str, float] | None
+    say: Callable[[str], None]
+    err: IO[str]
+
+    def keep(self, knob: Knob, point: dict[str, Any], run: dict[str, Any] | None) -> None:
+        """A point kept from an earlier run."""
+        self.results["points"].append(point)
+        self.results["runs"].append({**(run or {"policy": knob.policy, "knob": knob.label}), "resumed": True})
+
+    def run(self, i: int, knob: Knob) -> bool:
+        """Point `i` on a fresh stack; whether it ran (its failure is recorded and said)."""
+        run_dir = self.root / f"{i:02d}-{knob.policy}"
+        self.say(f"{knob.policy} {knob.label} ...")
+        t_point = time.monotonic()
+        try:
+            data = setup.replica_data(self.cfg, self.datasets, run_dir)
+            env = knob_env(knob)
+            res = run_live(self.cfg, knob.policy, self.plan, data, run_dir, self.err, self.base, env)
+        except (LiveRunError, OSError) as exc:
+            self.results["runs"].append({"policy": knob.policy, "knob": knob.label, "error": str(exc)})
+            self.say(f"  FAILED: {exc}")
+            return False
+        self.base = self.base or dict(res["base_losses"])
+        p = point_of(knob, res["summary"], res["ft_tokens"])
+        self.results["points"].append(p.as_dict())
+        self.results["runs"].append(
+            {
+                "policy": knob.policy,
+                "knob": knob.label,
+                "rounds": res["rounds"],
+                "quality_gain_end_nats": res["summary"]["quality"].get("final_quality_gain"),
+                "wall_s": round(time.monotonic() - t_point, 1),
+                "run_dir": str(run_dir),
+            }
+        )
+        (self.root / "results.json").write_text(
+            json.dumps({**self.results, "base_losses": self.base}, indent=1, default=str) + "\n",
+            encoding="utf-8",
+        )
+        self.say(
+            f"  attainment {p.slo_attainment or 0:.3f}, goodput {p.goodput_rps or 0:.3f} req/s, ft tokens "
+            f"{p.finetune_tokens or 0:.0f}, quality gain {p.quality_gain_nats or 0:.4f} "
+            f"({time.monotonic() - t_point:.0f} s)"
+        )
+        return True
+
+
 def live_frontier(
     cfg: HeadlineConfig,
     live: LiveFrontierConfig,
@@ -226,15 +305,7 @@ def live_frontier(
     slo = setup.slo_for(cfg, source, cal, max_batch())
     rate, how = live_rate(cfg, live, source, slo, say)
     cfg = sized_plan(cfg, source, rate, live.min_requests)
-    kept: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any] | None]] = {}
-    base: dict[str, float] | None = None
-    if live.resume is not None:
-        prior = json.loads(Path(live.resume).read_text(encoding="utf-8"))
-        try:
-            kept, base = resume_from(prior, source.name, same_plan_config(cfg, live, rate, slo), knobs)
-        except ValueError as exc:
-            raise setup.SetupError(f"--resume {live.resume}: {exc}") from exc
-        say(f"kept {len(kept)} of {len(knobs)} points from {live.resume}")
+    kept, base = _resumed(live, source.name, same_plan_config(cfg, live, rate, slo), knobs, say)
     root = (live.runs_dir or Path(cfg.out_dir).parent / "frontier-runs") / time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     datasets = setup.prepare_data(cfg, root / "data")
@@ -262,45 +333,13 @@ def live_frontier(
     }
     if live.resume is not None:
         results["config"]["resumed_from"] = str(live.resume)
+    points = _Points(cfg, plan, datasets, root, results, base, say, err)
     failed = 0
     for i, knob in enumerate([] if live.dry_run else knobs):
         if (knob.policy, knob.label) in kept:
-            point, run = kept[(knob.policy, knob.label)]
-            results["points"].append(point)
-            results["runs"].append({**(run or {"policy": knob.policy, "knob": knob.label}), "resumed": True})
-            continue
-        run_dir = root / f"{i:02d}-{knob.policy}"
-        say(f"{knob.policy} {knob.label} ...")
-        t_point = time.monotonic()
-        try:
-            data = setup.replica_data(cfg, datasets, run_dir)
-            res = run_live(cfg, knob.policy, plan, data, run_dir, err, base, knob_env(knob))
-        except (LiveRunError, OSError) as exc:
+            points.keep(knob, *kept[(knob.policy, knob.label)])
+        elif not points.run(i, knob):
             failed += 1
-            results["runs"].append({"policy": knob.policy, "knob": knob.label, "error": str(exc)})
-            say(f"  FAILED: {exc}")
-            continue
-        base = base or dict(res["base_losses"])
-        p = point_of(knob, res["summary"], res["ft_tokens"])
-        results["points"].append(p.as_dict())
-        results["runs"].append(
-            {
-                "policy": knob.policy,
-                "knob": knob.label,
-                "rounds": res["rounds"],
-                "quality_gain_end_nats": res["summary"]["quality"].get("final_quality_gain"),
-                "wall_s": round(time.monotonic() - t_point, 1),
-                "run_dir": str(run_dir),
-            }
-        )
-        (root / "results.json").write_text(
-            json.dumps({**results, "base_losses": base}, indent=1, default=str) + "\n", encoding="utf-8"
-        )
-        say(
-            f"  attainment {p.slo_attainment or 0:.3f}, goodput {p.goodput_rps or 0:.3f} req/s, ft tokens "
-            f"{p.finetune_tokens or 0:.0f}, quality gain {p.quality_gain_nats or 0:.4f} "
-            f"({time.monotonic() - t_point:.0f} s)"
-        )
-    results["base_losses"] = base
+    results["base_losses"] = points.base
     results["wall_s"] = round(time.monotonic() - t0, 1)
     return results, failed

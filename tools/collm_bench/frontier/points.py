@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from collm_bench.headline.config import BASELINES, CO_LOCATED
+from collm_bench.headline.rate_search import geometric_bisection, search
 
 SERVING_ALONE = "serving_only"
 METRICS = ("slo_attainment", "goodput_rps", "finetune_tokens", "quality_gain_nats")
@@ -461,28 +462,15 @@ def rate_for_attainment(
 ) -> tuple[float, list[tuple[float, float]]]:
     """The highest fraction of the capacity estimate at which `attains(fraction)` (serving alone's SLO
     attainment there) is at least `target`, by geometric bisection between `lo` and `hi` in `steps`
-    halvings of the log range (the answer is within a factor (hi/lo) ** (1/2**steps) of the crossing):
-    (the fraction, every (fraction, attainment) tried). `hi` itself when it attains the target; a
-    ValueError when even `lo` does not."""
+    halvings of the log range (`rate_search.search`, `geometric_bisection`: the answer is within a factor
+    (hi/lo) ** (1/2**steps) of the crossing): (the fraction, every (fraction, attainment) tried). `hi`
+    itself when it attains the target; a ValueError when even `lo` does not."""
     if not 0 < target <= 1 or not 0 < lo < hi:
         raise ValueError("target must be in (0, 1] and 0 < lo < hi")
-    tried: list[tuple[float, float]] = []
-
-    def ok(frac: float) -> bool:
-        a = attains(frac)
-        tried.append((frac, a))
-        return a >= target
-
-    if ok(hi):
-        return hi, tried
-    if not ok(lo):
+    crossing = search(attains, target, (lo, hi), geometric_bisection(steps))
+    if crossing.meets is None:
         raise ValueError(
-            f"serving alone attains {tried[-1][1]:.3f} < {target:g} even at {lo:g} x the capacity estimate"
+            f"serving alone attains {crossing.tried[-1][1]:.3f} < {target:g} even at {lo:g} x the capacity "
+            "estimate"
         )
-    for _ in range(steps):
-        mid = math.sqrt(lo * hi)
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, tried
+    return crossing.meets, crossing.tried

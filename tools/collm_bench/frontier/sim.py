@@ -4,7 +4,7 @@ Each point is `collm_bench.headline.predict.simulate_run` (the coordinator, gate
 co-schedulers' own code) with the headline's setup at `replicas` and a `window_s` slice of the trace,
 at one offered rate for every point: `--rate`; else, with `--alone-attainment A`, the rate at which the
 simulator says serving alone attains A (`alone_rate`); else `load` x the cluster's capacity estimate from
-the calibration (`headline.rates.capacity_estimate_rps`). SLOs, lengths, domains and cadences are the
+the calibration (`headline.setup.capacity_rps`). SLOs, lengths, domains and cadences are the
 headline's. Points run in `jobs` processes at once.
 """
 
@@ -20,7 +20,6 @@ from typing import Any
 
 from collm_bench.headline import setup
 from collm_bench.headline.config import HeadlineConfig
-from collm_bench.headline.rates import capacity_estimate_rps
 from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
 
@@ -34,21 +33,6 @@ def max_batch() -> int:
     from collm_replica.settings import ReplicaSettings
 
     return int(ReplicaSettings.model_fields["max_batch"].default)
-
-
-def capacity_rps(cfg: HeadlineConfig, cal: Calibration, source: setup.TraceSource) -> float:
-    """The cluster's capacity estimate for the slice's mean lengths (headline's rate search grid)."""
-    probe = setup.shapes(cfg, source, max(1.0, 200 / cfg.duration_s))
-    mb = max_batch()
-    return capacity_estimate_rps(
-        cal.cost.prefill_ms_per_token,
-        cal.cost.decode_ms(mb),
-        mb,
-        cal.cost.lora_overhead_frac_per_adapter,
-        sum(s.input_tokens for s in probe) / len(probe),
-        sum(s.output_tokens for s in probe) / len(probe),
-        cfg.replicas,
-    )
 
 
 def point_of(knob: Knob, summary: dict[str, Any], finetune_tokens: float) -> Point:
@@ -171,7 +155,7 @@ def sim_frontier(
     cal, defaulted = with_default_curves(Calibration.load(cfg.calibration), cfg.domains)
     (source,) = setup.resolve_sources(cfg)
     slo = setup.slo_for(cfg, source, cal, max_batch())
-    cap = capacity_rps(cfg, cal, source)
+    cap = setup.capacity_rps(cfg, cal, source, max_batch())
     rate, how = (
         (rate_rps, "given") if rate_rps is not None else (load * cap, f"{load:g} x the capacity estimate")
     )

@@ -2,7 +2,7 @@
 
     python -m collm_bench frontier --sim --step-load 0.3,0.7,0.3 --step-s 600     # 8 replicas, conv
 
-The offered rate steps through fractions of the capacity estimate (`frontier.sim.capacity_rps`), each
+The offered rate steps through fractions of the capacity estimate (`headline.setup.capacity_rps`), each
 held `step_s` seconds (each phase replays the trace from the same start at its rate); every knob runs the
 whole sequence in the simulator (the coordinator's, routing's and replicas' own code). Per minute of
 arrivals: attainment of the requests that arrived in it, and the coordinator's headroom, spend and total
@@ -139,12 +139,12 @@ def sim_setup(cfg: HeadlineConfig, what: str) -> tuple[float, Calibration, setup
         raise setup.SetupError(f"{what} needs a calibration (got {cfg.calibration})")
     from collm_coordinator.core import CoreConfig
 
-    from .sim import capacity_rps, max_batch
+    from .sim import max_batch
 
     cal, _ = with_default_curves(Calibration.load(cfg.calibration), cfg.domains)
     (source,) = setup.resolve_sources(cfg)
     slo = setup.slo_for(cfg, source, cal, max_batch())
-    return CoreConfig().attainment_target, cal, source, slo, capacity_rps(cfg, cal, source)
+    return CoreConfig().attainment_target, cal, source, slo, setup.capacity_rps(cfg, cal, source, max_batch())
 
 
 def step_load(

@@ -10,7 +10,11 @@ The simulator, given the same setup, predicts each run's goodput beside the live
     python -m collm_bench headline                      # the defaults: SmolLM2, 2 replicas, conv slice
     python -m collm_bench headline --model tiny         # a quick check of the whole pipeline
 
-Modules: `config` (every size, one dataclass), `setup` (trace, plan, SLOs, data), `rates` (the rate
-search, pure), `predict` (the simulator with the same setup), `live` (one policy on the live stack),
-`table` (ratios, goals and the Markdown table, pure), `plot` (the PNG), `cli` (the command).
+Modules: `config` (every size, one dataclass), `setup` (trace, plan, SLOs, data, capacity estimate),
+`rate_search` (the search for the rate at which a run meets a target, pure), `rates` (the light and
+heavy rates and the capacity formula, pure), `predict` (the simulator with the same setup), `live` (one
+policy on the live stack), `bench` (one invocation: the shared setup), `trace_run` (one trace: its rate
+search and runs), `replay` (the calibration replay), `policy_run` (one policy at one rate, simulated and
+live), `table` (ratios, goals and the Markdown table, pure), `plot` (the PNG), `outputs` (the table and
+figure files), `cli` (the command).
 """

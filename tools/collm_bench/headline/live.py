@@ -400,6 +400,122 @@ async def wait_models(url: str, names: Sequence[str], timeout_s: float = 60.0) -
     raise LiveRunError(f"the gateway did not list the adapters {list(names)} within {timeout_s:.0f}s")
 
 
+@dataclass
+class Replay:
+    """The plan's replay: the load generator's result, its window on the observer's clock and on the
+    machine's monotonic clock, and the CPU seconds used during it."""
+
+    result: Any
+    window_s: tuple[float, float]
+    window_monotonic_s: tuple[float, float]
+    cpu_s_by_process: dict[str, float]
+    machine_cpu_s: dict[str, float]
+
+
+async def _watch(bus: Bus, obs: Observer, policy: str) -> str:
+    """Subscribe `obs` to telemetry, round outcomes and the coordinator's decisions; the coordinator's
+    policy, a LiveRunError when it is not `policy`'s."""
+    await bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, obs.on_telemetry)
+    await bus.subscribe(subjects.round_events_all(), RoundOutcome, obs.on_round)
+    await bus.subscribe(subjects.coordinator_decisions(), CoordinatorDecisions, obs.on_decision)
+    seen = await coordinator_policy(bus)
+    expected = series_setup(policy)[0]
+    if seen != expected:
+        raise LiveRunError(f"the coordinator runs policy {seen!r}, not {expected!r}")
+    return seen
+
+
+async def _prepare(bus: Bus, store: AdapterStore, cfg: HeadlineConfig, stack: Stack, phases: Phases) -> None:
+    """Every domain's v1, resident on every replica and listed by the gateway (step 2 of the module
+    docstring)."""
+    await create_adapters(bus, store, cfg)
+    phases.mark("v1")
+    await make_resident(bus, cfg)
+    phases.mark("resident")
+    await wait_models(stack.gateway_url, sorted(cfg.domains))
+    phases.mark("gateway_models")
+
+
+async def _replay(
+    cfg: HeadlineConfig,
+    plan: Sequence[PlannedRequest],
+    stack: Stack,
+    obs: Observer,
+    progress: IO[str],
+    phases: Phases,
+) -> Replay:
+    """Replay `plan` against the gateway (step 3 of the module docstring), timing its arrivals and drain
+    (`phases`)."""
+    opts = ClientOptions(
+        url=endpoint_url(stack.gateway_url, "chat"),
+        send_slo=True,
+        ignore_eos=True,
+        request_timeout_s=cfg.request_timeout_s,
+    )
+    cpu_pids = {**stack.pids(), **{srv.name: srv.proc.pid for srv in stack.servers}}
+    cpu_before = {**cpu_seconds(cpu_pids), "load generator": own_cpu_seconds()}
+    machine_before = psutil.cpu_times()
+    replay_start = obs.now()
+    replay_start_monotonic = time.monotonic()
+    result = await run_plan(
+        plan,
+        opts,
+        drain_timeout_s=cfg.drain_s,
+        progress_interval_s=10.0,
+        progress_out=progress,
+        duration_s=cfg.duration_s,
+    )
+    replay_end = obs.now()
+    replay_end_monotonic = time.monotonic()
+    cpu_after = {**cpu_seconds(cpu_pids), "load generator": own_cpu_seconds()}
+    machine_after = psutil.cpu_times()
+    # The replay's arrivals end at the plan's last scheduled time; what follows is the drain.
+    replay_s = time.monotonic() - phases.t
+    arrivals_s = min(replay_s, plan[-1].scheduled_s if plan else 0.0)
+    phases.seconds["arrivals"] = arrivals_s
+    phases.seconds["drain"] = replay_s - arrivals_s
+    phases.t += replay_s
+    return Replay(
+        result,
+        (replay_start, replay_end),
+        (replay_start_monotonic, replay_end_monotonic),
+        {n: round(cpu_after[n] - cpu_before[n], 2) for n in cpu_after if n in cpu_before},
+        machine_cpu_delta(machine_before, machine_after),
+    )
+
+
+async def _coordinator_status(bus: Bus) -> CoordinatorStatus | None:
+    with contextlib.suppress(BusError):
+        return await bus.request(
+            subjects.coordinator("status"), CoordinatorStatusRequest(), CoordinatorStatus, timeout_s=10
+        )
+    return None
+
+
+def _counter_deltas(
+    before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """The replicas' counters over the replay (`read_ft_counters` after less before), by what they
+    count: `ft_tokens`, `forward_s`, `inference_tokens`, `busy_s` (by work) and `limits` (the rest)."""
+    delta = {
+        r: {k: v - before.get(r, {}).get(k, 0.0) for k, v in a.items()} for r, a in sorted(after.items())
+    }
+    ft = {r: d.pop("ft_tokens", 0.0) for r, d in delta.items()}
+    forward = {r: d.pop("forward_s", 0.0) for r, d in delta.items()}
+    served = {r: d.pop("inference_tokens", 0.0) for r, d in delta.items()}
+    busy = {
+        r: {k.removeprefix("busy_s_"): d.pop(k) for k in list(d) if k.startswith("busy_s_")}
+        for r, d in delta.items()
+    }
+    return {
+        "ft_tokens": ft,
+        "forward_s": forward,
+        "inference_tokens": served,
+        "busy_s": busy,
+        "limits": delta,
+    }
+
+
 async def _drive(
     cfg: HeadlineConfig,
     policy: str,
@@ -415,101 +531,49 @@ async def _drive(
     store = AdapterStore.from_url(operator.redis_url, operator.redis_prefix)
     obs = Observer()
     try:
-        await bus.subscribe(subjects.telemetry_all(), ReplicaTelemetry, obs.on_telemetry)
-        await bus.subscribe(subjects.round_events_all(), RoundOutcome, obs.on_round)
-        await bus.subscribe(subjects.coordinator_decisions(), CoordinatorDecisions, obs.on_decision)
-        seen = await coordinator_policy(bus)
-        expected = series_setup(policy)[0]
-        if seen != expected:
-            raise LiveRunError(f"the coordinator runs policy {seen!r}, not {expected!r}")
+        seen = await _watch(bus, obs, policy)
         phases.mark("connect")
         t_prep = obs.now()
-        await create_adapters(bus, store, cfg)
-        phases.mark("v1")
-        await make_resident(bus, cfg)
-        phases.mark("resident")
-        await wait_models(stack.gateway_url, sorted(cfg.domains))
-        phases.mark("gateway_models")
+        await _prepare(bus, store, cfg, stack, phases)
         prep_s = obs.now() - t_prep
         ft_before = await read_ft_counters(stack)
-        opts = ClientOptions(
-            url=endpoint_url(stack.gateway_url, "chat"),
-            send_slo=True,
-            ignore_eos=True,
-            request_timeout_s=cfg.request_timeout_s,
-        )
-        cpu_pids = {**stack.pids(), **{srv.name: srv.proc.pid for srv in stack.servers}}
-        cpu_before = {**cpu_seconds(cpu_pids), "load generator": own_cpu_seconds()}
-        machine_before = psutil.cpu_times()
-        replay_start = obs.now()
-        replay_start_monotonic = time.monotonic()
-        result = await run_plan(
-            plan,
-            opts,
-            drain_timeout_s=cfg.drain_s,
-            progress_interval_s=10.0,
-            progress_out=progress,
-            duration_s=cfg.duration_s,
-        )
-        replay_end = obs.now()
-        replay_end_monotonic = time.monotonic()
-        cpu_after = {**cpu_seconds(cpu_pids), "load generator": own_cpu_seconds()}
-        machine_after = psutil.cpu_times()
-        # The replay's arrivals end at the plan's last scheduled time; what follows is the drain.
-        replay_s = time.monotonic() - phases.t
-        arrivals_s = min(replay_s, plan[-1].scheduled_s if plan else 0.0)
-        phases.seconds["arrivals"] = arrivals_s
-        phases.seconds["drain"] = replay_s - arrivals_s
-        phases.t += replay_s
+        replay = await _replay(cfg, plan, stack, obs, progress, phases)
         ft_after = await read_ft_counters(stack)
         base_measured = base is None
         if base is None:
             base = await base_losses(bus, store, cfg)
             phases.mark("base_loss")
-        status: CoordinatorStatus | None = None
-        with contextlib.suppress(BusError):
-            status = await bus.request(
-                subjects.coordinator("status"), CoordinatorStatusRequest(), CoordinatorStatus, timeout_s=10
-            )
+        status = await _coordinator_status(bus)
         table = await quality_table(store, cfg, base)
         current = {d: await store.current(d) for d in sorted(cfg.domains)}
         phases.mark("read_out")
     finally:
         await store.close()
         await bus.close()
-    write_records(out_dir / "requests.jsonl", result.records)
-    summary = summarize(result.records, None, table, cfg.timeline_bin_s)
-    delta = {
-        r: {k: v - ft_before.get(r, {}).get(k, 0.0) for k, v in after.items()}
-        for r, after in sorted(ft_after.items())
-    }
-    ft = {r: d.pop("ft_tokens", 0.0) for r, d in delta.items()}
-    forward = {r: d.pop("forward_s", 0.0) for r, d in delta.items()}
-    served = {r: d.pop("inference_tokens", 0.0) for r, d in delta.items()}
-    busy = {
-        r: {k.removeprefix("busy_s_"): d.pop(k) for k in list(d) if k.startswith("busy_s_")}
-        for r, d in delta.items()
-    }
+    write_records(out_dir / "requests.jsonl", replay.result.records)
+    summary = summarize(replay.result.records, None, table, cfg.timeline_bin_s)
+    counters = _counter_deltas(ft_before, ft_after)
+    replay_start, replay_end = replay.window_s
     return {
         "policy": policy,
         "coordinator_policy": seen,
         "coscheduler": series_setup(policy)[1],
         "summary": summary,
-        "ft_tokens": sum(ft.values()),
-        "ft_tokens_by_replica": ft,
+        "ft_tokens": sum(counters["ft_tokens"].values()),
+        "ft_tokens_by_replica": counters["ft_tokens"],
         # Per replica, serving iterations during the replay by what bounded their training.
-        "ft_limits_by_replica": delta,
+        "ft_limits_by_replica": counters["limits"],
         # Per replica, seconds of the replay its engine spent on inference, training and evaluation.
-        "busy_s_by_replica": busy,
+        "busy_s_by_replica": counters["busy_s"],
         # Per replica, seconds of that inference spent in the model's forward passes: the calibration
         # times only these, the rest of an iteration (sampling, detokenising, streaming) it leaves out.
-        "forward_s_by_replica": forward,
+        "forward_s_by_replica": counters["forward_s"],
         # Per replica, prompt tokens prefilled and output tokens generated during the replay.
-        "inference_tokens_by_replica": served,
+        "inference_tokens_by_replica": counters["inference_tokens"],
         # Per process of the stack (and this one, the load generator), CPU seconds during the replay, and
         # the whole machine's (all cores: busy, idle, and stolen by the hypervisor).
-        "cpu_s_by_process": {n: round(cpu_after[n] - cpu_before[n], 2) for n in cpu_after if n in cpu_before},
-        "machine_cpu_s": machine_cpu_delta(machine_before, machine_after),
+        "cpu_s_by_process": replay.cpu_s_by_process,
+        "machine_cpu_s": replay.machine_cpu_s,
         "rounds": obs.round_counts(replay_start, replay_end),
         "round_log": sorted(obs.rounds.values(), key=lambda r: r["round_id"]),
         "base_losses": base,
@@ -524,9 +588,9 @@ async def _drive(
         # replay, so its first round plan comes `warmup_s` less that head start into the replay).
         "coordinator_slow_ticks_s": [t - replay_start for t in obs.slow_ticks],
         # The same on the machine's monotonic clock, the replicas' engine clock (their step logs' `t_s`).
-        "replay_window_monotonic_s": [replay_start_monotonic, replay_end_monotonic],
+        "replay_window_monotonic_s": list(replay.window_monotonic_s),
         "prep_s": prep_s,
-        "interrupted": result.interrupted,
+        "interrupted": replay.result.interrupted,
         "coordinator_status": status.model_dump(mode="json") if status is not None else None,
     }
 

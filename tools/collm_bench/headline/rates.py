@@ -11,7 +11,8 @@ A replayed slice at rate R over D seconds is the N = round(R x D) consecutive tr
 time-scaled into D, so the search runs over the integer N: a grid of N from fractions of the estimated
 cluster capacity, scanned upward to the first N where the best baseline falls below the target (the
 grid is extended downward by halving when even its lowest point is below), then bisection on N
-between the last point at or above the target and that first point below it, down to neighbouring N.
+between the last point at or above the target and that first point below it, down to neighbouring N
+(`rate_search.search` with `rate_search.count_bisection`).
 The answer is the largest N known to hold the target on the way up; the best baseline's attainment
 there is reported with it. Simulated attainment is not monotone in the rate at this scale (a few dozen
 requests), hence "first crossing", not "any rate that holds".
@@ -23,6 +24,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .rate_search import count_bisection, search
 
 # attainment(policy, n_requests) -> SLO attainment of that policy's simulated run.
 AttainmentFn = Callable[[str, int], float]
@@ -89,34 +92,15 @@ def search_rate(
     max_halvings: int = 6,
     nearest: bool = False,
 ) -> RateChoice:
-    """The largest N (first crossing) at which the best baseline keeps attainment >= target; with
-    `nearest`, whichever of that N and the next one (the first below the target) is nearer the target."""
+    """The largest N (first crossing) at which the best baseline keeps attainment >= target
+    (`rate_search.search` over the grid, `count_bisection`); with `nearest`, whichever of that N and the
+    next one (the first below the target) is nearer the target."""
     if not grid:
         raise ValueError("empty rate grid")
     counts = sorted(set(grid))
-    evaluated: list[tuple[int, str, float]] = []
-
-    def ok(n: int) -> bool:
-        b, a, _ = best.at(n)
-        evaluated.append((n, b, a))
-        return a >= target
-
-    lo: int | None = None
-    hi: int | None = None
-    for n in counts:
-        if ok(n):
-            lo = n
-        else:
-            hi = n
-            break
-    halvings = 0
-    while lo is None and hi is not None and hi > 1 and halvings < max_halvings:
-        n = max(1, hi // 2)
-        halvings += 1
-        if ok(n):
-            lo = n
-        else:
-            hi = n
+    crossing = search(lambda n: best.at(n)[1], target, counts, count_bisection(max_halvings))
+    evaluated = [(n, best.at(n)[0], a) for n, a in crossing.tried]
+    lo, hi = crossing.meets, crossing.misses
     if lo is None:
         n = hi if hi is not None else counts[0]
         b, a, by = best.at(n)
@@ -128,12 +112,6 @@ def search_rate(
     if hi is None:
         how = f">= {target:.0%} up to the highest grid rate ({lo / duration_s:.3g} req/s): a lower bound"
     else:
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid
         how = (
             f"first crossing of {target:.0%} between {lo} and {hi} requests in {duration_s:g} s "
             f"(bisection on the request count)"
@@ -154,8 +132,9 @@ def capacity_estimate_rps(
     mean_output_tokens: float,
     replicas: int,
 ) -> float:
-    """Requests/s the cluster serves at full batch efficiency for these mean lengths (only places the
-    search grid; the search itself runs the simulator)."""
+    """Requests/s the cluster serves at full batch efficiency for these mean lengths: the one capacity
+    formula, which only places the headline's search grid and the frontier's loads (the searches
+    themselves run the simulator)."""
     per_req_ms = mean_input_tokens * prefill_ms_per_token
     per_req_ms += max(0.0, mean_output_tokens - 1) * decode_ms_full_batch / max(1, max_batch)
     per_req_ms *= 1.0 + lora_overhead_frac
@@ -164,14 +143,23 @@ def capacity_estimate_rps(
     return replicas * 1000.0 / per_req_ms
 
 
-def workload_capacity_rps(cal: Any, wl: Any, max_batch: int, replicas: int) -> float:
-    """`capacity_estimate_rps` for a simulator workload's mean lengths and a calibration's costs."""
+def calibrated_capacity_rps(
+    cal: Any, max_batch: int, mean_input_tokens: float, mean_output_tokens: float, replicas: int
+) -> float:
+    """`capacity_estimate_rps` at a calibration's costs (its decode step at `max_batch`)."""
     return capacity_estimate_rps(
         cal.cost.prefill_ms_per_token,
         cal.cost.decode_ms(max_batch),
         max_batch,
         cal.cost.lora_overhead_frac_per_adapter,
-        float(wl.input_tokens.mean()),
-        float(wl.output_tokens.mean()),
+        mean_input_tokens,
+        mean_output_tokens,
         replicas,
+    )
+
+
+def workload_capacity_rps(cal: Any, wl: Any, max_batch: int, replicas: int) -> float:
+    """`calibrated_capacity_rps` for a simulator workload's mean lengths."""
+    return calibrated_capacity_rps(
+        cal, max_batch, float(wl.input_tokens.mean()), float(wl.output_tokens.mean()), replicas
     )

@@ -30,6 +30,7 @@ from collm_common.calibration import Calibration
 from collm_common.stats import percentile
 
 from .config import HeadlineConfig
+from .rates import calibrated_capacity_rps
 
 
 class SetupError(Exception):
@@ -107,6 +108,20 @@ def shapes(cfg: HeadlineConfig, source: TraceSource, rate_rps: float) -> list[Tr
         lengths(cfg),
         cfg.synthetic_input_tokens,
         cfg.synthetic_output_tokens,
+    )
+
+
+def capacity_rps(cfg: HeadlineConfig, cal: Calibration, source: TraceSource, max_batch: int) -> float:
+    """The cluster's capacity estimate (req/s) for the mean lengths of the slice at 200 requests per
+    window (at least 1 req/s; `rates.calibrated_capacity_rps`): where the headline's rate grid and the
+    frontier's loads are placed."""
+    probe = shapes(cfg, source, max(1.0, 200 / cfg.duration_s))
+    return calibrated_capacity_rps(
+        cal,
+        max_batch,
+        sum(s.input_tokens for s in probe) / len(probe),
+        sum(s.output_tokens for s in probe) / len(probe),
+        cfg.replicas,
     )
 
 
