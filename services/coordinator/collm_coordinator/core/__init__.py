@@ -28,9 +28,9 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
     (target.py).
   Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
   Starvation floor: an adapter whose wait without a planned round would pass `starvation_floor_s` before
-  the next slow tick gets one share step on its best candidate with room, whatever the risk penalty (never past util_cap); where none has
-  room it takes a turn in a replica's training time (as much as each of that replica's jobs gets
-  round-robin), the replica's share unchanged.
+  the next slow tick gets one share step on its best candidate with room, whatever the risk penalty
+  (never past util_cap); where none has room it takes a turn in a replica's training time (as much as
+  each of that replica's jobs gets round-robin), the replica's share unchanged.
   An adapter left without a plan because every replica holding its data was at risk at the tick is
   planned at the first fast tick where one of them no longer is, and one whose previous round was still
   in flight (training, or its candidate being evaluated) at the first fast tick after that round ends

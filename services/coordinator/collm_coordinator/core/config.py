@@ -181,8 +181,9 @@ class CoreConfig:
         180.0,
         "Bound on an adapter's wait between two planned rounds: an adapter with local data gets one "
         "share step on its best participant at the last slow tick before its wait would pass this "
-        "bound, even when its expected gain does not pay the SLO-risk penalty (never on a replica at SLO risk, never past the utilisation cap); where no step "
-        "has room, a turn in a replica's training time beside its other jobs (its share unchanged).",
+        "bound, even when its expected gain does not pay the SLO-risk penalty (never on a replica at "
+        "SLO risk, never past the utilisation cap); where no step has room, a turn in a replica's "
+        "training time beside its other jobs (its share unchanged).",
         gt=0,
     )
     # --- fast loop -----------------------------------------------------------------------------------

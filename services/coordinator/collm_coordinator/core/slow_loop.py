@@ -238,8 +238,9 @@ def collm_slow(view: ClusterView) -> SlowDecision:
 
     # The starvation floor: an adapter whose wait without a planned round would pass `starvation_floor_s`
     # before the next slow tick gets one step now on its candidate with the largest marginal gain that
-    # has room, whatever the risk penalty; where no step fits (its replicas' shares are full, or one more step would pass the utilisation cap), it
-    # takes a turn in the training time a replica already has (`_floor_inside`).
+    # has room, whatever the risk penalty; where no step fits (its replicas' shares are full, or one more
+    # step would pass the utilisation cap), it takes a turn in the training time a replica already has
+    # (`_floor_inside`).
     floored: set[str] = set()
     for adapter, _, _ in ready:
         waited_s = view.now_s - view.last_planned_s.get(adapter, view.now_s)
