@@ -16,6 +16,7 @@ from collm_bench import adaptation, chaos
 from collm_bench.frontier import render as frontier
 from collm_bench.frontier import robust as frontier_robust
 from collm_bench.frontier import step as frontier_step
+from collm_bench.peer import table as peer
 
 from . import engine, faults, federated, gate, gateway, sim
 
@@ -72,6 +73,7 @@ KINDS: dict[str, Kind] = {
     "frontier": Kind(frontier.goals_table, files=None, plots=_one_plot(frontier.plot)),
     "frontier-step": Kind(_one(frontier_step.table), plots=_one_plot(frontier_step.plot)),
     "frontier-robust": Kind(_one(frontier_robust.table), plots=_one_plot(frontier_robust.plot)),
+    "peer-llamacpp": Kind(_one(peer.table)),
 }
 
 

