@@ -10,7 +10,8 @@ names.
     python -m collm_bench federated rounds|strategies
     python -m collm_bench gateway overhead|overload
     python -m collm_bench sim speed|routing-check
-    python -m collm_bench adaptation run|report
+    python -m collm_bench adaptation run|report|step
+    python -m collm_bench peer llamacpp
 
 Flags that several of these benchmarks take are defined once here (`add_*`), so that they keep one name
 and one meaning. Results go under bench/results/ (`RESULTS`).
@@ -82,7 +83,9 @@ GROUPS: dict[str, dict[str, Command]] = {
     "adaptation": {
         "run": Command(_ADAPTATION, "`collm up`'s stack for a window: its adapters' held-out loss", True),
         "report": Command(_ADAPTATION, "the table and figure of adaptation results again", True),
+        "step": Command("collm_bench.adaptation_step", "collm's control live under a step in load"),
     },
+    "peer": {"llamacpp": Command("collm_bench.peer.llamacpp", "CoLLM against llama.cpp's llama-server")},
 }
 
 

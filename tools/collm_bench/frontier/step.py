@@ -71,6 +71,50 @@ def _workload(
     )
 
 
+def step_series(
+    arrivals: Sequence[tuple[float, bool]],
+    ticks: Sequence[tuple[float, float, float, float]],
+    rates_rps: Sequence[float],
+    step_s: float,
+) -> list[dict[str, Any]]:
+    """Per minute of the step sequence: its offered rate, the attainment of the requests that arrived in it
+    (`arrivals`: arrival time in seconds, met its SLO) and the means of the control's `ticks` (time,
+    headroom, spend, summed share) in it (None where it has none)."""
+    n_bins = int(step_s * len(rates_rps) // BIN_S)
+    good, total = [0] * n_bins, [0] * n_bins
+    for at_s, ok in arrivals:
+        b = int(at_s // BIN_S)
+        if 0 <= b < n_bins:
+            total[b] += 1
+            good[b] += ok
+    series = []
+    for b in range(n_bins):
+        tk = [x for x in ticks if b * BIN_S <= x[0] < (b + 1) * BIN_S]
+
+        def mean(i: int, tk: list[tuple[float, float, float, float]] = tk) -> float | None:
+            return round(sum(x[i] for x in tk) / len(tk), 3) if tk else None
+
+        series.append(
+            {
+                "t_min": b * BIN_S / 60.0,
+                "load": round(rates_rps[min(len(rates_rps) - 1, int(b * BIN_S // step_s))], 4),
+                "attainment": round(good[b] / total[b], 4) if total[b] else None,
+                "requests": total[b],
+                "headroom": mean(1),
+                "spend": mean(2),
+                "total_share": mean(3),
+            }
+        )
+    return series
+
+
+def window_attainment(arrivals: Sequence[tuple[float, bool]], window_s: float) -> float | None:
+    """Attainment of the arrivals in the whole minutes of the window (those `step_series` bins)."""
+    end_s = (window_s // BIN_S) * BIN_S
+    oks = [ok for at_s, ok in arrivals if 0 <= at_s < end_s]
+    return round(sum(oks) / len(oks), 4) if oks else None
+
+
 def run_knob(
     cfg: HeadlineConfig, cal: Calibration, slo: Slo, rates: Sequence[float], step_s: float, knob: StepKnob
 ) -> dict[str, Any]:
@@ -96,38 +140,14 @@ def run_knob(
 
     sim.core.on_tick = watched  # type: ignore[method-assign]
     res = sim.run()
-    n_bins = int(step_s * len(rates) // BIN_S)
-    good, total = [0] * n_bins, [0] * n_bins
-    for r in res.records:
-        b = int(r.scheduled_s // BIN_S)
-        if 0 <= b < n_bins:
-            total[b] += 1
-            good[b] += is_good(r)
-    series = []
-    for b in range(n_bins):
-        tk = [x for x in ticks if b * BIN_S <= x[0] < (b + 1) * BIN_S]
-
-        def mean(i: int, tk: list[tuple[float, float, float, float]] = tk) -> float | None:
-            return round(sum(x[i] for x in tk) / len(tk), 3) if tk else None
-
-        series.append(
-            {
-                "t_min": b * BIN_S / 60.0,
-                "load": round(rates[min(len(rates) - 1, int(b * BIN_S // step_s))], 4),
-                "attainment": round(good[b] / total[b], 4) if total[b] else None,
-                "requests": total[b],
-                "headroom": mean(1),
-                "spend": mean(2),
-                "total_share": mean(3),
-            }
-        )
+    arrivals = [(r.scheduled_s, is_good(r)) for r in res.records]
     return {
         "knob": knob.label,
         "policy": knob.policy,
         "core": dict(knob.core),
         "ft_tokens": res.sim["ft_tokens"],
-        "attainment": round(sum(good) / sum(total), 4) if sum(total) else None,
-        "series": series,
+        "attainment": window_attainment(arrivals, len(rates) * step_s),
+        "series": step_series(arrivals, ticks, rates, step_s),
         "quality_timeline": res.sim["quality_timeline"],
     }
 
