@@ -77,8 +77,8 @@ def _load_plan(load_frac: float, window_s: float) -> dict[str, Any]:
     from collm_bench.headline.config import HeadlineConfig
     from collm_bench.headline.rates import capacity_estimate_rps
     from collm_bench.headline.setup import lengths, resolve_sources, slo_for
-    from collm_bench.traces import fit_lengths
     from collm_common.calibration import Calibration
+    from collm_workload.traces import fit_lengths
 
     hc = HeadlineConfig(traces=("conv",))
     cal = Calibration.load(CALIBRATION)

@@ -67,8 +67,8 @@ def control_ticks(watch: Watch) -> list[tuple[float, float, float, float]]:
 
 def load_arrivals(phase_dirs: Sequence[Path], t0_unix_s: float) -> list[tuple[float, bool]]:
     """Every phase's requests as (arrival in seconds since the stack was ready, met its SLO)."""
-    from collm_bench.goodput import is_good
-    from collm_bench.records import read_records
+    from collm_workload.goodput import is_good
+    from collm_workload.records import read_records
 
     out = []
     for d in phase_dirs:

@@ -45,7 +45,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from collm_bench.tokens import prompts_from_text
 from collm_common.calibration import Calibration, CostModel, QualityCurve
 from collm_common.data import Example
 from collm_common.lora import AdapterWeights, LoraSpec
@@ -54,6 +53,7 @@ from collm_replica.engine.executor import Executor, ForwardItem
 from collm_replica.lora_bank import LiveLora, LoraBank
 from collm_replica.models import LoadedModel, load_model
 from collm_replica.training import EvalRun, JobConfig, JobSpec, Rendered, TrainingJob, render_example
+from collm_workload.tokens import prompts_from_text
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 K = TypeVar("K", bound=Hashable)

@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from collm_bench.client import ClientOptions, endpoint_url
-from collm_bench.goodput import SloOverride, summarize
 from collm_bench.groups import GROUPS
 from collm_bench.groups import main as group_main
-from collm_bench.prompts import PromptBuilder, PromptError, discover_domains, parse_mix, read_domain_dir
-from collm_bench.quality import QualityTable
-from collm_bench.records import RequestRecord, read_records, write_records
 from collm_bench.report import format_summary
-from collm_bench.tokens import CharEstimateCounter, HFTokenizerCounter, TokenCounter
-from collm_bench.traces import (
+from collm_workload.goodput import SloOverride, summarize
+from collm_workload.prompts import PromptBuilder, PromptError, discover_domains, parse_mix, read_domain_dir
+from collm_workload.quality import QualityTable
+from collm_workload.records import RequestRecord, read_records, write_records
+from collm_workload.tokens import CharEstimateCounter, HFTokenizerCounter, TokenCounter
+from collm_workload.traces import (
     NAMED_TRACES,
     LengthPolicy,
     TraceError,
@@ -40,7 +40,7 @@ from collm_bench.traces import (
     resolve_trace,
     trace_stats,
 )
-from collm_bench.workload import (
+from collm_workload.workload import (
     ArrivalSpec,
     ModelMap,
     PlannedRequest,

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import httpx
 
-from collm_bench.records import RequestRecord
-from collm_bench.workload import PlannedRequest
+from collm_workload.records import RequestRecord
+from collm_workload.workload import PlannedRequest
 
 ADAPTER_VERSION_HEADER = "x-collm-adapter-version"
 REPLICA_HEADER = "x-collm-replica"

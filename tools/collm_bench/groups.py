@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 CALIBRATION = REPO / "bench" / "calibration" / "smollm2.json"  # the committed SmolLM2 calibration
 DOMAINS = REPO.parent / "shared" / "data" / "domains"  # the raw domain data (never copied in)
-TRACES = REPO.parent / "shared" / "data" / "traces"  # the named traces (`collm_bench.traces`)
+TRACES = REPO.parent / "shared" / "data" / "traces"  # the named traces (`collm_workload.traces`)
 HEAVY_LOCK = "/tmp/collm-heavy.lock"  # the machine's heavy-work lock (`flock`), as `make bench` takes it
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from collm_bench.quality import QualityTable
 from collm_common.store import AdapterStore, version_id
+from collm_workload.quality import QualityTable
 
 BASE_QUALITY_VERSION = 0
 CREATED_SOURCE = "create"  # a freshly created zero-B adapter: the base model's behaviour

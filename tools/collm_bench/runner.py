@@ -23,10 +23,10 @@ from typing import Any, ParamSpec, TextIO, TypeVar
 import httpx
 
 from collm_bench.client import ClientOptions, new_record, send_request
-from collm_bench.goodput import verdict
-from collm_bench.records import RequestRecord
-from collm_bench.workload import PlannedRequest
 from collm_common.stats import percentile
+from collm_workload.goodput import verdict
+from collm_workload.records import RequestRecord
+from collm_workload.workload import PlannedRequest
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")

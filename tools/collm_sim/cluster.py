@@ -38,8 +38,6 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from collm_bench.quality import QualityTable
-from collm_bench.records import RequestRecord
 from collm_common.calibration import Calibration
 from collm_sim.background import Job
 from collm_sim.batch import Req
@@ -52,6 +50,8 @@ from collm_sim.replica import SimReplica
 from collm_sim.results import SimResult, request_records, sim_result
 from collm_sim.rounds import SimAggregator, SimRound
 from collm_sim.workload import Workload, build_workload
+from collm_workload.quality import QualityTable
+from collm_workload.records import RequestRecord
 
 # Collector thresholds during a run (`rare_collections`): a young-generation pass every this many
 # allocations, the older generations as rarely.

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from collm_bench.goodput import summarize
-from collm_bench.records import RequestRecord
 from collm_sim.batch import Req
 from collm_sim.config import SimConfig
 from collm_sim.plugins import COSCHEDULER_FOR_POLICY
 from collm_sim.workload import Workload
+from collm_workload.goodput import summarize
+from collm_workload.records import RequestRecord
 
 if TYPE_CHECKING:
     from collm_sim.cluster import Simulation

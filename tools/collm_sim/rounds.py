@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from collm_aggregator.lead import PublishLead
-from collm_bench.quality import QualityTable
 from collm_coordinator.core import AdapterVersionView, RoundEvent, RoundPlanDecision
 from collm_sim.background import EvalTask, Job
 from collm_sim.config import SimConfig
@@ -35,6 +34,7 @@ from collm_sim.events import DEADLINE, EVAL_TIMEOUT, PUBLISH, EventQueue
 from collm_sim.plugins import choose_evaluators
 from collm_sim.quality import QualityModel
 from collm_sim.replica import SimReplica
+from collm_workload.quality import QualityTable
 
 
 @dataclass

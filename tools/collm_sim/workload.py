@@ -1,9 +1,9 @@
 """The simulated workload: the same request shapes the live load generator would send (pure).
 
-Arrival times and token lengths come from `collm_bench.workload.request_shapes` (Azure trace replay at a
+Arrival times and token lengths come from `collm_workload.workload.request_shapes` (Azure trace replay at a
 target rate with time and token-length scaling, or synthetic Poisson / gamma / constant arrivals; a
 trace too short for rate x duration is replayed back to back), and
-each request's domain from the same seeded draw `collm_bench.workload.plan_requests` makes, so a
+each request's domain from the same seeded draw `collm_workload.workload.plan_requests` makes, so a
 simulation and a live run with the same seed see the same requests. Prompts are not built: the
 simulator only needs lengths.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from collm_bench.traces import LengthPolicy, TraceRequest, load_trace, resolve_trace
-from collm_bench.workload import ArrivalSpec, request_shapes
+from collm_workload.traces import LengthPolicy, TraceRequest, load_trace, resolve_trace
+from collm_workload.workload import ArrivalSpec, request_shapes
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def build_workload(spec: WorkloadSpec, domains: tuple[str, ...]) -> Workload:
     names = sorted(mix)
     weights = np.array([mix[d] for d in names], dtype=float)
     weights = weights / weights.sum()
-    # The same stream as collm_bench.workload.plan_requests, so the same seed picks the same domains.
+    # The same stream as collm_workload.workload.plan_requests, so the same seed picks the same domains.
     picks = np.random.default_rng([spec.seed, 1]).choice(len(names), size=len(shapes), p=weights)
     index = {d: i for i, d in enumerate(domains)}
     what = spec.trace if spec.arrivals == "trace" else f"{spec.arrivals}(k={spec.burstiness:g})"

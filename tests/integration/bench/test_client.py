@@ -19,10 +19,10 @@ import pytest
 from doubles.scripted_openai_server import Behaviour, ScriptedOpenAIServer
 
 from collm_bench.client import ClientOptions, endpoint_url, new_record, send_request
-from collm_bench.goodput import summarize
-from collm_bench.records import RequestRecord, read_records
 from collm_bench.runner import run_plan
-from collm_bench.workload import PlannedRequest
+from collm_workload.goodput import summarize
+from collm_workload.records import RequestRecord, read_records
+from collm_workload.workload import PlannedRequest
 
 pytestmark = pytest.mark.integration
 

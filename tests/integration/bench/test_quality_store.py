@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from collm_bench.goodput import summarize
 from collm_bench.quality_store import load_quality_from_store
-from collm_bench.records import RequestRecord
 from collm_common.store import AdapterStore
 from collm_ops.servers import ServerProcess
+from collm_workload.goodput import summarize
+from collm_workload.records import RequestRecord
 
 pytestmark = pytest.mark.integration
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from collm_bench.records import read_records
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
 from collm_ops.servers import ServerProcess, free_port
+from collm_workload.records import read_records
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from collm_bench.arrivals import arrivals, constant_arrivals, gamma_arrivals, poisson_arrivals
+from collm_workload.arrivals import arrivals, constant_arrivals, gamma_arrivals, poisson_arrivals
 
 pytestmark = pytest.mark.unit
 

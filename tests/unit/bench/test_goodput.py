@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collm_bench.goodput import (
+from collm_workload.goodput import (
     SloOverride,
     distribution,
     is_good,
@@ -13,7 +13,7 @@ from collm_bench.goodput import (
     tpot_ms,
     verdict,
 )
-from collm_bench.records import RequestRecord
+from collm_workload.records import RequestRecord
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collm_bench.goodput import summarize
 from collm_bench.headline import setup
 from collm_bench.headline.cli import build_parser, config_from_args, main, parse_rates
 from collm_bench.headline.config import HeadlineConfig
@@ -20,11 +19,12 @@ from collm_bench.headline.outputs import probe_note
 from collm_bench.headline.predict import cost_band, drain_cut, sim_config, simulate_run, workload_spec
 from collm_bench.headline.rates import BestBaseline, grid_counts, search_rate
 from collm_bench.headline.table import compact, compare, markdown
-from collm_bench.records import RequestRecord
-from collm_bench.workload import Slo, draw_domains
 from collm_common.calibration import Calibration
 from collm_common.wire.control import CoordinatorDecisions, ReplicaDecision
 from collm_common.wire.rounds import RoundOutcome
+from collm_workload.goodput import summarize
+from collm_workload.records import RequestRecord
+from collm_workload.workload import Slo, draw_domains
 
 pytestmark = pytest.mark.unit
 

@@ -19,9 +19,9 @@ from collm_bench.headline.replay_fit import (
     with_inference_factor,
 )
 from collm_bench.step_costs import EvalShape
-from collm_bench.traces import TraceRequest
 from collm_common.calibration import Calibration
 from collm_sim.plugins import REFERENCES
+from collm_workload.traces import TraceRequest
 
 pytestmark = pytest.mark.unit
 
@@ -92,7 +92,7 @@ def test_the_evaluations_take_the_replays_batches_and_pieces() -> None:
 def test_the_simulated_engine_gets_the_fit() -> None:
     from collm_bench.headline.predict import sim_config
     from collm_bench.headline.setup import TraceSource
-    from collm_bench.workload import Slo
+    from collm_workload.workload import Slo
 
     cfg = HeadlineConfig()
     source = TraceSource("synthetic", None)
@@ -111,7 +111,7 @@ def test_the_first_round_plans_come_when_the_replays_did() -> None:
     from collm_bench.headline.predict import sim_config
     from collm_bench.headline.replay_fit import measured_first_slow_s
     from collm_bench.headline.setup import TraceSource
-    from collm_bench.workload import Slo
+    from collm_workload.workload import Slo
 
     assert measured_first_slow_s([-1.5, 4.8, 34.8]) == 4.8
     assert measured_first_slow_s([]) is None and measured_first_slow_s([-3.0]) is None

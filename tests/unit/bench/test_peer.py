@@ -15,7 +15,7 @@ from collm_bench.peer.load import plan, summarise, token_windows
 from collm_bench.peer.servers import llama_server_command, slot_context
 from collm_bench.peer.table import ratios, table
 from collm_bench.readme.kinds import kind_for
-from collm_bench.records import RequestRecord
+from collm_workload.records import RequestRecord
 
 pytestmark = pytest.mark.unit
 

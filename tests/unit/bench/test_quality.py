@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from collm_bench.goodput import summarize
-from collm_bench.quality import QualityTable, quality_summary
 from collm_bench.quality_store import adapter_names
-from collm_bench.records import RequestRecord
+from collm_workload.goodput import summarize
+from collm_workload.quality import QualityTable, quality_summary
+from collm_workload.records import RequestRecord
 
 pytestmark = pytest.mark.unit
 

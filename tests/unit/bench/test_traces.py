@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collm_bench.traces import (
+from collm_workload.traces import (
     LengthPolicy,
     TraceError,
     TraceRequest,

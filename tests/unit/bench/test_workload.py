@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from collm_bench.client import ClientOptions, SSEDecoder, endpoint_url, error_message, request_body
-from collm_bench.prompts import PromptBuilder, PromptError, parse_mix, read_domain_dir
-from collm_bench.records import RequestRecord, read_records, write_records
-from collm_bench.tokens import CharEstimateCounter, HFTokenizerCounter
-from collm_bench.traces import LengthPolicy, TraceRequest
-from collm_bench.workload import ArrivalSpec, ModelMap, Slo, draw_domains, plan_requests, request_shapes
 from collm_common.data import Example
+from collm_workload.prompts import PromptBuilder, PromptError, parse_mix, read_domain_dir
+from collm_workload.records import RequestRecord, read_records, write_records
+from collm_workload.tokens import CharEstimateCounter, HFTokenizerCounter
+from collm_workload.traces import LengthPolicy, TraceRequest
+from collm_workload.workload import ArrivalSpec, ModelMap, Slo, draw_domains, plan_requests, request_shapes
 
 pytestmark = pytest.mark.unit
 
@@ -214,7 +214,7 @@ def test_sse_decoder() -> None:
 
 
 def test_request_bodies_and_urls() -> None:
-    from collm_bench.workload import PlannedRequest
+    from collm_workload.workload import PlannedRequest
 
     p = PlannedRequest("r1", 1, 0.0, "medical", "medical", "hi", 5, 5, 7, 800.0, None)
     chat = request_body(p, ClientOptions(url="u", send_slo=True))

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collm_bench.traces import TraceRequest
 from collm_sim.cli import main
 from collm_sim.workload import WorkloadSpec, build_workload, repeat_trace
+from collm_workload.traces import TraceRequest
 from tests.unit.sim.calib import calibration_for_tests
 
 pytestmark = pytest.mark.unit

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from collm_bench.groups import REPO, RESULTS, command_line
-from collm_bench.tokens import prompts_from_text
 from collm_common.data import Example
 from collm_common.lora import AdapterWeights, LoraSpec
 from collm_replica.engine import Engine, EngineRequest
 from collm_replica.models import LoadedModel, load_model
 from collm_replica.settings import ReplicaSettings
+from collm_workload.tokens import prompts_from_text
 
 ENGINE_RESULTS = RESULTS / "engine"
 SHARED_DATA = REPO.parent / "shared" / "data" / "domains"

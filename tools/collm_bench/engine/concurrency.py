@@ -64,7 +64,7 @@ CLIENT_MAX_TOKENS = 1024
 def workload(n: int, max_context: int = 2048) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) of the trace's first `n` requests, fitted as the headline does
     (`max_context` lower only for a model with a shorter context, the tiny one)."""
-    from collm_bench.traces import LengthPolicy, fit_lengths, load_trace
+    from collm_workload.traces import LengthPolicy, fit_lengths, load_trace
 
     policy = LengthPolicy(
         input_scale=0.25, output_scale=0.25, max_output_tokens=256, max_context_tokens=min(2048, max_context)

@@ -25,8 +25,8 @@ from typing import IO, Any
 from collm_bench.headline import setup
 from collm_bench.headline.config import HeadlineConfig, tiny_preset
 from collm_bench.headline.live import LiveRunError, run_live
-from collm_bench.workload import PlannedRequest, Slo
 from collm_common.calibration import Calibration
+from collm_workload.workload import PlannedRequest, Slo
 
 from .curves import with_default_curves
 from .points import Knob, sized_window

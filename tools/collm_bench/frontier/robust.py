@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from collm_bench.headline.config import HeadlineConfig
-from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
+from collm_workload.workload import Slo
 
 from .points import (
     ATTAINMENT_FRACTION,

@@ -20,8 +20,8 @@ from typing import Any
 
 from collm_bench.headline import setup
 from collm_bench.headline.config import HeadlineConfig
-from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
+from collm_workload.workload import Slo
 
 from .curves import with_default_curves
 from .points import SERVING_ALONE, Knob, Point, quality_curve, rate_for_attainment

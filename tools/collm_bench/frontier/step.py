@@ -20,8 +20,8 @@ from typing import Any
 
 from collm_bench.headline import setup
 from collm_bench.headline.config import HeadlineConfig
-from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
+from collm_workload.workload import Slo
 
 from .curves import with_default_curves
 
@@ -120,9 +120,9 @@ def run_knob(
 ) -> dict[str, Any]:
     """One knob over the whole step sequence: its per-minute series, attainment over all of it, fine-tuning
     tokens, and the served quality gain per domain after each publication (`quality_timeline`, [s, gains])."""
-    from collm_bench.goodput import is_good
     from collm_bench.headline.predict import sim_config
     from collm_sim.cluster import Simulation
+    from collm_workload.goodput import is_good
 
     (source,) = setup.resolve_sources(cfg)
     sim_cfg = sim_config(cfg, source, rates[0], slo, knob.policy, cfg.train_examples, None, None, knob.core)

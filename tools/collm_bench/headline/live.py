@@ -20,7 +20,7 @@ Per run, in order:
    (`base`); it is measured after the replay so that every run's steps before the replay are the same
    (so in every run the aggregator's gate scores v1 itself when the first round collects: a
    measurement before the replay would have left that score in the replica's evaluation cache);
-5. the summary (`collm_bench.goodput.summarize`) joins every served request with the held-out loss of
+5. the summary (`collm_workload.goodput.summarize`) joins every served request with the held-out loss of
    the version that served it (published versions: the aggregator's records in the store);
 6. the stack stops (in reverse order); its logs stay in the run directory.
 
@@ -43,12 +43,8 @@ import httpx
 import psutil
 
 from collm_bench.client import ClientOptions, endpoint_url
-from collm_bench.goodput import summarize
-from collm_bench.quality import QualityTable
-from collm_bench.records import write_records
 from collm_bench.runner import run_plan
 from collm_bench.step_costs import EvalShape, compare_steps, eval_shape, training_totals
-from collm_bench.workload import PlannedRequest
 from collm_common import subjects
 from collm_common.bus import Bus, BusError
 from collm_common.calibration import CostModel
@@ -68,6 +64,10 @@ from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
 from collm_ops.servers import free_port
 from collm_sim.plugins import series_setup
+from collm_workload.goodput import summarize
+from collm_workload.quality import QualityTable
+from collm_workload.records import write_records
+from collm_workload.workload import PlannedRequest
 
 from .config import HeadlineConfig
 from .signals import interrupt_on_sigterm, signals_deferred, stopping

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from collm_bench.records import write_records
-from collm_bench.workload import PlannedRequest
+from collm_workload.records import write_records
+from collm_workload.workload import PlannedRequest
 
 from . import setup
 from .live import LiveRunError, run_live

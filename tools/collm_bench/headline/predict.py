@@ -27,11 +27,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from collm_bench.goodput import summarize
-from collm_bench.records import RequestRecord
-from collm_bench.workload import Slo
 from collm_common.calibration import Calibration
 from collm_common.step_log import StepLog
+from collm_workload.goodput import summarize
+from collm_workload.records import RequestRecord
+from collm_workload.workload import Slo
 
 from .config import HeadlineConfig
 from .replay_fit import EvalFit

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from collm_bench.step_costs import EvalShape
-from collm_bench.traces import TraceRequest
 from collm_common.calibration import Calibration
+from collm_workload.traces import TraceRequest
 
 # The replay's series: collm's coordinator with fine-tuning off (`collm_sim.plugins.REFERENCES`), so the
 # replicas' time is serving alone.

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from collm_bench.prompts import PromptBuilder, read_domain_dir
-from collm_bench.tokens import CharEstimateCounter, HFTokenizerCounter, TokenCounter
-from collm_bench.traces import (
+from collm_common.calibration import Calibration
+from collm_common.stats import percentile
+from collm_workload.prompts import PromptBuilder, read_domain_dir
+from collm_workload.tokens import CharEstimateCounter, HFTokenizerCounter, TokenCounter
+from collm_workload.traces import (
     LengthPolicy,
     TraceRequest,
     fit_lengths,
@@ -25,9 +27,7 @@ from collm_bench.traces import (
     resolve_trace,
     trace_label,
 )
-from collm_bench.workload import ArrivalSpec, ModelMap, PlannedRequest, Slo, plan_requests, request_shapes
-from collm_common.calibration import Calibration
-from collm_common.stats import percentile
+from collm_workload.workload import ArrivalSpec, ModelMap, PlannedRequest, Slo, plan_requests, request_shapes
 
 from .config import HeadlineConfig
 from .rates import calibrated_capacity_rps

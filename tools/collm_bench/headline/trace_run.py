@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from collm_bench.workload import Slo
 from collm_replica.naming import served_name
+from collm_workload.workload import Slo
 
 from . import setup
 from .config import BASELINES

@@ -206,7 +206,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _smollm2_gguf() -> Path:
-    from collm_bench.tokens import smollm2_gguf
+    from collm_workload.tokens import smollm2_gguf
 
     return smollm2_gguf()
 

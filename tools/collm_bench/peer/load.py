@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 
-from collm_bench.goodput import record_tpot_ms
 from collm_bench.groups import REPO
-from collm_bench.records import RequestRecord
-from collm_bench.workload import PlannedRequest
 from collm_common.stats import percentile
+from collm_workload.goodput import record_tpot_ms
+from collm_workload.records import RequestRecord
+from collm_workload.workload import PlannedRequest
 
 CORPUS = REPO / "data" / "demo" / "medical" / "train" / "medical.jsonl"
 
@@ -48,7 +48,7 @@ def token_windows(ids: Sequence[int], n: int, length: int, seed: int) -> list[li
 
 def make_prompts(model: Path, n: int, prompt_tokens: int, seed: int) -> list[str]:
     """`n` distinct prompts of about `prompt_tokens` tokens of `model`'s tokenizer (a .gguf file)."""
-    from collm_bench.tokens import HFTokenizerCounter
+    from collm_workload.tokens import HFTokenizerCounter
 
     tok = HFTokenizerCounter.load(model).tok
     ids = tok.encode(corpus_text(), add_special_tokens=False)

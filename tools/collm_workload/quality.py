@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from collm_bench.records import RequestRecord
+from collm_workload.records import RequestRecord
 
 BASE_VERSION = "base"
 _ANY_DOMAIN = "*"

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from collm_bench.tokens import TokenCounter
 from collm_common.data import Example, example_from_row
+from collm_workload.tokens import TokenCounter
 
 # Column aliases for the raw public files; collm_common.data already knows prompt/question/answer/...
 _ALIASES = {"text": "prompt", "category": "response", "canonical_solution": "response"}

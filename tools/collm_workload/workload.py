@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from collm_bench.arrivals import arrivals
-from collm_bench.prompts import PromptBuilder, PromptError
-from collm_bench.traces import LengthPolicy, TraceRequest, fit_lengths, slice_window, take_at_rate
+from collm_workload.arrivals import arrivals
+from collm_workload.prompts import PromptBuilder, PromptError
+from collm_workload.traces import LengthPolicy, TraceRequest, fit_lengths, slice_window, take_at_rate
 
 ARRIVAL_CHOICES = ("trace", "poisson", "gamma", "constant")
 

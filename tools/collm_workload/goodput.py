@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from collm_bench.quality import QualityTable, quality_summary, request_quality
-from collm_bench.records import STATUSES, RequestRecord
 from collm_common import stats
 from collm_common.slo import missed_slos
+from collm_workload.quality import QualityTable, quality_summary, request_quality
+from collm_workload.records import STATUSES, RequestRecord
 
 SUMMARY_SCHEMA = "collm-bench-summary/1"
 PERCENTILES = (50, 90, 99)
