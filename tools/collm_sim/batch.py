@@ -170,7 +170,7 @@ class ServingBatch:
         """This iteration's inference step by the replica's `plan_iteration`, with its admissions and
         preemptions applied (`StepPlan`)."""
         running = self.running
-        free = self.cfg.max_batch - len(running)
+        free = self.cfg.max_running - len(running)
         wviews = [r.seq_view() for r in islice(self.waiting, free)] if free > 0 and self.waiting else []
         plan = plan_iteration(
             self.cfg, [r.seq_view() for r in running], wviews, self.kv_reserved, self.free_blocks

@@ -2,7 +2,7 @@
 
 Engine and gateway sizes default to the services' own setting defaults (read from `ReplicaSettings`
 and `GatewaySettings`), so the simulated replica batches, queues and trains like a real one unless a
-run says otherwise.
+run says otherwise; the batch bound is the one the calibrations were measured at (`EngineSpec.max_batch`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ _G = {name: f.default for name, f in GatewaySettings.model_fields.items()}
 class EngineSpec:
     """One replica's engine (ReplicaSettings defaults)."""
 
-    max_batch: int = _R["max_batch"]
+    # The batch bound the calibrations' decode tables were measured at (`CostModel.max_batch`, 16: larger
+    # batches are extrapolated from them); a replica's own bound (`ReplicaSettings.max_batch`) is larger.
+    max_batch: int = 16
     max_batch_tokens: int = _R["max_batch_tokens"]
     prefill_chunk_tokens: int = _R["prefill_chunk_tokens"]
     kv_budget_tokens: int = _R["kv_budget_tokens"]

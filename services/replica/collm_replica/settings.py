@@ -74,9 +74,23 @@ class ReplicaSettings(CommonSettings):
         "over the pace this replica finished requests in its latency window) is more than this many times "
         "its TTFT SLO: overload is answered at once instead of queued past any SLO. Unset: only max_queue.",
     )
-    max_batch: int = Field(16, ge=1, description="Most sequences in the running batch.")
+    max_batch: int = Field(
+        128,
+        ge=1,
+        description="Upper bound on the running batch's sequences, like vLLM's max_num_seqs. The KV pool "
+        "bounds the batch (paged admission takes a request when the blocks it needs now are free, and "
+        "preempts when the pool runs out), and so does the token budget: admission stops at "
+        "max_batch_tokens less one prefill chunk (at most half the budget), so a full batch's decodes leave "
+        "that much of every iteration to the prompts waiting. The default is that token bound at the "
+        "default budget (256 - 128); the default KV pool holds 128 sequences of 256 tokens, and on a CPU "
+        "each decoding sequence adds several ms to every step (bench/calibration), so a larger batch costs "
+        "TPOT for little throughput.",
+    )
     max_batch_tokens: int = Field(
-        256, ge=1, description="Token budget of one iteration (decode tokens plus prefill chunks)."
+        256,
+        ge=1,
+        description="Token budget of one iteration: the running sequences' decode tokens first, then "
+        "prefill chunks (running prompts first, then admissions) in what is left.",
     )
     prefill_chunk_tokens: int = Field(128, ge=1, description="Largest prefill chunk of one sequence.")
     kv_budget_tokens: int = Field(

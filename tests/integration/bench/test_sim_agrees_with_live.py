@@ -54,6 +54,7 @@ from collm_common.calibration import Calibration
 from collm_common.data import load_dataset
 from collm_replica.models import ModelLoadError, load_model
 from collm_replica.settings import ReplicaSettings
+from collm_sim.config import EngineSpec
 
 # Not in `make test` (about 2 minutes of two SmolLM2 replicas): `make test PYTEST_ARGS="-m calibration"`
 # runs it. At half the knee it passed 6 of 6 runs on this 2-core machine.
@@ -186,7 +187,7 @@ def test_simulated_goodput_agrees_with_a_live_run(tmp_path: Path) -> None:
         out_dir=tmp_path / "out",
     )
     (source,) = setup.resolve_sources(cfg)
-    max_batch = int(ReplicaSettings.model_fields["max_batch"].default)
+    max_batch = EngineSpec().max_batch  # the simulator's, its calibration's
     slo = setup.slo_for(cfg, source, cal, max_batch)
     samples = cfg.train_examples
 

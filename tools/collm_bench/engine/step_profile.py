@@ -27,8 +27,8 @@ measured twice:
   The profiler and the ranges slow the step (both step times are reported, and what one range costs,
   `range_cost_us`): read the profiled figures as shares.
 
-The engine's defaults allow 16 sequences and 128-token prefill chunks: the benchmark raises `max_batch` to
-the largest batch measured and the chunk (and the step's token budget) to the prefill case's prompt,
+The benchmark raises the engine's `max_batch` to the largest batch measured where the default is smaller,
+and its 128-token prefill chunk (and the step's token budget) to the prefill case's prompt,
 and the result says so (`config.changed_from_defaults`). `--adapters N` spreads the requests over N
 random LoRA adapters (0: the base model alone, no LoRA category).
 """

@@ -21,9 +21,9 @@ submit to the last finish over all its processes, on the system-wide monotonic c
 and TPOT p50 (each request's mean gap) over all requests, and per process its streams, wall time and
 tokens/s; then (b) / (a).
 
-The engine's defaults allow 16 sequences: a process serving more streams runs with `max_batch` (and
-`max_queue`, if needed) raised to its streams, recorded per run in `changed_from_defaults`. Where C is
-over 16, the same C runs again at the default `max_batch` 16, what a replica runs unless configured
+A process serving more streams than the default `max_batch` runs with `max_batch` (and `max_queue`, if
+needed) raised to its streams, recorded per run in `changed_from_defaults`. Where C is over the default,
+the same C runs again at the default `max_batch`, what a replica runs unless configured
 (`--no-default-batch` skips it). The engine's other settings are its defaults; nothing trains.
 `COLLM_MATMUL_DTYPE` picks the products' precision as in the other engine benchmarks.
 """

@@ -30,9 +30,11 @@ SCHEMA = "collm-frontier/1"
 
 
 def max_batch() -> int:
-    from collm_replica.settings import ReplicaSettings
+    """The batch the capacity estimate and the SLO rule assume: the one the calibrations' decode tables
+    were measured at and the simulated replica runs (`collm_sim.config.EngineSpec.max_batch`)."""
+    from collm_sim.config import EngineSpec
 
-    return int(ReplicaSettings.model_fields["max_batch"].default)
+    return EngineSpec().max_batch
 
 
 def point_of(knob: Knob, summary: dict[str, Any], finetune_tokens: float) -> Point:

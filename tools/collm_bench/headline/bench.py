@@ -16,6 +16,7 @@ from collm_common.calibration import Calibration
 from collm_common.step_log import read_step_log
 from collm_replica.naming import served_name
 from collm_replica.settings import ReplicaSettings
+from collm_sim.config import EngineSpec
 
 from . import setup
 from .config import HeadlineConfig
@@ -81,7 +82,7 @@ class Headline:
             raise SetupError("the rate search and the simulator need a calibration (--calibration FILE)")
         if not cfg.live and self.cal is None:
             raise SetupError("--no-live without a calibration leaves nothing to run")
-        self.max_batch = int(ReplicaSettings.model_fields["max_batch"].default)
+        self.max_batch = EngineSpec().max_batch  # the simulator's, its calibration's
         self.root = Path(cfg.out_dir) / time.strftime("%Y%m%d-%H%M%S")
         self.root.mkdir(parents=True, exist_ok=True)
         cal = self.cal

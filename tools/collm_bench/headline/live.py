@@ -63,6 +63,7 @@ from collm_common.wire.rounds import EvalReport, EvaluateCandidate, RoundOutcome
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_ops.launcher import ReplicaSpec, Stack, StackConfig
 from collm_ops.servers import free_port
+from collm_sim.config import EngineSpec
 from collm_sim.plugins import series_setup
 from collm_workload.goodput import summarize
 from collm_workload.quality import QualityTable
@@ -129,11 +130,13 @@ def stack_config(
     # optimizer steps); on a CPU the default 32 examples take most of a short round, so the benchmark
     # bounds every evaluation (the job's and the aggregator's gate) alike.
     # No prefix caching: the simulator models none, and the run sets every step's prefill beside the
-    # cost model's prediction for the prompt's tokens.
+    # cost model's prediction for the prompt's tokens. The batch bound is the one the simulator models
+    # (its calibration's, `collm_sim.config.EngineSpec`).
     replica = {
         "COLLM_EVAL_MAX_EXAMPLES": str(cfg.eval_max_examples),
         "COLLM_EVAL_MAX_TOKENS": str(cfg.eval_max_tokens),
         "COLLM_PREFIX_CACHING": "false",
+        "COLLM_MAX_BATCH": str(EngineSpec().max_batch),
     }
     coord_policy, cos = series_setup(policy)
     # Every replica logs its steps (`collm_common.step_log`), so the run can set each step's time beside

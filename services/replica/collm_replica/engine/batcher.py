@@ -63,12 +63,12 @@ def check_request(req: EngineRequest, cfg: EngineConfig, max_model_len: int) -> 
             param="max_tokens",
         )
     if req.n > 1 and (
-        req.n > cfg.batch.max_batch or req.n * cfg.batch.reserve_tokens(n + req.max_tokens) > pool_tokens
+        req.n > cfg.batch.max_running or req.n * cfg.batch.reserve_tokens(n + req.max_tokens) > pool_tokens
     ):
         raise EngineRefusal(
             400,
             f"n={req.n} choices of prompt + max_tokens = {n + req.max_tokens} tokens do not fit this "
-            f"replica at once (at most {cfg.batch.max_batch} sequences, {pool_tokens} KV tokens)",
+            f"replica at once (at most {cfg.batch.max_running} sequences, {pool_tokens} KV tokens)",
             param="n",
         )
 
@@ -212,7 +212,7 @@ class Batcher:
             return [s.view(b) for s in self.running], [s.view(b) for s in self.waiting]
         blocks = self.blocks
         running = [s.view(b, blocks.exclusive(s.kv.seq_id) if s.kv else 0) for s in self.running]
-        room = b.max_batch - len(self.running)  # admission takes at most the first `room` waiting
+        room = b.max_running - len(self.running)  # admission takes at most the first `room` waiting
         for i, s in enumerate(self.waiting):
             s.hit = self.prefix.lookup(s.chain, s.known_tokens()) if i < room else NO_HIT
         return running, [s.view(b, hit=s.hit) for s in self.waiting]

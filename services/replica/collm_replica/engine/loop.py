@@ -386,7 +386,7 @@ class Engine:
         return EngineSnapshot(
             queue_len=queue_len,
             running=len(self.running),
-            max_batch=self.cfg.batch.max_batch,
+            max_batch=self.cfg.batch.max_running,
             kv_used_frac=blocks.num_used / blocks.num_blocks,
             generated_tokens_total=self.generated_tokens_total,
             prefill_tokens_total=self.prefill_tokens_total,

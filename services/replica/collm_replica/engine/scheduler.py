@@ -17,6 +17,13 @@ Guarantees:
   (decodes first, oldest first), so a long prompt never stalls running decodes: prompts are cut into
   chunks of at most `prefill_chunk_tokens`, and an iteration never exceeds `max_batch_tokens` (decode
   tokens plus prefill chunks);
+* the running batch is bounded by what the KV pool holds (admission by blocks, below) and by the token
+  budget, with `max_batch` only an upper bound (vLLM's `max_num_seqs`): admission stops at
+  `BatchConfig.max_running` sequences, so the decodes of a full batch leave `prefill_reserve_tokens` of
+  every iteration's budget to prefill chunks. A waiting prompt therefore never waits on the decodes:
+  while a prefill is pending and the batch and the pool have room for it, each iteration gives prefill
+  chunks (running sequences' first, then admissions, FCFS) at least that many tokens (a request's `n`
+  choices fork beyond the bound, by at most `n - 1` sequences, and take from it);
 * the KV cache is paged (`kv.BlockManager`): with `kv_admission="paged"` (the default) a sequence
   is admitted when the pool has the blocks its first chunk needs now (plus a small watermark), and it
   takes more blocks as it grows. When the pool runs out, the running sequence that needs a block
@@ -33,8 +40,8 @@ Guarantees:
   prefix it would share at admission as computed and held, so its chunk starts after it; cached blocks
   that no sequence holds count as free until admission takes them (`revive_blocks`), and a preemption
   counts only the blocks the victim holds alone (`freeable_blocks`) as given back;
-* admission is FCFS from the waiting queue while the running batch has room (`max_batch`); the queue
-  itself is bounded by the caller (`max_queue`, refused with 429 before it gets here).
+* admission is FCFS from the waiting queue while the running batch has room (`max_running`); the
+  queue itself is bounded by the caller (`max_queue`, refused with 429 before it gets here).
 
 ## Background work
 
@@ -74,7 +81,12 @@ KvAdmission = Literal["paged", "reserve"]
 
 @dataclass(frozen=True)
 class BatchConfig:
-    max_batch: int = 16
+    """The batch limits of one replica: `max_batch` sequences at most (an upper bound beside the KV pool,
+    like vLLM's `max_num_seqs`), `max_batch_tokens` tokens per iteration (decodes and prefill chunks),
+    prefill chunks of at most `prefill_chunk_tokens`, a paged KV pool of `kv_budget_tokens` in blocks of
+    `block_size` tokens, and its admission rule (`kv_admission`, `watermark_frac`)."""
+
+    max_batch: int = 128
     max_batch_tokens: int = 256
     prefill_chunk_tokens: int = 128
     kv_budget_tokens: int = 32768  # the pool: kv_budget_tokens // block_size blocks
@@ -89,6 +101,18 @@ class BatchConfig:
             raise ValueError("block_size must be >= 1 and the KV budget at least one block")
         if self.kv_admission not in ("paged", "reserve"):
             raise ValueError(f"kv_admission must be 'paged' or 'reserve', not {self.kv_admission!r}")
+
+    @property
+    def prefill_reserve_tokens(self) -> int:
+        """The tokens of every iteration that a full batch's decodes leave to prefill chunks: one chunk,
+        at most half the budget (so decodes keep the other half)."""
+        return min(self.prefill_chunk_tokens, self.max_batch_tokens // 2)
+
+    @property
+    def max_running(self) -> int:
+        """The most sequences admission lets run at once: `max_batch`, and no more than the token budget
+        decodes while it keeps `prefill_reserve_tokens` for prefill (at least one)."""
+        return max(1, min(self.max_batch, self.max_batch_tokens - self.prefill_reserve_tokens))
 
     @property
     def num_blocks(self) -> int:
@@ -211,8 +235,9 @@ def plan_iteration(
         return plan
     # 3. Admit waiting sequences FCFS while the batch, the token budget and the pool have room.
     n_running = len(alive)
+    max_running = cfg.max_running
     for s in waiting:
-        if budget <= 0 or n_running >= cfg.max_batch:
+        if budget <= 0 or n_running >= max_running:
             break
         if not s.ready:
             continue  # its adapter is being fetched; others may go ahead of it
@@ -270,8 +295,9 @@ def _plan_reserved(
             plan.items.append((s.seq_id, n))
             budget -= n
     n_running = len(running)
+    max_running = cfg.max_running
     for s in waiting:
-        if budget <= 0 or n_running >= cfg.max_batch:
+        if budget <= 0 or n_running >= max_running:
             break
         if not s.ready:
             continue
@@ -440,7 +466,7 @@ def timings(
     model = StepModel(
         decode_step_s=decode_step_ms / 1e3,
         prefill_s_per_token=prefill_ms_per_token / 1e3,
-        max_batch=b.max_batch,
+        max_batch=b.max_running,
         max_batch_tokens=b.max_batch_tokens,
         prefill_chunk_tokens=b.prefill_chunk_tokens,
     )
