@@ -36,39 +36,40 @@ def _n(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _row(label: str, lv: Mapping[str, Any]) -> str:
-    cells = [
-        label,
-        str(lv["concurrency"]),
-        f"{lv['ok']}/{lv['requests']}",
-        _n(lv["output_tok_s"], ".1f"),
-        _n(lv["ttft_ms_p50"], ".0f"),
-        _n(lv["ttft_ms_p99"], ".0f"),
-        _n(lv["tpot_ms_p50"], ".1f"),
-    ]
-    return "| " + " | ".join(cells) + " |"
+def _cell(lv: Mapping[str, Any] | None) -> str:
+    """One server at one concurrency: tokens/s, TTFT p50 / p99 (s), TPOT p50 (ms); `*` when some request
+    did not complete."""
+    if lv is None:
+        return "-"
+    ttft = f"{_n(_s(lv['ttft_ms_p50']), '.2f')} / {_n(_s(lv['ttft_ms_p99']), '.2f')} s"
+    star = "" if lv["ok"] == lv["requests"] else "*"
+    return f"{_n(lv['output_tok_s'], '.1f')}{star}, {ttft}, {_n(lv['tpot_ms_p50'], '.1f')} ms"
 
 
-def _ratio_line(r: Mapping[str, Mapping[str, Any]]) -> str:
-    parts = [
-        f"C={c} {_n(v['output_tok_s'], '.2f')}x tok/s, {_n(v['tpot_ms_p50'], '.2f')}x TPOT"
-        for c, v in r.items()
-    ]
-    return f"CoLLM / {LABELS[BASELINE]}: " + "; ".join(parts) + "."
+def _s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
 
 
 def table(doc: Mapping[str, Any]) -> str:
-    """Per server and concurrency: requests completed, output tokens/s, TTFT p50 and p99, TPOT p50; then
-    CoLLM over llama.cpp F16 per concurrency, and the host and workload the figures come from."""
+    """Per concurrency (rows) and server (columns, in the order they ran): output tokens/s, TTFT p50 / p99
+    and TPOT p50; CoLLM over llama.cpp F16 in tokens/s and TPOT; then the host and workload."""
+    names = list(doc["servers"])
+    levels = {n: {lv["concurrency"]: lv for lv in run["levels"]} for n, run in doc["servers"].items()}
+    cs = sorted({c for lv in levels.values() for c in lv})
+    r = doc.get("ratios") or {}
     lines = [
-        "| server | streams | done | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| streams | "
+        + " | ".join(f"{LABELS.get(n, n)}: tok/s, TTFT p50 / p99, TPOT" for n in names)
+        + f" | CoLLM / {LABELS[BASELINE]}: tok/s, TPOT |",
+        "|---:|" + "---|" * len(names) + "---:|",
     ]
-    for name, run in doc["servers"].items():  # in the order they ran
-        lines += [_row(LABELS.get(name, name), lv) for lv in run["levels"]]
+    for c in cs:
+        v = r.get(str(c), {})
+        ratio = f"**{_n(v.get('output_tok_s'), '.2f')}x**, {_n(v.get('tpot_ms_p50'), '.2f')}x" if v else "-"
+        lines.append(f"| {c} | " + " | ".join(_cell(levels[n].get(c)) for n in names) + f" | {ratio} |")
     lines.append("")
-    if doc.get("ratios"):
-        lines += [_ratio_line(doc["ratios"]), ""]
+    if any(lv["ok"] < lv["requests"] for run in levels.values() for lv in run.values()):
+        lines += ["* some requests did not complete.", ""]
     w, ll, host = doc["workload"], doc["llamacpp"], doc["host"]
     lines.append(
         f"{host['cpu']} ({host['cpus']} CPUs). {w['prompt_tokens']}-token prompts, "
