@@ -145,160 +145,176 @@ def make_plan(
 MIN_GAIN_PER_STEP = 1e-6
 
 
-def collm_slow(view: ClusterView) -> SlowDecision:
-    cfg = view.config
-    t_s = cfg.round_deadline_s
-    V, Z = cfg.quality_weight_v, view.virtual_queue
-    demand = view.forecast_demand
-    ready, skipped = adapters_to_plan(view)
+class _Planning:
+    """One slow tick's planning state: the replicas' shares (those of rounds in flight stay committed),
+    the candidates (adapter, replica) with a known training speed and the probes without one, each
+    adapter's planned effective tokens `x`, and the stop reason of the greedy allocation."""
 
-    # Shares already committed to rounds in flight stay committed.
-    share = {r: view.plan_shares.get(r, 0.0) for r in view.live}
+    def __init__(self, view: ClusterView, ready: list[tuple[str, int, list[str]]]) -> None:
+        self.view, self.cfg = view, view.config
+        self.t_s = self.cfg.round_deadline_s
+        self.share = {r: view.plan_shares.get(r, 0.0) for r in view.live}
+        # The sum of 1 - share over the replicas, kept while `share` holds.
+        self._free_sum: float | None = None
+        self.cands: dict[tuple[str, str], _Candidate] = {}
+        self.probes: list[tuple[str, str]] = []
+        for adapter, _, replicas in ready:
+            for rid in replicas:
+                if rid in view.at_risk:
+                    continue
+                rate = view.train_rate_per_s.get(rid)
+                if rate is None or rate <= 0:
+                    self.probes.append((adapter, rid))
+                    continue
+                data = view.data_tokens.get((rid, adapter), 0.0)
+                self.cands[(adapter, rid)] = _Candidate(adapter, rid, rate, data)
+        self.room = {r: usable_share(view, r) for r in view.live}
+        self.x = {a: 0.0 for a, _, _ in ready}
+        # Per adapter: (gain coefficient weighted by its demand, tokens it has trained).
+        self.coef = {
+            a: (
+                view.quality[a].gain_coefficient * view.adapter_demand.get(a, 1.0),
+                view.quality[a].trained_tokens,
+            )
+            for a, _, _ in ready
+        }
+        self.stop = "no step adds quality"
 
-    free_sum: float | None = None  # the sum of 1 - share over the replicas, kept while `share` holds
+    def util(self, extra: float = 0.0) -> float:
+        if self._free_sum is None:
+            self._free_sum = sum(1.0 - self.view.displaced(self.share[r]) for r in self.share)
+        cap = self._free_sum - self.view.displaced(extra)
+        return math.inf if cap <= 0 else self.view.forecast_demand / cap
 
-    def util(extra: float = 0.0) -> float:
-        nonlocal free_sum
-        if free_sum is None:
-            free_sum = sum(1.0 - view.displaced(share[r]) for r in share)
-        cap = free_sum - view.displaced(extra)
-        return math.inf if cap <= 0 else demand / cap
+    def marginal(self, c: _Candidate) -> float:
+        k, trained = self.coef[c.adapter]
+        dx = c.step_tokens(self.t_s, self.cfg.share_step)
+        return log_gain(k, self.cfg.quality_token_scale, trained + self.x[c.adapter], dx)
 
-    head = (
-        f"forecast demand {demand:.2f} replicas, {len(view.live)} live, Z={Z:.3f}, "
-        f"headroom {view.headroom:.2f}, V={V:g}, "
-        f"utilisation {util():.2f} (cap {cfg.util_cap:.2f})"
-    )
-    if not ready:
-        return SlowDecision(
-            (), tuple(skipped), demand, view.forecast_arrivals_per_s, Z, head + "; nothing to plan"
-        )
+    def fits(self, rid: str) -> bool:
+        return self.share[rid] + self.cfg.share_step <= self.room[rid] + 1e-9
 
-    cands: dict[tuple[str, str], _Candidate] = {}
-    probes: list[tuple[str, str]] = []
-    for adapter, _, replicas in ready:
-        for rid in replicas:
-            if rid in view.at_risk:
-                continue
-            rate = view.train_rate_per_s.get(rid)
-            if rate is None or rate <= 0:
-                probes.append((adapter, rid))
-                continue
-            cands[(adapter, rid)] = _Candidate(adapter, rid, rate, view.data_tokens.get((rid, adapter), 0.0))
+    def take_step(self, c: _Candidate) -> None:
+        self.x[c.adapter] += c.step_tokens(self.t_s, self.cfg.share_step)
+        c.share += self.cfg.share_step
+        self.add_share(c.replica_id, self.cfg.share_step)
 
-    room = {r: usable_share(view, r) for r in view.live}
-    x = {a: 0.0 for a, _, _ in ready}
-    # Per adapter: (gain coefficient weighted by its demand, tokens it has trained).
-    coef = {
-        a: (
-            view.quality[a].gain_coefficient * view.adapter_demand.get(a, 1.0),
-            view.quality[a].trained_tokens,
-        )
-        for a, _, _ in ready
-    }
+    def add_share(self, rid: str, share: float) -> None:
+        self.share[rid] += share
+        self._free_sum = None
 
-    def marginal(c: _Candidate) -> float:
-        k, trained = coef[c.adapter]
-        dx = c.step_tokens(t_s, cfg.share_step)
-        return log_gain(k, cfg.quality_token_scale, trained + x[c.adapter], dx)
-
-    heap: list[tuple[float, int, str, str]] = []
-    seq = 0
-    for key, c in cands.items():
-        heapq.heappush(heap, (-marginal(c), seq, *key))
-        seq += 1
-    stop = "no step adds quality"
-    while heap:
-        _, _, adapter, rid = heapq.heappop(heap)
-        c = cands[(adapter, rid)]
-        if share[rid] + cfg.share_step > room[rid] + 1e-9:
-            continue  # this replica is full; other adapters' candidates on it are skipped too
-        g = marginal(c)
-        if heap and g < -heap[0][0] - 1e-12:
-            heapq.heappush(heap, (-g, seq, adapter, rid))  # lazy: stale priority, re-queue
+    def greedy(self, V: float, Z: float) -> None:
+        """Share steps by largest marginal gain (a lazy heap) while the gain pays the SLO-risk penalty, the
+        replica has room and utilisation stays under the cap; `stop` says what ended it."""
+        cfg = self.cfg
+        heap: list[tuple[float, int, str, str]] = []
+        seq = 0
+        for key, c in self.cands.items():
+            heapq.heappush(heap, (-self.marginal(c), seq, *key))
             seq += 1
-            continue
-        if g < MIN_GAIN_PER_STEP:
-            stop = "marginal quality gain below the floor"
-            break
-        u_now, u_next = util(), util(cfg.share_step)
-        if u_next > cfg.util_cap:
-            stop = f"utilisation would exceed cap {cfg.util_cap:.2f}"
-            break
-        penalty = Z * (risk(u_next) - risk(u_now))
-        if V * g <= penalty:
-            stop = f"gain {V * g:.4g} <= risk penalty {penalty:.4g}"
-            break
-        x[adapter] += c.step_tokens(t_s, cfg.share_step)
-        c.share += cfg.share_step
-        share[rid] += cfg.share_step
-        free_sum = None
-        heapq.heappush(heap, (-marginal(c), seq, adapter, rid))
-        seq += 1
+        while heap:
+            _, _, adapter, rid = heapq.heappop(heap)
+            c = self.cands[(adapter, rid)]
+            if not self.fits(rid):
+                continue  # this replica is full; other adapters' candidates on it are skipped too
+            g = self.marginal(c)
+            if heap and g < -heap[0][0] - 1e-12:
+                heapq.heappush(heap, (-g, seq, adapter, rid))  # lazy: stale priority, re-queue
+                seq += 1
+                continue
+            if g < MIN_GAIN_PER_STEP:
+                self.stop = "marginal quality gain below the floor"
+                return
+            u_now, u_next = self.util(), self.util(cfg.share_step)
+            if u_next > cfg.util_cap:
+                self.stop = f"utilisation would exceed cap {cfg.util_cap:.2f}"
+                return
+            penalty = Z * (risk(u_next) - risk(u_now))
+            if V * g <= penalty:
+                self.stop = f"gain {V * g:.4g} <= risk penalty {penalty:.4g}"
+                return
+            self.take_step(c)
+            heapq.heappush(heap, (-self.marginal(c), seq, adapter, rid))
+            seq += 1
 
-    # The starvation floor: an adapter whose wait without a planned round would pass `starvation_floor_s`
-    # before the next slow tick gets one step now on its candidate with the largest marginal gain that
-    # has room, whatever the risk penalty; where no step fits (its replicas' shares are full, or one more
-    # step would pass the utilisation cap), it takes a turn in the training time a replica already has
-    # (`_floor_inside`).
-    floored: set[str] = set()
-    for adapter, _, _ in ready:
-        waited_s = view.now_s - view.last_planned_s.get(adapter, view.now_s)
-        if x[adapter] > 0 or waited_s + cfg.slow_interval_s <= cfg.starvation_floor_s:
-            continue
-        mine = [c for (a, _), c in cands.items() if a == adapter]
-        fits = [c for c in mine if share[c.replica_id] + cfg.share_step <= room[c.replica_id] + 1e-9]
-        if fits and util(cfg.share_step) <= cfg.util_cap:
-            c = max(fits, key=lambda c: (marginal(c), c.replica_id))
-            x[adapter] += c.step_tokens(t_s, cfg.share_step)
-            c.share += cfg.share_step
-            share[c.replica_id] += cfg.share_step
-            free_sum = None
-            floored.add(adapter)
-        elif (inside := _floor_inside(view, mine, share, cands)) is not None:
-            x[adapter] += effective_tokens(inside.tokens(t_s), inside.data_tokens)
-            floored.add(adapter)
+    def starvation_floor(self, ready: list[tuple[str, int, list[str]]]) -> set[str]:
+        """An adapter whose wait without a planned round would pass `starvation_floor_s` before the next
+        slow tick gets one step now on its candidate with the largest marginal gain that has room, whatever
+        the risk penalty; where no step fits (its replicas' shares are full, or one more step would pass
+        the utilisation cap), it takes a turn in the training time a replica already has (`_floor_inside`).
+        The adapters floored."""
+        view, cfg = self.view, self.cfg
+        floored: set[str] = set()
+        for adapter, _, _ in ready:
+            waited_s = view.now_s - view.last_planned_s.get(adapter, view.now_s)
+            if self.x[adapter] > 0 or waited_s + cfg.slow_interval_s <= cfg.starvation_floor_s:
+                continue
+            mine = [c for (a, _), c in self.cands.items() if a == adapter]
+            fits = [c for c in mine if self.fits(c.replica_id)]
+            if fits and self.util(cfg.share_step) <= cfg.util_cap:
+                self.take_step(max(fits, key=lambda c: (self.marginal(c), c.replica_id)))
+                floored.add(adapter)
+            elif (inside := _floor_inside(view, mine, self.share, self.cands)) is not None:
+                self.x[adapter] += effective_tokens(inside.tokens(self.t_s), inside.data_tokens)
+                floored.add(adapter)
+        return floored
 
-    plans: list[RoundPlanDecision] = []
-    for adapter, version, _ in ready:
+    def rows(self, adapter: str) -> list[tuple[str, int, float, float, str]]:
+        """The adapter's participants: (replica, token budget, share, 0, why), probes included (a probe
+        takes its share now)."""
+        cfg, t_s = self.cfg, self.t_s
         rows: list[tuple[str, int, float, float, str]] = []
-        q = view.quality[adapter]
-        for (a, rid), c in sorted(cands.items()):
+        for (a, rid), c in sorted(self.cands.items()):
             if a != adapter or c.share <= 0:
                 continue
             tokens = round(c.tokens(t_s))
             if tokens < cfg.min_budget_tokens:
                 continue
             e = effective_tokens(tokens, c.data_tokens)
-            rows.append(
-                (
-                    rid,
-                    tokens,
-                    c.share,
-                    0.0,
-                    f"share {c.share:.2f} x {t_s:.0f}s x {c.rate_per_s:.0f} tok/s; {e:.0f} effective",
-                )
-            )
+            why = f"share {c.share:.2f} x {t_s:.0f}s x {c.rate_per_s:.0f} tok/s; {e:.0f} effective"
+            rows.append((rid, tokens, c.share, 0.0, why))
         # Replicas whose training speed is unknown yet: a small probe teaches it (and still trains).
-        for a, rid in probes:
-            ps = min(cfg.probe_share, cfg.max_share - share.get(rid, 0.0))
-            if a == adapter and ps > 0 and util(ps) <= cfg.util_cap:
-                share[rid] += ps
-                free_sum = None
+        for a, rid in self.probes:
+            ps = min(cfg.probe_share, cfg.max_share - self.share.get(rid, 0.0))
+            if a == adapter and ps > 0 and self.util(ps) <= cfg.util_cap:
+                self.add_share(rid, ps)
                 rows.append((rid, cfg.probe_budget_tokens, ps, 0.0, "probe: training speed unknown"))
+        return rows
+
+
+def collm_slow(view: ClusterView) -> SlowDecision:
+    cfg = view.config
+    V, Z = cfg.quality_weight_v, view.virtual_queue
+    demand = view.forecast_demand
+    ready, skipped = adapters_to_plan(view)
+    pl = _Planning(view, ready)
+    head = (
+        f"forecast demand {demand:.2f} replicas, {len(view.live)} live, Z={Z:.3f}, "
+        f"headroom {view.headroom:.2f}, V={V:g}, "
+        f"utilisation {pl.util():.2f} (cap {cfg.util_cap:.2f})"
+    )
+    if not ready:
+        return SlowDecision(
+            (), tuple(skipped), demand, view.forecast_arrivals_per_s, Z, head + "; nothing to plan"
+        )
+    pl.greedy(V, Z)
+    floored = pl.starvation_floor(ready)
+    plans: list[RoundPlanDecision] = []
+    for adapter, version, _ in ready:
+        rows = pl.rows(adapter)
         if not rows:
-            skipped.append(
-                SkippedAdapter(adapter, f"no participant: {_why_none(view, adapter, cands, probes, stop)}")
-            )
+            why_none = _why_none(view, adapter, pl.cands, pl.probes, pl.stop)
+            skipped.append(SkippedAdapter(adapter, f"no participant: {why_none}"))
             continue
-        total_gain = log_gain(q.gain_coefficient, cfg.quality_token_scale, q.trained_tokens, x[adapter])
+        q = view.quality[adapter]
+        total_gain = log_gain(q.gain_coefficient, cfg.quality_token_scale, q.trained_tokens, pl.x[adapter])
         per = total_gain / len(rows)
         rows = [(r, b, s, per, why) for r, b, s, _, why in rows]
         floor = f"; starvation floor: no round for {cfg.starvation_floor_s:g} s" if adapter in floored else ""
-        why = f"{head}; expected gain {total_gain:.4f} nats; stop: {stop}{floor}"
+        why = f"{head}; expected gain {total_gain:.4f} nats; stop: {pl.stop}{floor}"
         plans.append(make_plan(view, adapter, version, rows, why))
     return SlowDecision(
-        tuple(plans), tuple(skipped), demand, view.forecast_arrivals_per_s, Z, f"{head}; stop: {stop}"
+        tuple(plans), tuple(skipped), demand, view.forecast_arrivals_per_s, Z, f"{head}; stop: {pl.stop}"
     )
 
 
