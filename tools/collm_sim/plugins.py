@@ -9,7 +9,7 @@ The simulator does not model these decisions: it calls the very code the service
 * replica: `collm_replica.engine.scheduler.plan_iteration` (continuous batching with chunked prefill,
   paged KV admission and preemption: `engine.kv.blocks_for`), `scheduler.decide_background` (the
   training and evaluation windows after each step and the job to train, through the co-schedulers of
-  `collm_replica.cosched`: `slo`, `fixed`, `leftover`) on the input `scheduler.background_input` builds
+  `collm_replica.engine.cosched`: `slo`, `fixed`, `leftover`) on the input `scheduler.background_input` builds
   (the coordinator's share and its TTL, the `ArrivalHistory` of TTFT SLOs), with `effective_share` for
   the share in force and `behind_schedule` for an evaluation's pace; `repeated_decodes` says how many
   iterations in a row its plan stays one decode token per running request.
@@ -25,14 +25,14 @@ from collm_aggregator.planner import choose_evaluators
 from collm_coordinator.core import CoordinatorCore, CoreConfig
 from collm_coordinator.core.config import COSCHEDULER_FOR_POLICY
 from collm_gateway.routing import ReplicaSnapshot, RoutingConfig, WeightsSnapshot, rank_replicas
-from collm_replica.cosched import (
+from collm_replica.costs import FinishedSample, LatencyWindow
+from collm_replica.engine.cosched import (
     CoScheduler,
     TrainCost,
     behind_schedule,
     effective_share,
     make_coscheduler,
 )
-from collm_replica.costs import FinishedSample, LatencyWindow
 from collm_replica.engine.kv import blocks_for
 from collm_replica.engine.scheduler import (
     ArrivalHistory,

@@ -7,7 +7,7 @@ Each iteration does what `collm_replica.engine.Engine._iteration` does, in virtu
    and preempts by the blocks of the paged KV cache (`kv_admission`, as the replica: a preempted request
    goes back to the front of the queue and recomputes its prompt and output before its next token);
 3. the replica's `engine.scheduler.decide_background` decides the training and evaluation windows after
-   the step, through its co-scheduler (`collm_replica.cosched`), on the input `scheduler.
+   the step, through its co-scheduler (`collm_replica.engine.cosched`), on the input `scheduler.
    background_input` builds from the replica's state, the rule the engine's `_decide_background` uses
    (`collm_sim.windows.BackgroundWindows`: the coordinator's share with its TTL, the requests as the
    engine's `Sequence.timing` shows them, with `max_tokens` their output length as the benchmark client

@@ -1,7 +1,7 @@
 """A simulated replica's background decision: the windows of evaluation and training after each step.
 
 Each iteration with a round job or an evaluation pending, the replica's `engine.scheduler.
-decide_background` decides through its co-scheduler (`collm_replica.cosched`), on the input that
+decide_background` decides through its co-scheduler (`collm_replica.engine.cosched`), on the input that
 `scheduler.background_input` builds from the replica's state as it does for the engine: the
 coordinator's share (with its TTL: `effective_share`) and spend, the requests as the engine's
 `Sequence.timing` shows them, the step planned and its cost, the arrival history's tightest TTFT SLO and

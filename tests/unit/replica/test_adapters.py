@@ -10,8 +10,8 @@ import pytest
 from collm_common.lora import encode_adapter
 from collm_common.store import NotFound
 from collm_replica.adapters import AdapterManager
-from collm_replica.cosched import NoTraining
 from collm_replica.engine import Engine, EngineConfig
+from collm_replica.engine.cosched import NoTraining
 from collm_replica.errors import ReplicaError
 from collm_replica.models import LoadedModel
 from collm_replica.settings import ReplicaSettings

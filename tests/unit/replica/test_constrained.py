@@ -12,8 +12,8 @@ import pytest
 from collm_bench.schemas import SCHEMAS
 from collm_common.structured import Tool, json_schema_grammar, parse_tool_calls, tool_grammar
 from collm_replica.constrain import grammar_error_text
-from collm_replica.cosched import NoTraining
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
+from collm_replica.engine.cosched import NoTraining
 from collm_replica.engine.types import EngineRefusal
 from collm_replica.models import LoadedModel
 from tests.unit.replica.helpers import Collector, greedy, submit_all

@@ -14,9 +14,9 @@ import torch
 from collm_common.data import Example, LocalDataset
 from collm_common.lora import LoraSpec
 from collm_common.step_log import BackgroundWork, InferenceStep
-from collm_replica.cosched import NoTraining, SloAwareCoScheduler
 from collm_replica.costs import FinishedSample, predicted_queue_wait_s
 from collm_replica.engine import Engine, EngineConfig, EngineRefusal, EngineRequest, NotResident
+from collm_replica.engine.cosched import NoTraining, SloAwareCoScheduler
 from collm_replica.engine.scheduler import BatchConfig
 from collm_replica.lora_bank import LiveLora
 from collm_replica.models import LoadedModel, load_model

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from collm_replica.cosched import NoTraining
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
+from collm_replica.engine.cosched import NoTraining
 from collm_replica.engine.types import EngineRefusal
 from collm_replica.models import LoadedModel
 from tests.unit.replica.helpers import Collector, submit_all

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from collm_replica.cosched import NoTraining
 from collm_replica.engine import Engine, EngineConfig
+from collm_replica.engine.cosched import NoTraining
 from collm_replica.engine.scheduler import BatchConfig
 from collm_replica.models import LoadedModel
 from tests.unit.replica.helpers import Collector, greedy, random_adapter, submit_all

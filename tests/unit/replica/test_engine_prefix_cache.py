@@ -12,8 +12,8 @@ from prometheus_client import REGISTRY
 
 from collm_common.lora import AdapterWeights
 from collm_replica import metrics, vllm_metrics
-from collm_replica.cosched import NoTraining, SloAwareCoScheduler
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
+from collm_replica.engine.cosched import NoTraining, SloAwareCoScheduler
 from collm_replica.engine.scheduler import BatchConfig
 from collm_replica.lora_bank import LiveLora
 from collm_replica.models import LoadedModel

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from collm_replica.cosched import NoTraining, SloAwareCoScheduler, TrainCost
+from collm_replica.engine.cosched import NoTraining, SloAwareCoScheduler, TrainCost
 from collm_replica.engine.scheduler import (
     ArrivalHistory,
     BackgroundInput,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from collm_common.stats import percentile
-from collm_replica.cosched import (
+from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, StepCosts
+from collm_replica.engine.cosched import (
     CoSchedInput,
     FixedRatioCoScheduler,
     LeftoverCoScheduler,
@@ -22,7 +23,6 @@ from collm_replica.cosched import (
     request_deadlines,
     running_timing,
 )
-from collm_replica.costs import FinishedSample, LatencyWindow, LinearCost, StepCosts
 from collm_replica.engine.scheduler import BatchConfig, SeqView, plan_iteration
 from collm_replica.lru import VersionLru
 from collm_replica.sampling import StopMatcher
@@ -348,7 +348,7 @@ def test_slo_training_progresses_when_a_micro_step_is_longer_than_the_guard() ->
 
 
 def test_background_budget_ignores_share_and_job_but_not_slack() -> None:
-    from collm_replica.cosched import background_budget_ms
+    from collm_replica.engine.cosched import background_budget_ms
 
     assert (
         background_budget_ms(inp(has_job=False, share=0.0, running=0, deadlines_s=(), max_train_ms=80.0))

@@ -325,7 +325,7 @@ def test_unknown_domain_and_bad_config_are_refused() -> None:
 def test_training_runs_in_pieces_that_yield_to_an_arrival_and_carry_over() -> None:
     """As the engine: a stretch of whole pieces; an arrival ends it after the piece in progress; the
     micro-step carries over and its tokens count when it completes."""
-    from collm_replica.cosched import LeftoverCoScheduler
+    from collm_replica.engine.cosched import LeftoverCoScheduler
     from collm_sim.replica import SimReplica
 
     done: list[object] = []
@@ -360,7 +360,7 @@ def eval_replica(
 def test_a_round_job_only_trains_as_the_engines_does() -> None:
     """As the engine's round job: no evaluation of its own (the aggregator's gate scores the candidate),
     so its whole training time goes to its micro-steps, with or without evaluation costs known."""
-    from collm_replica.cosched import LeftoverCoScheduler
+    from collm_replica.engine.cosched import LeftoverCoScheduler
 
     engine = EngineSpec(
         train_micro_tokens=128, train_pieces_per_micro_step=4, train_batch_tokens=128,
@@ -396,7 +396,7 @@ def test_the_background_windows_are_the_replicas_decision(monkeypatch: pytest.Mo
     with its prompt and output to recompute and the rest of its output to generate."""
     import collm_sim.batch as sim_batch
     import collm_sim.windows as sim_windows
-    from collm_replica.cosched import SloAwareCoScheduler
+    from collm_replica.engine.cosched import SloAwareCoScheduler
     from collm_replica.engine.scheduler import BackgroundDecision, BackgroundInput, timings
 
     real = sim_windows.decide_background
@@ -443,7 +443,7 @@ def test_the_background_input_is_built_by_the_engines_rule(monkeypatch: pytest.M
     (the engine's default once they left it), the coordinator's share and spend until its TTL, the job
     as the engine's `JobView` shows it, the round-robin counter the last decision returned."""
     import collm_sim.windows as sim_windows
-    from collm_replica.cosched import SloAwareCoScheduler
+    from collm_replica.engine.cosched import SloAwareCoScheduler
     from collm_replica.engine.scheduler import BackgroundDecision, BackgroundInput, JobView
     from collm_sim.batch import Req
 
@@ -479,7 +479,7 @@ def test_the_background_input_is_built_by_the_engines_rule(monkeypatch: pytest.M
 
 
 def test_a_gate_evaluation_takes_the_idle_time_and_one_piece_per_iteration_under_load() -> None:
-    from collm_replica.cosched import SloAwareCoScheduler
+    from collm_replica.engine.cosched import SloAwareCoScheduler
     from collm_sim.background import EvalTask
     from collm_sim.batch import Req
 
@@ -585,7 +585,7 @@ def test_the_step_log_accounts_for_every_step_and_stretch_of_background_work() -
 def test_an_evaluation_runs_in_the_batches_and_pieces_it_is_given() -> None:
     # 1024 tokens: by default in 2 batches of 512 (2 x 10 + 1024 x 0.5 = 532 ms) of 31 pieces each; given
     # the live shape, 4 batches (4 x 10 + 512 = 552 ms) of 32 pieces: 128 pieces instead of 62.
-    from collm_replica.cosched import LeftoverCoScheduler
+    from collm_replica.engine.cosched import LeftoverCoScheduler
 
     done: list[object] = []
     default = eval_replica(EngineSpec(eval_tokens=1024), LeftoverCoScheduler(), done)

@@ -76,8 +76,8 @@ def workload(n: int, max_context: int = 2048) -> list[tuple[int, int]]:
 def run_engine(variant: str, n: int, kv_budget: int) -> dict[str, Any]:
     """One engine variant in this process (the tree on `PYTHONPATH` decides which engine it is)."""
     from collm_bench.engine.common import load_smollm2, token_prompts
-    from collm_replica.cosched import NoTraining
     from collm_replica.engine import Engine, EngineConfig, EngineRequest
+    from collm_replica.engine.cosched import NoTraining
 
     try:
         from collm_replica.engine.scheduler import BatchConfig

@@ -21,8 +21,8 @@ from typing import Any
 from collm_bench.engine.common import load_smollm2, save_result, submit, token_prompts, wait_all
 from collm_bench.groups import add_output_tokens, add_prompt_tokens, prog
 from collm_common.structured import json_schema_grammar
-from collm_replica.cosched import NoTraining
 from collm_replica.engine import Engine, EngineConfig, EngineRequest
+from collm_replica.engine.cosched import NoTraining
 
 SCHEMA = {
     "type": "array",

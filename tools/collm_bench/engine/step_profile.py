@@ -66,8 +66,8 @@ from collm_bench.engine.common import (
 from collm_bench.groups import add_prompt_tokens, add_result_name, add_threads, prog
 from collm_bench.readme.engine import profile_table
 from collm_common.stats import percentiles
-from collm_replica.cosched import NoTraining
 from collm_replica.engine import Engine, EngineConfig
+from collm_replica.engine.cosched import NoTraining
 from collm_replica.engine.scheduler import BatchConfig
 
 PREFIX = "collm:"

@@ -49,13 +49,13 @@ from collm_bench.groups import REPO, add_eval_dtype, add_lr, add_result_name
 from collm_common.data import LocalDataset
 from collm_common.lora import LoraSpec, decode_adapter, encode_adapter
 from collm_common.stats import percentile
-from collm_replica.cosched import (
+from collm_replica.engine import Engine, EngineConfig, EngineRequest
+from collm_replica.engine.cosched import (
     CoScheduler,
     FixedRatioCoScheduler,
     NoTraining,
     SloAwareCoScheduler,
 )
-from collm_replica.engine import Engine, EngineConfig, EngineRequest
 from collm_replica.engine.scheduler import BatchConfig
 from collm_replica.lora_bank import MODULE_PATHS, LiveLora, parse_adapter
 from collm_replica.naming import served_name
@@ -543,7 +543,7 @@ def _coexec_run(
                 "train_busy_frac": (s1.train_ms_total - tm0) / 1e3 / dur,
                 "longest_background_ms": eng.longest_background_ms,
                 "train_step_ms": s1.train_step_ms,
-                # Serving iterations by what bounded their training (`collm_replica.cosched.Limit`).
+                # Serving iterations by what bounded their training (`collm_replica.engine.cosched.Limit`).
                 "train_limits": {k: v - s0.train_limits.get(k, 0) for k, v in s1.train_limits.items()},
             }
         )

@@ -55,8 +55,8 @@ from collm_bench.engine.common import (
 from collm_bench.groups import add_output_tokens, add_prompt_tokens, add_result_name, prog
 from collm_bench.readme.engine import threads_table
 from collm_common.stats import percentile
-from collm_replica.cosched import NoTraining
 from collm_replica.engine import Engine, EngineConfig
+from collm_replica.engine.cosched import NoTraining
 from collm_replica.engine.scheduler import BatchConfig
 
 PROMPT_SEED = 21

@@ -21,8 +21,8 @@ from collm_common.data import Example, LocalDataset
 from collm_common.lora import AdapterWeights
 from collm_common.step_log import BackgroundWork
 from collm_common.wire.telemetry import TrainingJobStatus
-from collm_replica.cosched import CoScheduler, behind_schedule
 from collm_replica.costs import PieceCosts
+from collm_replica.engine.cosched import CoScheduler, behind_schedule
 from collm_replica.engine.executor import Executor
 from collm_replica.engine.slots import Slots
 from collm_replica.engine.types import EngineConfig, EngineRefusal, JobEvent

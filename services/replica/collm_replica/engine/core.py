@@ -26,10 +26,10 @@ from collections.abc import Callable
 import torch
 
 from collm_common.step_log import BackgroundWork, InferenceStep
-from collm_replica.cosched import CoScheduler, TrainCost, effective_share
 from collm_replica.costs import PieceCosts, StepCosts
 from collm_replica.engine.background import Evaluations, Examples, Training
 from collm_replica.engine.batcher import Batcher
+from collm_replica.engine.cosched import CoScheduler, TrainCost, effective_share
 from collm_replica.engine.executor import Executor
 from collm_replica.engine.output import OutputProcessor
 from collm_replica.engine.runner import ModelRunner

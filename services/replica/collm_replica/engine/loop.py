@@ -49,11 +49,11 @@ from collm_common.lora import AdapterWeights
 from collm_common.wire.inference import Accepted
 from collm_common.wire.telemetry import TrainingJobStatus
 from collm_replica.constrain import Grammars
-from collm_replica.cosched import CoScheduler, make_coscheduler
 from collm_replica.costs import LatencyWindow
 from collm_replica.engine.background import Evaluations, Examples, Training
 from collm_replica.engine.batcher import Batcher
 from collm_replica.engine.core import EngineCore, StepLog
+from collm_replica.engine.cosched import CoScheduler, make_coscheduler
 from collm_replica.engine.executor import Executor, KVPool
 from collm_replica.engine.output import OutputProcessor
 from collm_replica.engine.sequence import Seq, SeqMaker

@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from collm_replica.cosched import (
+from collm_replica.engine.cosched import (
     CoSchedInput,
     CoScheduler,
     ReqTiming,
