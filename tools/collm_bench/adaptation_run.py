@@ -53,7 +53,9 @@ if TYPE_CHECKING:
 ADAPTATION_RESULTS = RESULTS / "adaptation"
 
 
-def _stack_config(run_dir: Path) -> Any:
+def default_stack_config(run_dir: Path) -> Any:
+    """What `collm up` with no options starts, on its own NATS and Redis on free ports, state and logs in
+    `run_dir`, no metrics ports."""
     from collm_ops.cli import build_parser, stack_config
     from collm_ops.servers import free_port
 
@@ -72,7 +74,7 @@ def _stack_config(run_dir: Path) -> Any:
     return cfg
 
 
-def _load_plan(load_frac: float, window_s: float) -> dict[str, Any]:
+def load_plan(load_frac: float, window_s: float) -> dict[str, Any]:
     """Rate and SLO of the replay: the headline's length policy and SLO rule on the conv trace."""
     from collm_bench.headline.config import HeadlineConfig
     from collm_bench.headline.rates import capacity_estimate_rps
@@ -106,7 +108,9 @@ def _load_plan(load_frac: float, window_s: float) -> dict[str, Any]:
     }
 
 
-def _loadgen(gateway_url: str, plan: dict[str, Any], out: Path) -> subprocess.Popen[bytes]:
+def start_loadgen(gateway_url: str, plan: dict[str, Any], out: Path) -> subprocess.Popen[bytes]:
+    """The replay of `plan` (`load_plan`) through the gateway as a `collm_bench loadgen` process writing its
+    records to `out`, its output to `out.parent / "loadgen.log"`."""
     hc = plan["hc"]
     cmd = [
         sys.executable, "-m", "collm_bench", "loadgen",
@@ -161,7 +165,7 @@ async def _read_stack(settings: CommonSettings) -> dict[str, Any]:
     return {"adapters": adapters, "rounds": [r.model_dump() for r in rounds.rounds]}
 
 
-def _stop_on_sigterm(*_: object) -> None:
+def stop_on_sigterm(*_: object) -> None:
     raise KeyboardInterrupt  # the stack and the load generator are stopped on the way out
 
 
@@ -182,14 +186,14 @@ def run(args: argparse.Namespace, command: str) -> int:
     from collm_bench import adaptation
     from collm_ops.launcher import Stack
 
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
 
     name = args.name or ("idle" if args.load_frac <= 0 else f"load{args.load_frac:g}")
     run_dir = Path(args.run_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     window_s = args.minutes * 60.0
-    plan = _load_plan(args.load_frac, window_s) if args.load_frac > 0 else None
-    cfg = _stack_config(run_dir)
+    plan = load_plan(args.load_frac, window_s) if args.load_frac > 0 else None
+    cfg = default_stack_config(run_dir)
     admin_key = secrets.token_urlsafe(24)
     if args.chaos:
         cfg.service_env.setdefault("gateway", {})["COLLM_ADMIN_KEY"] = admin_key
@@ -242,7 +246,7 @@ def _run_window(
             monkey = _start_chaos(stack, t0, window_s, args.chaos_seed, admin_key)
         if plan is not None:
             print(f"adaptation: replaying at {plan['rate_rps']:.3f} req/s", flush=True)
-            gen = _loadgen(stack.gateway_url, plan, run_dir / "loadgen")
+            gen = start_loadgen(stack.gateway_url, plan, run_dir / "loadgen")
         while time.time() - t0 < window_s:
             time.sleep(min(30.0, window_s - (time.time() - t0)))
             print(f"adaptation: {(time.time() - t0) / 60:.1f} min", flush=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collm_bench.adaptation_run import _load_plan, _loadgen, _stack_config, _stop_on_sigterm
+from collm_bench.adaptation_run import default_stack_config, load_plan, start_loadgen, stop_on_sigterm
 from collm_bench.frontier import step
 from collm_bench.groups import REPO, RESULTS, add_run_dir, command_line, prog
 
@@ -98,7 +98,7 @@ async def _watch(
                 k = len(gens)
                 (run_dir / f"phase{k}").mkdir(parents=True, exist_ok=True)
                 print(f"step: phase {k} at {plans[k]['rate_rps']:.3f} req/s", flush=True)
-                gens.append(_loadgen(gateway_url, dict(plans[k]), run_dir / f"phase{k}" / "loadgen"))
+                gens.append(start_loadgen(gateway_url, dict(plans[k]), run_dir / f"phase{k}" / "loadgen"))
             try:
                 st = await bus.request(
                     subjects.coordinator("status"), CoordinatorStatusRequest(), CoordinatorStatus, timeout_s=5
@@ -116,13 +116,13 @@ def run(args: argparse.Namespace, command: str) -> int:
     from collm_coordinator.core import CoreConfig
     from collm_ops.launcher import Stack
 
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     fracs = [float(x) for x in args.load_fracs.split(",")]
     step_s = args.step_minutes * 60.0
     run_dir = Path(args.run_dir) / f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    plans = [_load_plan(f, step_s) for f in fracs]
-    stack = Stack(_stack_config(run_dir))
+    plans = [load_plan(f, step_s) for f in fracs]
+    stack = Stack(default_stack_config(run_dir))
     print(f"step: starting the default stack (logs in {run_dir / 'logs'})", flush=True)
     stack.start()
     watch = Watch(time.time())
