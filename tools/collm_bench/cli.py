@@ -27,6 +27,7 @@ from collm_bench.client import ClientOptions, endpoint_url
 from collm_bench.groups import GROUPS
 from collm_bench.groups import main as group_main
 from collm_bench.report import format_summary
+from collm_workload import flags
 from collm_workload.goodput import SloOverride, summarize
 from collm_workload.prompts import PromptBuilder, PromptError, discover_domains, parse_mix, read_domain_dir
 from collm_workload.quality import QualityTable
@@ -158,15 +159,13 @@ def _target_args(p: argparse.ArgumentParser) -> None:
 def _arrival_args(p: argparse.ArgumentParser) -> None:
     """loadgen's arrivals: trace, process, rate, duration, seed."""
     g = p.add_argument_group("arrivals")
-    g.add_argument(
-        "--trace",
+    flags.add_trace(
+        g,
         default=None,
         help=f"trace to replay: {', '.join(NAMED_TRACES)} (in --traces-dir) or a path "
         "(.csv Azure format, .jsonl Mooncake format)",
     )
-    g.add_argument(
-        "--traces-dir", type=Path, default=DEFAULT_DATA_DIR / "traces", help="where the named traces live"
-    )
+    flags.add_traces_dir(g, default=DEFAULT_DATA_DIR / "traces")
     g.add_argument(
         "--trace-start-s",
         type=float,
@@ -201,7 +200,7 @@ def _arrival_args(p: argparse.ArgumentParser) -> None:
         help="seconds of arrivals; requests still running afterwards get --drain-timeout-s",
     )
     g.add_argument("--num-requests", type=int, default=None, help="cap on the number of requests")
-    g.add_argument("--seed", type=int, default=0, help="seed of arrivals, domain draws and prompts")
+    flags.add_seed(g, help="seed of arrivals, domain draws and prompts")
 
 
 def _length_args(p: argparse.ArgumentParser) -> None:
@@ -209,8 +208,9 @@ def _length_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("token lengths (scaled, then clipped)")
     g.add_argument("--input-tokens", type=int, default=256, help="prompt tokens without a trace")
     g.add_argument("--output-tokens", type=int, default=64, help="output tokens without a trace")
-    g.add_argument("--input-scale", type=float, default=1.0, help="multiply trace prompt lengths")
-    g.add_argument("--output-scale", type=float, default=1.0, help="multiply trace output lengths")
+    flags.add_length_scales(
+        g, input_help="multiply trace prompt lengths", output_help="multiply trace output lengths"
+    )
     g.add_argument("--max-input-tokens", type=int, default=None, help="clip prompt lengths")
     g.add_argument("--max-output-tokens", type=int, default=None, help="clip output lengths (max_tokens)")
     g.add_argument("--min-output-tokens", type=int, default=1, help="lower bound of max_tokens")
@@ -274,8 +274,7 @@ def _prompt_args(p: argparse.ArgumentParser) -> None:
 def _slo_args(p: argparse.ArgumentParser) -> None:
     """loadgen's SLOs (scoring, and optionally sent in the body)."""
     g = p.add_argument_group("SLOs (always used for scoring)")
-    g.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO of every request")
-    g.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO of every request")
+    flags.add_slo(g, ttft_help="TTFT SLO of every request", tpot_help="TPOT SLO of every request")
     g.add_argument(
         "--slo",
         action="append",
@@ -334,8 +333,7 @@ def _add_summarize(sub: _Subcommands) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sm.add_argument("records", type=Path, help="requests.jsonl written by loadgen")
-    sm.add_argument("--slo-ttft-ms", type=float, default=None, help="re-score with this TTFT SLO")
-    sm.add_argument("--slo-tpot-ms", type=float, default=None, help="re-score with this TPOT SLO")
+    flags.add_slo(sm, ttft_help="re-score with this TTFT SLO", tpot_help="re-score with this TPOT SLO")
     sm.add_argument("--out", type=Path, default=None, help="write the summary JSON here (default: stdout)")
     sm.add_argument("--timeline-bin-s", type=float, default=10.0, help="bin width of summary.timeline")
     _quality_args(sm)
@@ -345,7 +343,7 @@ def _add_traces(sub: _Subcommands) -> None:
     """`traces` and its flags."""
     tr = sub.add_parser("traces", help="statistics of a trace file", description="Print trace statistics.")
     tr.add_argument("trace", help=f"{', '.join(NAMED_TRACES)} or a path")
-    tr.add_argument("--traces-dir", type=Path, default=DEFAULT_DATA_DIR / "traces")
+    flags.add_traces_dir(tr, default=DEFAULT_DATA_DIR / "traces")
 
 
 def _quality_args(p: argparse.ArgumentParser) -> None:

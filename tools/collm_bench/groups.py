@@ -14,7 +14,8 @@ names.
     python -m collm_bench peer llamacpp
 
 Flags that several of these benchmarks take are defined once here (`add_*`), so that they keep one name
-and one meaning. Results go under bench/results/ (`RESULTS`).
+and one meaning; those that the other experiment CLIs take too come from `collm_workload.flags`. Results
+go under bench/results/ (`RESULTS`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
+
+from collm_workload import flags
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -179,7 +182,7 @@ def add_model(p: argparse.ArgumentParser, default: str) -> None:
 
 def add_seed(p: argparse.ArgumentParser) -> None:
     """`--seed`: the seed of the benchmark's random draws (arrivals, prompts)."""
-    p.add_argument("--seed", type=int, default=0, help="seed of the random arrivals and prompts")
+    flags.add_seed(p, help="seed of the random arrivals and prompts")
 
 
 def add_run_dir(p: argparse.ArgumentParser, default: str | None) -> None:
@@ -203,6 +206,6 @@ def add_domain_data(p: argparse.ArgumentParser, train_examples: int, eval_exampl
 
 def add_sim_trace(p: argparse.ArgumentParser) -> None:
     """`--calibration`, `--trace`, `--traces-dir`: the simulator's calibration and the trace it replays."""
-    p.add_argument("--calibration", type=Path, default=CALIBRATION, help="the simulator's calibration")
-    p.add_argument("--trace", default="conv", help="the trace replayed: a name (conv, code, ...) or a file")
-    p.add_argument("--traces-dir", default=str(TRACES), help="where the named traces live")
+    flags.add_calibration(p, default=CALIBRATION)
+    flags.add_trace(p, help="the trace replayed: a name (conv, code, ...) or a file")
+    flags.add_traces_dir(p, default=TRACES)

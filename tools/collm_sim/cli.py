@@ -19,6 +19,7 @@ from collm_common.calibration import Calibration
 from collm_sim.cluster import simulate
 from collm_sim.config import POLICIES, SimConfig
 from collm_sim.workload import WorkloadSpec
+from collm_workload import flags
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CALIBRATION = REPO / "bench" / "calibration" / "smollm2.json"
@@ -64,25 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="collm_sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--calibration", type=Path, default=DEFAULT_CALIBRATION, help="calibration JSON (required)"
-    )
+    flags.add_calibration(p, default=DEFAULT_CALIBRATION, help="calibration JSON (required)")
     p.add_argument("--policy", default=",".join(POLICIES), help="comma-separated policies")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--arrivals", default="trace", choices=["trace", "poisson", "gamma", "constant"])
-    p.add_argument(
-        "--trace", default="conv", help="conv, code (Azure 2023), a trace file, or none (synthetic lengths)"
-    )
-    p.add_argument("--traces-dir", default=str(DEFAULT_TRACES))
+    flags.add_trace(p, help="conv, code (Azure 2023), a trace file, or none (synthetic lengths)")
+    flags.add_traces_dir(p, default=DEFAULT_TRACES)
     p.add_argument("--rate", type=float, default=None, help="mean arrival rate (req/s); trace: time-scaled")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape k (1: Poisson)")
     p.add_argument("--trace-start", type=float, default=0.0, help="trace offset (s) where the replay starts")
-    p.add_argument("--input-scale", type=float, default=1.0, help="scale of prompt lengths")
-    p.add_argument("--output-scale", type=float, default=1.0, help="scale of output lengths")
+    flags.add_length_scales(p)
     p.add_argument("--max-context", type=int, default=None, help="prompt + output limit (tokens)")
-    p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    p.add_argument("--tpot-slo-ms", type=float, default=250.0)
+    flags.add_slo(p, ttft_default=2000.0, tpot_default=250.0)
     p.add_argument("--samples-per-replica", type=int, default=500)
     p.add_argument("--coscheduler", default=None, help="override the policy's replica co-scheduler")
     p.add_argument("--core", action="append", metavar="KNOB=VALUE", help="coordinator CoreConfig override")
@@ -92,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["log", "hold"],
         help="quality past the calibration's last measured point: fitted curve (log) or none (hold)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    flags.add_seed(p)
     p.add_argument("--out", type=Path, default=None, help="write the results (JSON) here")
     p.add_argument("--records", type=Path, default=None, help="write per-request records (JSONL) here")
     return p
@@ -102,7 +97,7 @@ def config_from_args(args: argparse.Namespace, policy: str) -> SimConfig:
     wl = WorkloadSpec(
         arrivals=args.arrivals,
         trace=None if args.trace.lower() in ("", "none") else args.trace,
-        traces_dir=args.traces_dir,
+        traces_dir=str(args.traces_dir),
         rate_rps=args.rate,
         duration_s=args.duration,
         burstiness=args.burstiness,
@@ -110,8 +105,8 @@ def config_from_args(args: argparse.Namespace, policy: str) -> SimConfig:
         input_scale=args.input_scale,
         output_scale=args.output_scale,
         max_context_tokens=args.max_context,
-        ttft_slo_ms=args.ttft_slo_ms,
-        tpot_slo_ms=args.tpot_slo_ms,
+        ttft_slo_ms=args.slo_ttft_ms,
+        tpot_slo_ms=args.slo_tpot_ms,
         seed=args.seed,
     )
     return SimConfig(

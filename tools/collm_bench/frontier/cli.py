@@ -28,6 +28,7 @@ from typing import Any, TextIO
 from collm_bench.headline.config import SERIES, HeadlineConfig
 from collm_bench.headline.setup import SetupError
 from collm_bench.headline.signals import interrupt_on_sigterm
+from collm_workload import flags
 
 from . import points as pts
 from . import robust, step
@@ -61,10 +62,10 @@ def _add_what_and_where(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--window-s", type=float, default=None, help="arrivals per point (default 3600 sim, 60 live)"
     )
-    p.add_argument("--trace", default="conv", help="conv, code, mooncake-conv, mooncake-synthetic or a file")
-    p.add_argument("--rounds", choices=("async", "sync"), default=None, help="the coordinator's round mode")
+    flags.add_trace(p, help="conv, code, mooncake-conv, mooncake-synthetic or a file")
+    flags.add_round_mode(p)
     p.add_argument("--round-s", type=float, default=None, help="round deadline (s); slow interval 5 s longer")
-    p.add_argument("--traces-dir", type=Path, default=None)
+    flags.add_traces_dir(p, default=None)
 
 
 def _add_load(p: argparse.ArgumentParser) -> None:
@@ -111,8 +112,8 @@ def _add_grid(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collm-v", default=None, help="collm's quality weights V (5,20,80)")
     p.add_argument("--collm-targets", default=None, help="collm's attainment targets (0.9,0.95,0.98)")
     p.add_argument("--domains", default=None, help="replica i holds domain i mod n (default math,medical)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--calibration", type=Path, default=None)
+    flags.add_seed(p)
+    flags.add_calibration(p, default=None)
     p.add_argument("--jobs", type=int, default=None, help="simulated points at once (default: cores, <= 2)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
 
@@ -123,8 +124,7 @@ def _add_live(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--min-requests", type=int, default=None, help="per point; the window grows (100; tiny 4)")
     g.add_argument("--drain-s", type=float, default=None)
     g.add_argument("--data", action="append", metavar="DOMAIN=DIR", help="a prepared dataset directory")
-    g.add_argument("--slo-ttft-ms", type=float, default=None)
-    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    flags.add_slo(g)
     g.add_argument(
         "--tiny", action="store_true", help="tiny model, 2 policies x 2 knobs, seconds-long windows (CI)"
     )

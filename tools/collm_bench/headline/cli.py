@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from collm_workload import flags
+
 from .bench import Headline
 from .config import RATE_LABELS, HeadlineConfig, tiny_preset
 from .outputs import render
@@ -38,7 +40,7 @@ def _add_what_runs(g: argparse._ArgumentGroup, d: HeadlineConfig) -> None:
     )
     g.add_argument("--policies", default=None, help=f"default {','.join(d.policies)}")
     g.add_argument("--traces", default=None, help=f"Azure traces to replay (default {','.join(d.traces)})")
-    g.add_argument("--traces-dir", type=Path, default=None, help=f"default {d.traces_dir}")
+    flags.add_traces_dir(g, default=None, help=f"default {d.traces_dir}")
     g.add_argument(
         "--domains-dir", type=Path, default=None, help=f"public datasets (default {d.domains_dir})"
     )
@@ -58,9 +60,10 @@ def _add_slice(g: argparse._ArgumentGroup, d: HeadlineConfig) -> None:
     g.add_argument(
         "--drain-s", type=float, default=None, help=f"wait after the last arrival (default {d.drain_s:g})"
     )
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--input-scale", type=float, default=None, help=f"default {d.input_scale}")
-    g.add_argument("--output-scale", type=float, default=None, help=f"default {d.output_scale}")
+    flags.add_seed(g, default=None, help=f"default {d.seed}")
+    flags.add_length_scales(
+        g, default=None, input_help=f"default {d.input_scale}", output_help=f"default {d.output_scale}"
+    )
     g.add_argument("--max-input-tokens", type=int, default=None)
     g.add_argument("--max-output-tokens", type=int, default=None, help=f"default {d.max_output_tokens}")
     g.add_argument("--max-context-tokens", type=int, default=None, help=f"default {d.max_context_tokens}")
@@ -69,9 +72,12 @@ def _add_slice(g: argparse._ArgumentGroup, d: HeadlineConfig) -> None:
 def _add_rates_and_slos(g: argparse._ArgumentGroup, d: HeadlineConfig) -> None:
     g.add_argument("--rates", default=None, help="light=R1,heavy=R2 (req/s); omitted ones are searched")
     g.add_argument("--rate-labels", default=None, help="which rates run: light,heavy (default both)")
-    g.add_argument("--slo-ttft-ms", type=float, default=None, help="default: 3 x unloaded p99-prompt TTFT")
-    g.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3 x a full-batch decode step")
-    g.add_argument("--calibration", type=Path, default=None, help=f"default {d.calibration}")
+    flags.add_slo(
+        g,
+        ttft_help="default: 3 x unloaded p99-prompt TTFT",
+        tpot_help="default: 3 x a full-batch decode step",
+    )
+    flags.add_calibration(g, default=None, help=f"default {d.calibration}")
 
 
 def _add_stack(g: argparse._ArgumentGroup, d: HeadlineConfig) -> None:
@@ -79,7 +85,7 @@ def _add_stack(g: argparse._ArgumentGroup, d: HeadlineConfig) -> None:
         "--slow-interval-s", type=float, default=None, help=f"round plans (default {d.slow_interval_s:g})"
     )
     g.add_argument("--round-deadline-s", type=float, default=None, help=f"default {d.round_deadline_s:g}")
-    g.add_argument("--rounds", choices=("async", "sync"), default=None, help=f"default {d.rounds}")
+    flags.add_round_mode(g, help=f"default {d.rounds}")
     g.add_argument(
         "--coordinator-warmup-s", type=float, default=None, help=f"default {d.coordinator_warmup_s:g}"
     )

@@ -14,7 +14,7 @@ from collm_common.calibration import Calibration
 def workload_base(args: argparse.Namespace) -> dict[str, Any]:
     """The `WorkloadSpec` fields both benchmarks share: trace arrivals of `--trace`, prompts scaled by
     0.25 and outputs by 0.5, within a 2048-token context."""
-    return {"arrivals": "trace", "trace": args.trace, "traces_dir": args.traces_dir, "input_scale": 0.25,
+    return {"arrivals": "trace", "trace": args.trace, "traces_dir": str(args.traces_dir), "input_scale": 0.25,
             "output_scale": 0.5, "max_context_tokens": 2048}  # fmt: skip
 
 
