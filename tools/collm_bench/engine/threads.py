@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of layout (a)'s one process")
     add_prompt_tokens(ap, 200)
     add_output_tokens(ap, 128)
-    ap.add_argument("--no-default-batch", action="store_true", help="skip the runs at max_batch 16")
+    ap.add_argument("--no-default-batch", action="store_true", help="skip the runs at the default max_batch")
     add_result_name(ap, "threads")
     return ap
 

@@ -302,10 +302,8 @@ def train_note(run: dict[str, Any]) -> str:
     """The note on `collm-train`: what it is and the fine-tuning tokens it trained."""
     from collm_data.demo import demo_domains
 
-    per_level = ", ".join(f"{lv['ft_tokens']} at C={lv['concurrency']}" for lv in run["levels"])
     return (
-        f"{LABELS['collm-train']}: `{COLLM_TRAIN_COMMAND}` with its demo, the {', '.join(demo_domains())} "
-        f"adapters training by federated rounds while the base model serves; the load started once its "
-        f"replicas had trained ({run['training_wait_s']:g} s after ready); they trained {run['ft_tokens']} "
-        f"fine-tuning tokens during the levels ({per_level})"
+        f"{LABELS['collm-train']}: `{COLLM_TRAIN_COMMAND}`, its demo adapters ({', '.join(demo_domains())}) "
+        f"training by federated rounds while the base model serves; the load started once they had trained "
+        f"({run['training_wait_s']:g} s after ready); {run['ft_tokens']} fine-tuning tokens during the levels"
     )

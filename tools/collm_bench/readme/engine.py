@@ -307,18 +307,22 @@ def threads_table(doc: Mapping[str, Any]) -> str:
     def cell(r: Mapping[str, Any]) -> str:
         return f"{r['output_tok_s']:.1f}, {r['ttft_ms_p50'] / 1e3:.1f} s, {r['tpot_ms_p50']:.0f} ms"
 
+    cfg = doc["config"]
+    default_mb = cfg.get("engine_batch_defaults", {}).get("max_batch", 16)
     for case in doc["cases"]:
         a, b = case["a"], case["b"]
-        mb = "default 16" if case["default_max_batch"] else ("raised" if max(a["max_batch"]) > 16 else "16")
+        if case["default_max_batch"]:
+            mb = f"default {default_mb}"
+        else:
+            mb = "raised" if max(a["max_batch"]) > default_mb else str(default_mb)
         lines.append(
             f"| {case['concurrency']} ({mb}) | {cell(a)} | {cell(b)} "
             f"| **{case['ratio_b_over_a']['output_tok_s']:.2f}x** |"
         )
-    cfg = doc["config"]
     lines += [
         "",
         f"{doc['model']}, {cfg['matmul_dtype']}, {doc['machine']['cpus']} CPUs; {cfg['prompt_tokens']}-token "
         f"prompts, {cfg['output_tokens']} tokens out, all at once; (b) splits the streams, each process with "
-        "max_batch raised to its share where over 16.",
+        f"max_batch raised to its share where over {default_mb}.",
     ]
     return "\n".join(lines)

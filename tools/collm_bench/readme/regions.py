@@ -9,7 +9,6 @@ from typing import Any
 
 OPEN = re.compile(r"^<!-- table: (?P<kind>[a-z0-9-]+) (?P<paths>[^<>]+?) -->$", re.MULTILINE)
 CLOSE_LINE = re.compile(r"^<!-- /table -->$", re.MULTILINE)
-PLOTS_COMMAND = "python -m collm_bench readme --plots"
 
 
 class PageError(ValueError):
@@ -60,7 +59,7 @@ def notes_of(doc: Mapping[str, Any]) -> list[str]:
 def footer(paths: Sequence[str], plots: Sequence[str], notes: Sequence[str] = ()) -> str:
     """The lines under a table: the result files it came from (more than three in one folder: counted,
     the region's marker names them), the plots drawn from them (more than two, one beside each file:
-    said once), their notes."""
+    said once; `python -m collm_bench readme --plots` draws them, as the page's head says), their notes."""
     folders = {p.rsplit("/", 1)[0] for p in paths}
     if len(paths) > 3 and len(folders) == 1:
         lines = [f"Result files: {len(paths)} under `{folders.pop()}/` (the region's marker names them)."]
@@ -69,10 +68,10 @@ def footer(paths: Sequence[str], plots: Sequence[str], notes: Sequence[str] = ()
         lines = [f"Result file{'s' if len(paths) > 1 else ''}: {files}."]
     beside = [p.removesuffix(".json") + ".png" for p in paths]
     if plots and len(plots) > 2 and list(plots) == beside:
-        lines.append(f"Plots (`{PLOTS_COMMAND}`): one beside each file, `.png`.")
+        lines.append("Plots: one beside each file, `.png`.")
     elif plots:
         drawn = ", ".join(f"`{p}`" for p in plots)
-        lines.append(f"Plot{'s' if len(plots) > 1 else ''} (`{PLOTS_COMMAND}`): {drawn}.")
+        lines.append(f"Plot{'s' if len(plots) > 1 else ''}: {drawn}.")
     lines += [f"Note: {n}." if not n.endswith(".") else f"Note: {n}" for n in notes]
     return "\n".join(lines)
 
