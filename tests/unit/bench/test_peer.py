@@ -116,6 +116,18 @@ def test_the_table_shows_every_server_level_and_the_ratios() -> None:
     ]
     assert "did not complete" not in text
     assert "Some CPU (2 CPUs)" in text and "-c 24576" in text
+    assert "products (CPU" not in text  # a result from before the precision was recorded
+
+
+def test_the_table_says_in_which_precision_collm_multiplied_and_on_what_cpu() -> None:
+    doc = {
+        "servers": SERVERS,
+        "workload": {"prompt_tokens": 200, "output_tokens": 128},
+        "llamacpp": {"version": "version: 1 (abc)", "threads": 2, "parallel": 64, "context": 24576},
+        "collm": {"command": "collm up --no-demo", "matmul_dtype": "bfloat16"},
+        "host": {"cpu": "Some CPU", "cpus": 2, "flags": ["avx2", "avx512_bf16"]},
+    }
+    assert "CoLLM: collm up --no-demo; bfloat16 products (CPU: avx2, avx512_bf16)." in table(doc)
 
 
 def test_the_flags_parse_to_levels_servers_and_request_counts() -> None:

@@ -9,7 +9,8 @@ llama.cpp server is asked for), writes F16 and F32 copies of the model file CoLL
 * `llamacpp-f16`, `llamacpp-f32`: `llama-server -t THREADS -np PARALLEL -c PARALLEL x SLOT --cont-batching`
   on the copy (SLOT: a request's prompt and output with a margin);
 * `collm`: the stack of `collm up --no-demo` (two replicas, one torch thread each, nothing trains) on the
-  model file itself, which CoLLM de-quantises to fp32;
+  model file itself, which CoLLM de-quantises to fp32 (its base projections multiply in the replicas'
+  `COLLM_MATMUL_DTYPE`, recorded as `collm.matmul_dtype`: bfloat16 where the CPU has it);
 * `collm-train`: the stack of `collm up` with its demo on the same file: each replica holds its share of
   the demo domains, whose adapters train by federated rounds while the base model serves the load. Its
   load starts once the replicas have trained (`--train-start-timeout-s`); each level records the
@@ -54,6 +55,7 @@ from collm_bench.groups import (
 )
 from collm_bench.peer import build, load, servers
 from collm_bench.peer.table import LABELS, LLAMACPP, SCHEMA, ratios, table
+from collm_replica.settings import ReplicaSettings
 
 RESULT = RESULTS / "peer" / "llamacpp.json"
 WARMUP_REQUESTS = 2
@@ -62,11 +64,10 @@ COLLM_COMMAND = "collm up --no-demo"
 COLLM_TRAIN_COMMAND = "collm up"
 NOTES = [
     "llama.cpp F16 and F32 serve `llama-quantize --allow-requantize` copies of the Q4_1 file CoLLM loads; "
-    "CoLLM de-quantises that file to fp32 at load",
-    "the servers ran one after the other on the same machine, each alone (`load_avg_1m_at_start`: the "
-    "load before each; llama.cpp's threads spin at their barriers and slow down many times over when "
-    "another process competes for the cores); CoLLM with the defaults of `collm up`: two replicas of one "
-    "torch thread each",
+    "CoLLM de-quantises it to fp32 (products: COLLM_MATMUL_DTYPE, auto: bf16 with AVX512-BF16 or AMX)",
+    "the servers ran one after the other, each alone (`load_avg_1m_at_start`: the load before each; "
+    "llama.cpp's spinning threads slow down many times over beside another process); CoLLM: `collm up`'s "
+    "defaults, two replicas of one torch thread each",
 ]
 
 
@@ -288,6 +289,8 @@ def result(
         "collm": {
             "command": COLLM_COMMAND,
             "train_command": COLLM_TRAIN_COMMAND,
+            # The replicas' precision of the base projections (COLLM_MATMUL_DTYPE, `auto` resolved).
+            "matmul_dtype": ReplicaSettings().matmul_dtype,
             # COLLM_* settings the stack inherited from this process (the launcher passes them on).
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("COLLM_")},
         },

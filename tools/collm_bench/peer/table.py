@@ -64,6 +64,15 @@ def _s(ms: float | None) -> float | None:
     return None if ms is None else ms / 1e3
 
 
+def _precision(collm: Mapping[str, Any], host: Mapping[str, Any]) -> str:
+    """`; <dtype> products (CPU: <flags>)`, or nothing for a result that did not record the precision."""
+    dtype = collm.get("matmul_dtype")
+    if dtype is None:
+        return ""
+    flags = ", ".join(host.get("flags", ())) or "none of those recorded"
+    return f"; {dtype} products (CPU: {flags})"
+
+
 def table(doc: Mapping[str, Any]) -> str:
     """Per concurrency (rows) and server (columns, in the order they ran): output tokens/s, TTFT p50 / p99
     and TPOT p50 (and the fine-tuning tokens of `collm-train`); per CoLLM server that ran (CoLLM alone
@@ -92,6 +101,6 @@ def table(doc: Mapping[str, Any]) -> str:
         f"{host['cpu']} ({host['cpus']} CPUs). {w['prompt_tokens']}-token prompts, "
         f"{w['output_tokens']} tokens out (ignore_eos, greedy, streamed, /v1/completions), C streams at "
         f"a time. llama-server {ll['version']}: -t {ll['threads']} -np {ll['parallel']} -c {ll['context']} "
-        f"--cont-batching; CoLLM: {collm['command']}{train}."
+        f"--cont-batching; CoLLM: {collm['command']}{train}{_precision(collm, host)}."
     )
     return "\n".join(lines)

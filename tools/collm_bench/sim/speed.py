@@ -30,7 +30,7 @@ def main(argv: Sequence[str]) -> int:
     add_sim_trace(ap)
     ap.add_argument("--sizes", default="8,64,256")
     ap.add_argument("--load", type=float, default=0.5, help="arrival rate as a fraction of capacity")
-    ap.add_argument("--duration", default="600,120,60", help="seconds of arrivals per size")
+    ap.add_argument("--duration", default="600,120,60", help="seconds of arrivals per size, one per size")
     ap.add_argument("--policy", default="collm")
     add_out(ap, RESULTS / "sim" / "speed.json")
     args = ap.parse_args(argv)
@@ -38,11 +38,13 @@ def main(argv: Sequence[str]) -> int:
     from collm_sim import SimConfig, WorkloadSpec, build_workload, simulate
     from collm_sim.config import EngineSpec
 
+    sizes = [int(x) for x in args.sizes.split(",")]
+    durations = [float(x) for x in args.duration.split(",")]
+    if len(durations) != len(sizes):
+        ap.error(f"--duration needs one value per size: {len(sizes)} sizes, {len(durations)} durations")
     cal = load_calibration(args, "speed")
     if cal is None:
         return 2
-    sizes = [int(x) for x in args.sizes.split(",")]
-    durations = [float(x) for x in args.duration.split(",")]
     base = workload_base(args)
     probe = build_workload(
         WorkloadSpec(**base, rate_rps=1.0, duration_s=600.0), tuple(q.domain for q in cal.quality)
