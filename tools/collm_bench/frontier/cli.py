@@ -4,15 +4,18 @@
     python -m collm_bench frontier                     # live, the default stack (make bench-frontier)
     python -m collm_bench frontier --tiny              # live, the quick check of the pipeline
     python -m collm_bench frontier --resume RUNS/results.json   # live, the same flags: the missing points
+    python -m collm_bench frontier --sim ... --resume OUT/sim-conv-256r.partial.json   # a stopped sim run
     python -m collm_bench frontier --render bench/results/frontier/sim-conv-64r.json   # table and figure
     python -m collm_bench frontier --agree bench/results/frontier/live-conv-2r.json    # sim vs live
     python -m collm_bench frontier --sim --step-load 0.3,0.7,0.3   # collm under a step in load
     python -m collm_bench frontier --sim --robustness   # one setting per policy at 0.3, 0.5, 0.7 and a step
 
 Writes `OUT/<sim|live>-<trace>-<N>r.json` (points, frontiers, goals, config, trace label) and the figure
-beside it (`.png`), and prints the table. Exit status: 0 done (goals met or not: the table says), 2
-something required is missing or a flag is bad, 1 a live point failed, 130 interrupted (SIGINT or
-SIGTERM: every process the run started is stopped first).
+beside it (`.png`), and prints the table. A simulated frontier keeps its work in
+`<that name>.partial.json` as it goes (`frontier.progress`; removed once the result is written). Exit
+status: 0 done (goals met or not: the table says), 2 something required is missing or a flag is bad, 1
+a live point failed, 130 interrupted (SIGINT or SIGTERM: every process the run started is stopped
+first).
 """
 
 from __future__ import annotations
@@ -57,6 +60,14 @@ def _add_what_and_where(p: argparse.ArgumentParser) -> None:
     p.add_argument("--render", type=Path, default=None, help="table and figure of a result file")
     p.add_argument(
         "--agree", type=Path, default=None, help="simulate a live result file's points: goodput errors"
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="keep the points of an earlier run of the same plan (its result file; live, the results.json "
+        "of its runs directory; simulated, its .partial.json, with its rate search) and run only the rest",
     )
     p.add_argument("--replicas", type=int, default=None, help="default: 8 simulated, 2 live")
     p.add_argument(
@@ -130,14 +141,6 @@ def _add_live(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--runs-dir", type=Path, default=None, help="per-point run directories (logs)")
     g.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, run nothing")
-    g.add_argument(
-        "--resume",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="keep the points of an earlier run of the same plan (its result file, or the results.json "
-        "of its runs directory) and run only the knobs it lacks",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,12 +284,24 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
         replicas = args.replicas or 8
         cfg = headline_config(args, replicas, args.window_s or 3600.0)
         knobs = knob_grid(args, policies, replicas)
+        alone = args.alone_attainment if args.rate is None else None
+        path = result_path(args.out_dir, "sim", args.trace, replicas, cfg.rounds, alone)
+        partial = path.with_suffix(".partial.json")
+        prior = json.loads(args.resume.read_text(encoding="utf-8")) if args.resume is not None else None
         results = sim_frontier(
-            cfg, knobs, args.load, args.rate, usable_jobs(args.jobs), say, args.alone_attainment
+            cfg,
+            knobs,
+            args.load,
+            args.rate,
+            usable_jobs(args.jobs),
+            say,
+            args.alone_attainment,
+            partial,
+            prior,
         )
         results["command"] = command
-        alone = args.alone_attainment if args.rate is None else None
-        finish(results, result_path(args.out_dir, "sim", args.trace, replicas, cfg.rounds, alone), out)
+        finish(results, path, out)
+        partial.unlink(missing_ok=True)
         return 0
     live = LiveFrontierConfig.from_args(args, policies)
     cfg = headline_config(args, live.replicas, live.window_s)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from collm_workload.workload import Slo
 
 from .curves import with_default_curves
 from .points import SERVING_ALONE, Knob, Point, quality_curve, rate_for_attainment
+from .progress import Kept, Progress, kept_from, probe_key
 
 SCHEMA = "collm-frontier/1"
 
@@ -85,18 +86,33 @@ def alone_rate(
     target: float,
     window_of: Callable[[float], float],
     say: Callable[[str], None],
+    known: Mapping[str, float] | None = None,
+    on_probe: Callable[[float, float], None] | None = None,
 ) -> tuple[float, str]:
     """The offered rate at which the simulator says serving alone attains `target` on this setup
     (`points.rate_for_attainment` over fractions of the capacity estimate `cap`, each tried on a window
     of `window_of(rate)` seconds), and how it was had. A trace whose bursts or long prompts the capacity
-    estimate (mean lengths) does not see gets a rate its SLOs can be met at."""
+    estimate (mean lengths) does not see gets a rate its SLOs can be met at. `known`: attainments an
+    earlier run of the same plan measured, by `progress.probe_key` (not simulated again); `on_probe`
+    sees every (fraction, attainment) tried."""
     knob = Knob(SERVING_ALONE, "fine-tuning off")
+    known = known or {}
 
     def attains(frac: float) -> float:
         rate = frac * cap
-        run = run_point(dataclasses.replace(cfg, duration_s=window_of(rate)), cal, rate, slo, knob)
-        a = float(run["point"]["slo_attainment"] or 0.0)
-        say(f"  serving alone at {frac:.4f} x the capacity estimate ({rate:.4f} req/s): attainment {a:.3f}")
+        kept = known.get(probe_key(frac))
+        if kept is None:
+            run = run_point(dataclasses.replace(cfg, duration_s=window_of(rate)), cal, rate, slo, knob)
+            a = float(run["point"]["slo_attainment"] or 0.0)
+        else:
+            a = kept
+        how = " (kept)" if kept is not None else ""
+        say(
+            f"  serving alone at {frac:.4f} x the capacity estimate ({rate:.4f} req/s): attainment {a:.3f}"
+            + how
+        )
+        if on_probe is not None:
+            on_probe(frac, a)
         return a
 
     frac, tried = rate_for_attainment(attains, target)
@@ -148,30 +164,69 @@ def sim_frontier(
     jobs: int,
     say: Callable[[str], None],
     alone: float | None = None,
+    partial: Path | None = None,
+    prior: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole simulated frontier (the result file's content, less goals and frontiers). The rate:
     `rate_rps`, else the one where serving alone attains `alone` (`alone_rate`), else `load` x the
-    capacity estimate."""
+    capacity estimate. The work done is kept in `partial` as it is done (`progress.Progress`); `prior`
+    (such a file, or an earlier result file of the same plan) lends its probes and points
+    (`progress.kept_from`)."""
     if cfg.calibration is None or not Path(cfg.calibration).is_file():
         raise setup.SetupError(f"the simulated frontier needs a calibration (got {cfg.calibration})")
     cal, defaulted = with_default_curves(Calibration.load(cfg.calibration), cfg.domains)
     (source,) = setup.resolve_sources(cfg)
     slo = setup.slo_for(cfg, source, cal, max_batch())
     cap = setup.capacity_rps(cfg, cal, source, max_batch())
+    trace = {"name": source.name, "label": source.label(cfg), "path": str(source.path)}
+    config: dict[str, Any] = {
+        "replicas": cfg.replicas,
+        "window_s": cfg.duration_s,
+        "drain_s": cfg.drain_s,
+        "rounds": cfg.rounds,
+        "round_deadline_s": cfg.round_deadline_s,
+        "slo": dataclasses.asdict(slo),
+        "domains": list(cfg.domains),
+        "default_quality_curves": defaulted,
+        "input_scale": cfg.input_scale,
+        "output_scale": cfg.output_scale,
+        "seed": cfg.seed,
+        "calibration": str(cfg.calibration),
+        "jobs": jobs,
+    }
+    kept = Kept()
+    if prior is not None:
+        kept = kept_from(prior, source.name, config, knobs)
+        say(f"kept {len(kept.probes)} rate-search runs and {len(kept.runs)} of {len(knobs)} points")
+    progress = Progress(partial, trace, config)
     rate, how = (
         (rate_rps, "given") if rate_rps is not None else (load * cap, f"{load:g} x the capacity estimate")
     )
     if rate_rps is None and alone is not None:
-        rate, how = alone_rate(cfg, cal, slo, cap, alone, lambda _r: cfg.duration_s, say)
+        rate, how = alone_rate(
+            cfg, cal, slo, cap, alone, lambda _r: cfg.duration_s, say, kept.probes, progress.probe
+        )
+    config |= {
+        "rate_rps": rate,
+        "rate_from": how,
+        "load_of_capacity": rate / cap,
+        "capacity_estimate_rps": cap,
+    }
     n = round(rate * cfg.duration_s)
+    kept_runs = kept.runs_at(rate)
+    if kept.runs and not kept_runs:
+        say(f"the kept points ran at {kept.rate_rps} req/s, this run at {rate}: none kept")
+    todo = [k for k in knobs if (k.policy, k.label) not in kept_runs]
     say(
         f"{source.label(cfg)}, {cfg.replicas} replicas, {cfg.duration_s:g} s windows: {rate:.3f} req/s "
         f"({how}; {n} requests; capacity estimate {cap:.3f} req/s), SLO TTFT {slo.ttft_ms:.0f} ms / TPOT "
-        f"{slo.tpot_ms:.0f} ms; {len(knobs)} points in {jobs} process(es)"
+        f"{slo.tpot_ms:.0f} ms; {len(todo)} points in {jobs} process(es)"
     )
     if defaulted:
         say(f"no calibrated quality curve for {', '.join(defaulted)}: the default curve (frontier.curves)")
     t0 = time.monotonic()
+    for r in kept_runs.values():
+        progress.point(r)
 
     def done(r: dict[str, Any]) -> None:
         p = r["point"]
@@ -180,31 +235,18 @@ def sim_frontier(
             f"{p['goodput_rps'] or 0:.3f} req/s  ft tokens {p['finetune_tokens'] or 0:.0f}  quality gain "
             f"{p['quality_gain_nats'] or 0:.4f}  ({r['wall_s']:.0f} s)"
         )
+        progress.point(r)
 
-    runs = simulate_grid(cfg, cal, rate, slo, knobs, jobs, done)
+    ran = {
+        (r["point"]["policy"], r["point"]["knob"]): r
+        for r in simulate_grid(cfg, cal, rate, slo, todo, jobs, done)
+    }
+    runs = [kept_runs.get((k.policy, k.label)) or ran[(k.policy, k.label)] for k in knobs]
     return {
         "schema": SCHEMA,
         "mode": "sim",
-        "trace": {"name": source.name, "label": source.label(cfg), "path": str(source.path)},
-        "config": {
-            "replicas": cfg.replicas,
-            "window_s": cfg.duration_s,
-            "drain_s": cfg.drain_s,
-            "rounds": cfg.rounds,
-            "round_deadline_s": cfg.round_deadline_s,
-            "rate_rps": rate,
-            "rate_from": how,
-            "load_of_capacity": rate / cap,
-            "capacity_estimate_rps": cap,
-            "slo": dataclasses.asdict(slo),
-            "domains": list(cfg.domains),
-            "default_quality_curves": defaulted,
-            "input_scale": cfg.input_scale,
-            "output_scale": cfg.output_scale,
-            "seed": cfg.seed,
-            "calibration": str(cfg.calibration),
-            "jobs": jobs,
-        },
+        "trace": trace,
+        "config": config,
         "points": [r["point"] for r in runs],
         "runs": [{k: v for k, v in r.items() if k != "point"} for r in runs],
         "wall_s": round(time.monotonic() - t0, 1),
