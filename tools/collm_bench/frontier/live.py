@@ -30,6 +30,7 @@ from collm_workload.workload import PlannedRequest, Slo
 
 from .curves import with_default_curves
 from .points import Knob, sized_window
+from .progress import check_same_plan
 from .sim import SCHEMA, alone_rate, max_batch, point_of
 
 # Per point beside its window and drain, measured on the default stack (2 SmolLM2 replicas, 2 cores):
@@ -194,12 +195,7 @@ def resume_from(
     replayed another trace or plan (`SAME_PLAN`), or has points but no base losses to score against."""
     if prior.get("mode") != "live":
         raise ValueError("not a live frontier result")
-    if prior.get("trace", {}).get("name") != trace:
-        raise ValueError(f"it replayed trace {prior.get('trace', {}).get('name')!r}, this run {trace!r}")
-    theirs = prior.get("config", {})
-    for key in SAME_PLAN:
-        if theirs.get(key) != config.get(key):
-            raise ValueError(f"its {key} is {theirs.get(key)!r}, this run's {config.get(key)!r}")
+    check_same_plan(prior, trace, config, SAME_PLAN)
     wanted = {(k.policy, k.label) for k in knobs}
     runs = {(r.get("policy"), r.get("knob")): r for r in prior.get("runs", []) if "error" not in r}
     kept = {

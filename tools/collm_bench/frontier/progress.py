@@ -39,6 +39,19 @@ SIM_PLAN = (
 )
 
 
+def check_same_plan(
+    prior: Mapping[str, Any], trace: str, config: Mapping[str, Any], keys: Sequence[str]
+) -> None:
+    """Raises ValueError, saying what differs, unless the earlier run `prior` replayed `trace` with the
+    configuration entries `keys` equal to this run's `config`."""
+    if prior.get("trace", {}).get("name") != trace:
+        raise ValueError(f"it replayed trace {prior.get('trace', {}).get('name')!r}, this run {trace!r}")
+    theirs = prior.get("config", {})
+    for key in keys:
+        if theirs.get(key) != config.get(key):
+            raise ValueError(f"its {key} is {theirs.get(key)!r}, this run's {config.get(key)!r}")
+
+
 def probe_key(frac: float) -> str:
     """The key of a rate-search probe at `frac` x the capacity estimate (JSON keys are strings)."""
     return f"{frac:.6g}"
@@ -73,12 +86,8 @@ def kept_from(prior: Mapping[str, Any], trace: str, config: Mapping[str, Any], k
     replayed another trace, or differs from `config` in an entry of `SIM_PLAN`."""
     if prior.get("schema") != PARTIAL_SCHEMA and prior.get("mode") != "sim":
         raise ValueError("not a simulated frontier's result or partial file")
-    if prior.get("trace", {}).get("name") != trace:
-        raise ValueError(f"it replayed trace {prior.get('trace', {}).get('name')!r}, this run {trace!r}")
+    check_same_plan(prior, trace, config, SIM_PLAN)
     theirs = prior.get("config", {})
-    for key in SIM_PLAN:
-        if theirs.get(key) != config.get(key):
-            raise ValueError(f"its {key} is {theirs.get(key)!r}, this run's {config.get(key)!r}")
     wanted = {(k.policy, k.label) for k in knobs}
     runs = {
         (r["point"]["policy"], r["point"]["knob"]): r
