@@ -107,7 +107,8 @@ def test_the_table_shows_every_server_level_and_the_ratios() -> None:
     text = kind_for("peer-llamacpp", 1).table([doc])
     assert text == table(doc)
     rows = [ln for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln]
-    assert rows[0].startswith("| streams | llama.cpp F16: tok/s") and "| CoLLM: tok/s" in rows[0]
+    assert rows[0] == "| streams | llama.cpp F16 | llama.cpp F32 | CoLLM | CoLLM / F16 |"
+    assert text.startswith("Per server: output tok/s, TTFT p50 / p99, TPOT p50; over llama.cpp F16 (/ F16)")
     assert rows[1:] == [
         "| 1 | 100.0, 0.05 / 0.10 s, 10.0 ms | 80.0, 0.06 / 0.12 s, 12.5 ms | 25.0, 0.20 / 0.40 s, 40.0 ms"
         " | **0.25x**, 4.00x |",
@@ -203,11 +204,8 @@ def test_the_table_gives_collm_with_training_its_column_and_ratio_column() -> No
     doc = train_doc()
     text = kind_for("peer-llamacpp", 1).table([doc])
     rows = [ln for ln in text.splitlines() if ln.startswith("| ")]
-    assert rows[0].endswith(
-        "| CoLLM: tok/s, TTFT p50 / p99, TPOT | CoLLM + training: tok/s, TTFT p50 / p99, TPOT"
-        " | CoLLM / llama.cpp F16: tok/s, TPOT | CoLLM + training / llama.cpp F16: tok/s, TPOT |"
-    )
-    assert text.splitlines()[1] == "|---:|---|---|---|---|---:|---:|"
+    assert rows[0].endswith("| CoLLM | CoLLM + training | CoLLM / F16 | CoLLM + training / F16 |")
+    assert text.splitlines()[3] == "|---:|---|---|---|---|---:|---:|"
     assert rows[1:] == [
         "| 1 | 100.0, 0.05 / 0.10 s, 10.0 ms | 80.0, 0.06 / 0.12 s, 12.5 ms | 25.0, 0.20 / 0.40 s, 40.0 ms"
         " | 20.0, 0.25 / 0.50 s, 50.0 ms; 1000 FT tokens | **0.25x**, 4.00x | **0.20x**, 5.00x |",
@@ -223,13 +221,13 @@ def test_the_table_without_collm_with_training_keeps_one_ratio_column() -> None:
     doc = train_doc()
     del doc["servers"]["collm-train"], doc["ratios_collm_train"], doc["collm"]["train_command"]
     text = table(doc)
-    assert text.splitlines()[0].endswith("| CoLLM / llama.cpp F16: tok/s, TPOT |")
-    assert text.splitlines()[1] == "|---:|---|---|---|---:|"
+    assert text.splitlines()[2].endswith("| CoLLM / F16 |")
+    assert text.splitlines()[3] == "|---:|---|---|---|---:|"
     assert "training" not in text and "FT tokens" not in text
     only_train = {"collm-train": doc["servers"]["collm"], "llamacpp-f16": doc["servers"]["llamacpp-f16"]}
     header = table({**doc, "servers": only_train, "collm": {**doc["collm"], "train_command": "collm up"}})
-    assert "| CoLLM + training / llama.cpp F16: tok/s, TPOT |" in header.splitlines()[0]
-    assert "| CoLLM / llama.cpp F16" not in header
+    assert "| CoLLM + training / F16 |" in header.splitlines()[2]
+    assert "| CoLLM / F16" not in header
 
 
 def metrics(r0: float, r1: float) -> dict[str, dict[str, float]]:

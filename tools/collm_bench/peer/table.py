@@ -83,9 +83,11 @@ def table(doc: Mapping[str, Any]) -> str:
     over = [n for n in COLLM if n in names] or ["collm"]
     r = {n: ratios(doc["servers"], over=n) for n in over}
     lines = [
+        f"Per server: output tok/s, TTFT p50 / p99, TPOT p50; over {LABELS[BASELINE]} (/ F16): tok/s, TPOT.",
+        "",
         "| streams | "
-        + " | ".join(f"{LABELS.get(n, n)}: tok/s, TTFT p50 / p99, TPOT" for n in names)
-        + "".join(f" | {LABELS[n]} / {LABELS[BASELINE]}: tok/s, TPOT" for n in over)
+        + " | ".join(LABELS.get(n, n) for n in names)
+        + "".join(f" | {LABELS[n]} / F16" for n in over)
         + " |",
         "|---:|" + "---|" * len(names) + "---:|" * len(over),
     ]
