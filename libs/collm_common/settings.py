@@ -1,9 +1,11 @@
 """Settings shared by every service.
 
-Every service reads its configuration through a subclass of `CommonSettings`; nothing else in CoLLM reads
-the environment. Environment variables carry the `COLLM_` prefix (`COLLM_NATS_URL`, ...), values are
-validated when the settings object is built, and every field documents itself so the settings page
-(docs/settings.md) and the compose checks can be generated from the classes.
+Every service reads its configuration through a subclass of `CommonSettings`; beside it only
+OpenTelemetry's own `OTEL_*` variables are read (`tracing.py`), and the replica sets Hugging Face's
+`HF_*` defaults for its model loader (`collm_replica.models`). Environment variables carry the
+`COLLM_` prefix (`COLLM_NATS_URL`, ...), values are validated when the settings object is built, and
+every field documents itself so the settings page (docs/settings.md) and the compose checks can be
+generated from the classes.
 
 Secrets can come from files instead: with `COLLM_SECRETS_DIR` set (docker-compose.yml sets
 /run/secrets, where compose mounts its secrets), a file there named like a variable in lower case

@@ -16,7 +16,8 @@ Key layout (prefix P = COLLM_REDIS_PREFIX; `{name}` is a Redis hash tag, so one 
 slot): `P:adapters` (set of names), `P:adapter:{name}:seq`, `P:adapter:{name}:v:N` (hash),
 `P:adapter:{name}:versions` (zset), `P:adapter:{name}:current`, `P:adapter:{name}:quality:N` (hash),
 `P:adapter:{name}:quality:N:sites` and `P:adapter:{name}:quality:N:task` (hashes of JSON),
-`P:events` (stream), `P:update:R:replica` (local update blobs, with a TTL).
+`P:adapter:{name}:meta` (hash: owner tenant and the like), `P:events` (stream), `P:update:R:replica`
+(local update blobs, with a TTL).
 """
 
 from __future__ import annotations

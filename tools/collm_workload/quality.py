@@ -15,7 +15,7 @@ JSON form (`--quality FILE`):
 A bare number is the version's loss on whatever domain it served. Lookups: a request served by
 `base` gets the base loss (gain 0); `name@vN` is looked up exactly; a replica-local refresh
 `name@vN+rX.Y` has no store record of its own and is joined with its published parent `name@vN`
-(counted separately in the summary as `joined_via_parent`, since the refresh may be somewhat better).
+(counted separately in the summary's `joined_via` as `parent`, since the refresh may be somewhat better).
 Requests with no version (a server that does not report one) or no matching record are counted as
 unjoined and left out of the averages.
 """

@@ -94,7 +94,7 @@ class UpdateIntake:
                 with contextlib.suppress(Exception):
                     await self._psub.unsubscribe()
                 self._psub = None
-                await asyncio.sleep(1.0)
+                await self.clock.sleep(1.0)
                 continue
             for msg in msgs:
                 await self.handle(msg)

@@ -13,7 +13,9 @@ Verbs (all async, on the service's event loop; the engine's slot table stays ins
 * `on_published(event)`: a newer current version of an adapter this replica serves or trains is loaded;
 * `sync()` / `run_sync(interval_s)`: the store's current pointers re-read (lost events, reconnects; an
   adapter whose pointer is gone, unloaded, has no current version here any more);
-* `create_initial(name)`: `name@v1` (a zero-B LoRA: the base model's behaviour) in the store, announced;
+* `create_initial(name)`: `name@v1` (a zero-B LoRA: the base model's behaviour) in the store, announced
+  (on a closed bus adapter events are the aggregator's authority: the server refuses the announcement
+  and the replica logs the violation; the others find v1 at their next `sync` or when it is named);
 * `offload(version_id)`: the version's slot freed (`Engine.offload_version`).
 
 Adapters "known" here (`track`) are the ones this replica serves or trains: the only ones that follow

@@ -184,7 +184,11 @@ class Replica:
         self.store = store
         self.tasks = Tasks()
         self.engine = engine or Engine(
-            loaded, EngineConfig.from_settings(settings), dataset=load_local_dataset(settings)
+            loaded,
+            EngineConfig.from_settings(settings),
+            dataset=load_local_dataset(settings),
+            clock=self.clock.monotonic,
+            wall=self.clock.now,
         )
         self.adapters = AdapterManager(settings, loaded, self.engine, store, bus, self.tasks, self.clock)
         self.participant = Participant(
