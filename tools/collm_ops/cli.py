@@ -31,6 +31,7 @@ from collm_coordinator.core.config import COSCHEDULER_FOR_POLICY, POLICIES
 from collm_data.demo import DEMO_DIR, demo_domains, site_shares
 from collm_ops.launcher import ReplicaSpec, StackConfig, run_forever
 from collm_ops.micro import gather
+from collm_ops.stack_config import default_torch_threads, usable_cpus
 
 
 def _env_defaults() -> CommonSettings:
@@ -104,7 +105,7 @@ def stack_config(args: argparse.Namespace, log: IO[str] | None = None) -> StackC
         gateway_port=args.port,
         replicas=[ReplicaSpec(rid, data_dirs.get(rid), env={"COLLM_COSCHEDULER": cosched}) for rid in ids],
         coordinator_policy=args.policy,
-        torch_threads=args.torch_threads,
+        torch_threads=args.torch_threads or default_torch_threads(len(ids), usable_cpus()),
         run_dir=Path(args.run_dir),
         log_json=args.log_json,
         metrics_port_base=None if args.metrics_port_base < 0 else args.metrics_port_base,
@@ -371,7 +372,12 @@ def _add_up_stack(up: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no demo data: the bare server (replicas without local data train nothing)",
     )
-    up.add_argument("--torch-threads", type=int, default=1, help="torch threads per replica")
+    up.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads per replica (default: the usable CPUs divided among the replicas, at least 1)",
+    )
 
 
 def _add_up_servers(up: argparse.ArgumentParser) -> None:

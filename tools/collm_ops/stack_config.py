@@ -4,6 +4,7 @@ their settings, as `StackConfig`; and the environment variables that name one pr
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,21 @@ class ReplicaSpec:
     replica_id: str
     data_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else the count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not every OS has affinity masks
+        return os.cpu_count() or 1
+
+
+def default_torch_threads(replicas: int, cpus: int) -> int:
+    """Torch threads per replica when none are asked for: the CPUs divided among the replicas, at least
+    one (two replicas on two cores: one each, as more would oversubscribe; one replica: both, as its
+    batches' products run that much faster)."""
+    return max(1, cpus // max(1, replicas))
 
 
 @dataclass

@@ -144,3 +144,19 @@ def test_collm_up_closes_its_own_bus_unless_told_open(tmp_path: Path) -> None:
     base = ["up", "--no-demo", "--run-dir", str(tmp_path)]
     assert stack_config(build_parser().parse_args(base)).closed_bus is True
     assert stack_config(build_parser().parse_args([*base, "--open-bus"])).closed_bus is False
+
+
+def test_collm_up_divides_the_cpus_among_its_replicas_unless_told_the_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from collm_ops import cli
+    from collm_ops.stack_config import default_torch_threads
+
+    assert [default_torch_threads(n, 2) for n in (1, 2, 3)] == [2, 1, 1]
+    assert default_torch_threads(2, 16) == 8
+    monkeypatch.setattr(cli, "usable_cpus", lambda: 4)
+    base = ["up", "--no-demo", "--run-dir", str(tmp_path)]
+    assert cli.stack_config(cli.build_parser().parse_args([*base, "--replicas", "1"])).torch_threads == 4
+    assert cli.stack_config(cli.build_parser().parse_args([*base, "--replicas", "2"])).torch_threads == 2
+    told = [*base, "--replicas", "1", "--torch-threads", "1"]
+    assert cli.stack_config(cli.build_parser().parse_args(told)).torch_threads == 1
