@@ -374,7 +374,7 @@ def test_tables_show_every_point_and_each_goal() -> None:
     points = grid_points(collm_ft=1000.0, collm_q=0.5, collm_gp=4.8)
     doc = {
         "mode": "sim",
-        "trace": {"label": "azure 2023 conv"},
+        "trace": {"name": "conv", "label": "azure 2023 conv"},
         "config": {"replicas": 8, "window_s": 3600.0, "rate_rps": 2.5},
         "points": [p.as_dict() for p in points],
         "goals": evaluate_goals(points, curves_for(points)),

@@ -187,3 +187,17 @@ def test_plots_are_drawn_beside_their_result_file(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "`bench/results/adaptation/idle.png`" in (tmp_path / "bench" / "README.md").read_text()
     assert json.loads((tmp_path / "bench/results/adaptation/idle.json").read_text())["name"] == "idle"
+
+
+def test_a_marker_names_files_by_path_or_within_the_folder_before_them() -> None:
+    spec = "bench/results/x/ a.json b.json bench/results/y/c.json d.json bench/z/ e.json"
+    assert regions.marker_paths(spec) == (
+        "bench/results/x/a.json",
+        "bench/results/x/b.json",
+        "bench/results/y/c.json",
+        "bench/results/x/d.json",
+        "bench/z/e.json",
+    )
+    text = "<!-- table: frontier bench/results/frontier/ a.json b.json -->\n<!-- /table -->\n"
+    (region,) = regions.find_regions(text)
+    assert region.paths == ("bench/results/frontier/a.json", "bench/results/frontier/b.json")

@@ -35,7 +35,6 @@ from collm_bench.headline.config import BASELINES, CO_LOCATED
 from collm_bench.headline.rate_search import geometric_bisection, search
 
 SERVING_ALONE = "serving_only"
-METRICS = ("slo_attainment", "goodput_rps", "finetune_tokens", "quality_gain_nats")
 # The axes of the trade-off each policy's frontier is drawn on: serving (goodput) against training
 # (served quality gain), and attainment against fine-tuning tokens.
 QUALITY_AXES = ("quality_gain_nats", "goodput_rps")

@@ -112,7 +112,7 @@ def goals_table(docs: Sequence[Mapping[str, Any]]) -> str:
     ]
     for doc in docs:
         cfg = doc["config"]
-        trace = f"{doc['mode']} {doc['trace']['label'].removeprefix('azure 2023 ')}"
+        trace = f"{doc['mode']} {doc['trace']['name']}"
         run = f"{trace}, {cfg['replicas']} replicas, {cfg['rate_rps']:.2f} req/s"
         if (alone := re.search(r"serving alone attains >= ([0-9.]+)", cfg.get("rate_from", ""))) is not None:
             run += f" (alone {alone.group(1)})"

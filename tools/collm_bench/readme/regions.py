@@ -36,12 +36,25 @@ def find_regions(text: str) -> list[Region]:
         if close is None or (following is not None and following.start() < close.start()):
             raise PageError(f"line {_line(text, m.start())}: table region {m['kind']} is not closed")
         regions.append(
-            Region(m["kind"], tuple(m["paths"].split()), min(body_start, close.start()), close.start())
+            Region(m["kind"], marker_paths(m["paths"]), min(body_start, close.start()), close.start())
         )
     stray = len(CLOSE_LINE.findall(text)) - len(regions)
     if stray:
         raise PageError(f"{stray} closing table marker(s) without an opening one")
     return regions
+
+
+def marker_paths(spec: str) -> tuple[str, ...]:
+    """The result files an opening marker names: repository paths, or, after a folder (a token ending in
+    `/`), names within that folder (`bench/results/x/ a.json b.json` names `bench/results/x/a.json` and
+    `bench/results/x/b.json`); a token with a `/` of its own is a path again."""
+    folder, out = "", []
+    for token in spec.split():
+        if token.endswith("/"):
+            folder = token
+        else:
+            out.append(token if "/" in token else folder + token)
+    return tuple(out)
 
 
 def _line(text: str, index: int) -> int:
