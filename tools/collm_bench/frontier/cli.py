@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -229,6 +229,26 @@ def result_path(
     return out_dir / f"{mode}-{name}-{replicas}r{tail}.json"
 
 
+def run_sim(
+    args: argparse.Namespace, policies: tuple[str, ...], command: str, say: Callable[[str], None], out: TextIO
+) -> int:
+    """The simulated frontier: its work kept in `<result>.partial.json` as it goes, the result file
+    written (and the partial file removed) at the end."""
+    replicas = args.replicas or 8
+    cfg = headline_config(args, replicas, args.window_s or 3600.0)
+    knobs = knob_grid(args, policies, replicas)
+    alone = args.alone_attainment if args.rate is None else None
+    path = result_path(args.out_dir, "sim", args.trace, replicas, cfg.rounds, alone)
+    partial = path.with_suffix(".partial.json")
+    prior = json.loads(args.resume.read_text(encoding="utf-8")) if args.resume is not None else None
+    jobs = usable_jobs(args.jobs)
+    results = sim_frontier(cfg, knobs, args.load, args.rate, jobs, say, args.alone_attainment, partial, prior)
+    results["command"] = command
+    finish(results, path, out)
+    partial.unlink(missing_ok=True)
+    return 0
+
+
 def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO) -> int:
     if args.render is not None:
         results = json.loads(args.render.read_text(encoding="utf-8"))
@@ -281,28 +301,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
         out.write("\n" + step.table(doc) + f"\n\n[frontier] {path}\n[frontier] {path.with_suffix('.png')}\n")
         return 0
     if args.sim:
-        replicas = args.replicas or 8
-        cfg = headline_config(args, replicas, args.window_s or 3600.0)
-        knobs = knob_grid(args, policies, replicas)
-        alone = args.alone_attainment if args.rate is None else None
-        path = result_path(args.out_dir, "sim", args.trace, replicas, cfg.rounds, alone)
-        partial = path.with_suffix(".partial.json")
-        prior = json.loads(args.resume.read_text(encoding="utf-8")) if args.resume is not None else None
-        results = sim_frontier(
-            cfg,
-            knobs,
-            args.load,
-            args.rate,
-            usable_jobs(args.jobs),
-            say,
-            args.alone_attainment,
-            partial,
-            prior,
-        )
-        results["command"] = command
-        finish(results, path, out)
-        partial.unlink(missing_ok=True)
-        return 0
+        return run_sim(args, policies, command, say, out)
     live = LiveFrontierConfig.from_args(args, policies)
     cfg = headline_config(args, live.replicas, live.window_s)
     knobs = knob_grid(args, live.policies, live.replicas)

@@ -156,6 +156,41 @@ def usable_jobs(asked: int | None) -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
+def plan_config(cfg: HeadlineConfig, slo: Slo, defaulted: Sequence[str], jobs: int) -> dict[str, Any]:
+    """The result file's configuration entries known before the rate is (`progress.SIM_PLAN` among
+    them)."""
+    return {
+        "replicas": cfg.replicas,
+        "window_s": cfg.duration_s,
+        "drain_s": cfg.drain_s,
+        "rounds": cfg.rounds,
+        "round_deadline_s": cfg.round_deadline_s,
+        "slo": dataclasses.asdict(slo),
+        "domains": list(cfg.domains),
+        "default_quality_curves": list(defaulted),
+        "input_scale": cfg.input_scale,
+        "output_scale": cfg.output_scale,
+        "seed": cfg.seed,
+        "calibration": str(cfg.calibration),
+        "jobs": jobs,
+    }
+
+
+def _kept(
+    prior: Mapping[str, Any] | None,
+    trace: str,
+    config: Mapping[str, Any],
+    knobs: Sequence[Knob],
+    say: Callable[[str], None],
+) -> Kept:
+    """What `prior` lends this run (`progress.kept_from`; nothing without one), said."""
+    if prior is None:
+        return Kept()
+    kept = kept_from(prior, trace, config, knobs)
+    say(f"kept {len(kept.probes)} rate-search runs and {len(kept.runs)} of {len(knobs)} points")
+    return kept
+
+
 def sim_frontier(
     cfg: HeadlineConfig,
     knobs: Sequence[Knob],
@@ -179,25 +214,8 @@ def sim_frontier(
     slo = setup.slo_for(cfg, source, cal, max_batch())
     cap = setup.capacity_rps(cfg, cal, source, max_batch())
     trace = {"name": source.name, "label": source.label(cfg), "path": str(source.path)}
-    config: dict[str, Any] = {
-        "replicas": cfg.replicas,
-        "window_s": cfg.duration_s,
-        "drain_s": cfg.drain_s,
-        "rounds": cfg.rounds,
-        "round_deadline_s": cfg.round_deadline_s,
-        "slo": dataclasses.asdict(slo),
-        "domains": list(cfg.domains),
-        "default_quality_curves": defaulted,
-        "input_scale": cfg.input_scale,
-        "output_scale": cfg.output_scale,
-        "seed": cfg.seed,
-        "calibration": str(cfg.calibration),
-        "jobs": jobs,
-    }
-    kept = Kept()
-    if prior is not None:
-        kept = kept_from(prior, source.name, config, knobs)
-        say(f"kept {len(kept.probes)} rate-search runs and {len(kept.runs)} of {len(knobs)} points")
+    config = plan_config(cfg, slo, defaulted, jobs)
+    kept = _kept(prior, source.name, config, knobs, say)
     progress = Progress(partial, trace, config)
     rate, how = (
         (rate_rps, "given") if rate_rps is not None else (load * cap, f"{load:g} x the capacity estimate")
