@@ -137,11 +137,13 @@ class ReplicaSettings(CommonSettings):
         "iterations), `leftover` (train in spare token budget), `off`.",
     )
     ft_spend_stretch_frac: float = Field(
-        0.3,
+        0.1,
         gt=0,
         le=1,
         description="Training beyond the requests' slack (the coordinator's spend of the SLO budget its "
-        "attainment target leaves unspent) runs in stretches of this share of the TTFT SLO.",
+        "attainment target leaves unspent) runs in stretches of this share of the TTFT SLO: short "
+        "stretches spread the latency they cost over many requests (a micro-step carries over between "
+        "stretches, so they cost no training efficiency).",
     )
     ft_guard_frac: float = Field(
         0.4,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from collm_coordinator.core import AdapterVersionView, CoordinatorCore, Decisions, ReplicaObservation
+from collm_coordinator.core import (
+    AdapterVersionView,
+    CoordinatorCore,
+    Decisions,
+    ReplicaObservation,
+    SlowDecision,
+)
 from tests.unit.coordinator.cluster import config, obs, tick
 
 pytestmark = pytest.mark.unit
@@ -83,7 +89,9 @@ def test_a_data_holder_appearing_waits_for_the_slow_tick() -> None:
 
 
 def risk_run(policy: str, calm_from_s: int | None, until_s: int = 33) -> dict[int, Decisions]:
-    """r0 holds med data, r1 bank data; r0's queue puts it at SLO risk until `calm_from_s` (None: always)."""
+    """r0 holds med data, r1 bank data; r0's queue puts it at SLO risk until `calm_from_s` (None: always).
+    Both report attainment 0.95, the default target: no headroom, so a replica at risk takes no part in a
+    plan (`_at_risk_catch_up` for the other case)."""
     core = CoordinatorCore(config(warmup_s=3.0, slow_interval_s=30.0), policy)
     out = {}
     for t in range(until_s + 1):
@@ -92,8 +100,8 @@ def risk_run(policy: str, calm_from_s: int | None, until_s: int = 33) -> dict[in
         d = tick(
             core,
             float(t),
-            obs("r0", float(t), busy=0.1, queue=12 if at_risk else 0, domain="med"),
-            obs("r1", float(t), busy=0.1, domain="bank"),
+            obs("r0", float(t), busy=0.1, queue=12 if at_risk else 0, domain="med", attainment=0.95),
+            obs("r1", float(t), busy=0.1, domain="bank", attainment=0.95),
             adapter_versions=versions,
         )
         if d.slow is not None:
@@ -185,15 +193,17 @@ def test_async_rounds_plan_the_next_round_as_soon_as_the_collection_closed(polic
     assert [(p.adapter, p.base_version) for p in slow[55].slow.plans] == [("med", 2)]  # type: ignore[union-attr]
 
 
-def test_an_adapter_caught_up_while_its_holder_is_at_risk_waits_for_the_risk_to_clear() -> None:
-    """med's round ends (38) after the slow tick (33) while r0, its only data holder, is at risk until 41:
-    the catch-up at 38 finds no participant and med is planned at 41, when the risk clears."""
+def _at_risk_catch_up(attainment: float) -> tuple[dict[int, SlowDecision], dict[int, float]]:
+    """med's round ends (38) after the slow tick (33) while r0, its only data holder, is at risk from 36
+    until 41; every replica reports `attainment` (the default target is 0.95). The slow decisions by
+    tick, and r0's share by tick."""
     from collm_coordinator.core import RoundEvent
 
     core = CoordinatorCore(
         config(warmup_s=3.0, slow_interval_s=30.0, round_deadline_s=20.0, rounds="sync"), "collm"
     )
-    slow = {}
+    slow: dict[int, SlowDecision] = {}
+    r0_share: dict[int, float] = {}
     for t in range(46):
         versions = (AdapterVersionView("med", 1), AdapterVersionView("bank", 1)) if t == 0 else ()
         events: tuple[RoundEvent, ...] = ()
@@ -201,17 +211,37 @@ def test_an_adapter_caught_up_while_its_holder_is_at_risk_waits_for_the_risk_to_
             events = (RoundEvent("med", "evaluating", 1), RoundEvent("bank", "published", 2, 1, 2))
         if t == 38:
             events = (RoundEvent("med", "published", 1, 1, 2),)
+        queue = 12 if 36 <= t < 41 else 0
         d = tick(
             core,
             float(t),
-            obs("r0", float(t), busy=0.1, domain="med", queue=12 if 36 <= t < 41 else 0),
-            obs("r1", float(t), busy=0.1, domain="bank"),
+            obs("r0", float(t), busy=0.1, domain="med", queue=queue, attainment=attainment),
+            obs("r1", float(t), busy=0.1, domain="bank", attainment=attainment),
             adapter_versions=versions,
             round_events=events,
         )
         if d.slow is not None:
             slow[t] = d.slow
+        if d.fast is not None:
+            r0_share[t] = next(s.share for s in d.fast.shares if s.replica_id == "r0")
+    return slow, r0_share
+
+
+def test_an_adapter_caught_up_while_its_holder_is_at_risk_waits_for_the_risk_to_clear() -> None:
+    """Attainment at the target (no headroom): the catch-up at 38 finds no participant and med is planned
+    at 41, when the risk clears."""
+    slow, _ = _at_risk_catch_up(0.95)
     assert sorted(slow) == [3, 33, 38, 41]
     assert slow[38].plans == ()
     assert "every replica holding its data is at SLO risk" in slow[38].skipped[0].reason
     assert [(p.adapter, p.base_version) for p in slow[41].plans] == [("med", 2)]
+
+
+def test_with_headroom_a_holder_at_risk_takes_part_and_trains_once_the_risk_clears() -> None:
+    """Attainment above the target (headroom): the catch-up at 38 plans med on r0 though r0 is at risk;
+    the fast loop holds r0's share at 0 until the risk clears, then lets it rise."""
+    slow, r0_share = _at_risk_catch_up(1.0)
+    assert [(p.adapter, p.base_version) for p in slow[38].plans] == [("med", 2)]
+    assert [p.replica_id for p in slow[38].plans[0].participants] == ["r0"]
+    assert all(r0_share[t] == 0.0 for t in range(38, 41))
+    assert r0_share[41] > 0.0

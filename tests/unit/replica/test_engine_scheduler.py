@@ -106,8 +106,9 @@ def test_idle_replica_trains_for_the_guard_of_the_next_arrival() -> None:
 
 
 def test_no_slack_no_training() -> None:
-    # A request waiting past its TTFT SLO: every deadline has passed, so there is no slack to spend.
-    late = _request(arrived_s_ago=0.5, ttft_slo_s=0.1)
+    # A request waiting 95 ms of its 100-ms TTFT SLO: within the SLO, but past it less the reserve, so
+    # there is no slack to spend.
+    late = _request(arrived_s_ago=0.095, ttft_slo_s=0.1)
     d = decide_background(_input(waiting=[late], evals_pending=True), SETTINGS, _primed_policy())
     assert not d.idle
     assert d.train_ms == 0.0
@@ -118,7 +119,7 @@ def test_no_slack_no_training() -> None:
 
 def test_a_spend_trains_past_the_slack_in_stretches_of_the_ttft_slo() -> None:
     # The same late request: no slack, but the coordinator's spend has time credit for a stretch.
-    late = _request(arrived_s_ago=0.5, ttft_slo_s=0.1)
+    late = _request(arrived_s_ago=0.095, ttft_slo_s=0.1)
     policy = _primed_policy()
     policy.spend_credit_ms = 1000.0
     inp = _input(waiting=[late], spend=0.5)
@@ -127,6 +128,21 @@ def test_a_spend_trains_past_the_slack_in_stretches_of_the_ttft_slo() -> None:
     assert d.limit == "spend" and d.job == 0
     # Without a spend the same credit buys nothing: training stays in the slack.
     assert decide_background(inp._replace(spend=0.0), SETTINGS, policy).train_ms == 0.0
+
+
+def test_a_request_past_its_ttft_slo_sets_no_deadline() -> None:
+    # Waiting past its whole TTFT SLO, or decoding after a late first token: its verdict is settled, so
+    # it holds nothing back; the arrival guard still bounds the training.
+    lost_waiting = _request(arrived_s_ago=0.5, ttft_slo_s=0.1)
+    lost_running = _request(arrived_s_ago=1.5, ttft_slo_s=0.1, first_s_ago=1.0, computed=42, n_output=10)
+    for inp in (_input(waiting=[lost_waiting]), _input(running=[lost_running], plan_items=[("a", 1)])):
+        d = decide_background(inp, SETTINGS, _primed_policy())
+        assert not d.idle
+        assert d.train_ms > 0.0 and d.limit == "guard"
+    # Beside a request that can still meet its SLO, that one's deadline binds.
+    on_time = _request("b", arrived_s_ago=0.095, ttft_slo_s=0.1)
+    d = decide_background(_input(waiting=[lost_waiting, on_time]), SETTINGS, _primed_policy())
+    assert d.train_ms == 0.0 and d.limit == "slack"
 
 
 def test_slack_grants_training_to_the_job_within_the_guard() -> None:

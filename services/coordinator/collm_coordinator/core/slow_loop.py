@@ -26,8 +26,11 @@ Objective, once per round (drift-plus-penalty):
                phi(u) = u / (1 - u)             SLO risk: queueing delay grows without bound as u -> 1
     subject to u(s) <= util_cap                 forecast load plus training keeps every replica at or
                                                 below the utilisation at which SLOs hold
-               replicas whose SLOs are at risk now, stale replicas and replicas without local data
-               for the adapter do not take part; budgets under `min_budget_tokens` are dropped.
+               replicas whose SLOs are at risk now while there is no headroom (with h > 0 they take
+               part: the fast loop holds their share at 0 while the risk lasts, so a moment's queue
+               does not cost them the whole round's training), stale replicas and
+               replicas without local data for the adapter do not take part; budgets under
+               `min_budget_tokens` are dropped.
 
 Z and h come from the signed virtual queue of the long-term attainment target (target.py): q <- q +
 gain * (target - attainment). Z = max(0, q), so training yields to serving exactly while attainment falls
@@ -160,7 +163,7 @@ class _Planning:
         self.probes: list[tuple[str, str]] = []
         for adapter, _, replicas in ready:
             for rid in replicas:
-                if rid in view.at_risk:
+                if rid in view.at_risk and view.headroom <= 0:
                     continue
                 rate = view.train_rate_per_s.get(rid)
                 if rate is None or rate <= 0:
@@ -359,7 +362,7 @@ def _why_none(
     greedy's stop (its candidates got no share step, or their budgets fell under the minimum)."""
     holders = view.replicas_for(adapter)
     at_risk = [r for r in holders if r in view.at_risk]
-    if at_risk and len(at_risk) == len(holders):
+    if at_risk and len(at_risk) == len(holders) and view.headroom <= 0:
         return (
             "every replica holding its data is at SLO risk ("
             + "; ".join(f"{r}: {view.at_risk[r]}" for r in at_risk)

@@ -9,10 +9,11 @@ policies share the interface:
 * `SloAwareCoScheduler` (CoLLM): trains only in the *slack* of every request, i.e. the earliest time the
   next iteration must start for every request to stay within its SLO (`deadlines_s`: a decoding request's
   accumulated TPOT budget, so one ahead of its budget has slack; a waiting or prefilling request's TTFT
-  deadline minus the prefill still ahead of it) minus the cost of this iteration and a margin, of which it
-  spends `slack_frac`; within a share of the TTFT SLO (`max_train_ms`, so a request arriving meanwhile
-  still meets its TTFT); and only while the fine-tuning *share* allows it (time credit: training may use
-  `share` of the wall time while there is inference work). An idle replica trains in `max_train_ms`
+  deadline minus the prefill still ahead of it; none for a request already past its TTFT SLO, whose
+  verdict is settled) minus the cost of this iteration and a margin, of which it spends `slack_frac`;
+  within a share of the TTFT SLO (`max_train_ms`, so a request arriving meanwhile still meets its TTFT);
+  and only while the fine-tuning *share* allows it (time credit: training may use `share` of the wall
+  time while there is inference work). An idle replica trains in `max_train_ms`
   stretches back to back, i.e. at full speed, and always makes progress: `decide` never returns fewer
   than `min_tokens` when idle, so a micro-step that a cost model predicts longer than the guard cannot
   starve training forever. When load rises, slack vanishes and training stops at the next iteration.
@@ -118,6 +119,10 @@ class ReqTiming:
     next_index: int = 0
     prompt_left: int = 0  # prompt tokens still to prefill after this step
     tokens_left: int = 0  # output tokens it may still produce after this step (max_tokens bound)
+    # Its SLO is already missed (its first token came, or will come, past its TTFT SLO): no background
+    # work can save or cost it its verdict, so it sets no deadline; it still holds its batch slot and its
+    # prompt still stands in the queue.
+    lost: bool = False
 
 
 def running_timing(
@@ -131,6 +136,7 @@ def running_timing(
     generated: int,
     max_tokens: int,
     step_tokens: int,
+    lost: bool = False,
 ) -> ReqTiming:
     """A running request as it will be after a step that gives it `step_tokens` (prefill or its next
     decode token), the step starting at `now_s`: a token comes out of the step when it leaves no prompt
@@ -140,8 +146,14 @@ def running_timing(
     first = first_s if first_s is not None else (now_s if produces else None)
     return ReqTiming(
         arrival_s, ttft_slo_s, tpot_slo_s, first, generated + produces, prompt_left,
-        max_tokens - generated - produces,
+        max_tokens - generated - produces, lost,
     )  # fmt: skip
+
+
+def ttft_lost(now_s: float, arrival_s: float, first_s: float | None, ttft_slo_s: float) -> bool:
+    """Whether a request has missed its TTFT SLO for good: its first token came past it, or it is
+    past it with none yet (`ReqTiming.lost`)."""
+    return (first_s if first_s is not None else now_s) - arrival_s > ttft_slo_s
 
 
 def likely_arrivals(count: int, first_s: float, last_s: float, within_s: float) -> int:
@@ -211,17 +223,21 @@ def request_deadlines(
       those iterations costs a decode step of the batch plus its prefill tokens.
 
     The next step is a decode step plus the prefill that the queue will bring into it, so TPOT deadlines
-    also leave room for the prompts that arrived."""
+    also leave room for the prompts that arrived. A request whose SLO is already missed (`lost`) counts
+    in the queue and the batch but sets no deadline."""
     next_step, run_plan, wait_plan = _ahead(running, waiting, model)
     step, per_tok = model.decode_step_s, model.prefill_s_per_token
     out: list[float] = []
     for r, (iters, ahead) in zip(running, run_plan, strict=True):
+        if r.lost:
+            continue
         if r.first_s is not None:
             out.append(r.first_s + r.next_index * r.tpot_slo_s - next_step)
         else:
             out.append(r.arrival_s + r.ttft_slo_s - iters * step - ahead * per_tok)
     for r, (iters, ahead) in zip(waiting, wait_plan, strict=True):
-        out.append(r.arrival_s + r.ttft_slo_s - iters * step - ahead * per_tok)
+        if not r.lost:
+            out.append(r.arrival_s + r.ttft_slo_s - iters * step - ahead * per_tok)
     return tuple(out)
 
 

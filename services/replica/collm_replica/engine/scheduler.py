@@ -70,6 +70,7 @@ from collm_replica.engine.cosched import (
     likely_arrivals,
     request_deadlines,
     running_timing,
+    ttft_lost,
 )
 from collm_replica.engine.kv import blocks_for
 
@@ -346,7 +347,7 @@ class BackgroundSettings:
     micro_tokens: int
     batch_tokens: int
     # A stretch of training beyond the slack (the coordinator's spend): this share of the tightest TTFT SLO.
-    train_spend_stretch_frac: float = 0.3
+    train_spend_stretch_frac: float = 0.1
 
 
 class BackgroundInput(NamedTuple):
@@ -449,6 +450,7 @@ def timings(
             s.n_output,
             s.max_tokens,
             n_tokens.get(s.request_id, 0),
+            ttft_lost(now_s, s.t_arrival_s, s.t_first_s, s.ttft_slo_s),
         )
         for s in running
     ]
@@ -459,6 +461,7 @@ def timings(
             keep * s.tpot_slo_s,
             prompt_left=s.prompt_len + s.n_output - s.computed,
             tokens_left=s.max_tokens - s.n_output,
+            lost=ttft_lost(now_s, s.t_arrival_s, None, s.ttft_slo_s),
         )
         for s in waiting
     ]

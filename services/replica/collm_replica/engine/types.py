@@ -69,7 +69,7 @@ class EngineConfig:
     eval_fraction: float = 0.1
     train_guard_frac: float = 0.4  # background work between iterations: at most this share of the TTFT SLO
     train_slack_frac: float = 0.5  # share of the requests' slack that background work may use
-    train_spend_stretch_frac: float = 0.3  # a stretch of training beyond the slack: this share of TTFT SLO
+    train_spend_stretch_frac: float = 0.1  # a stretch of training beyond the slack: this share of TTFT SLO
     # Background work plans against each request's SLOs less this fraction (a reserve for what the step
     # model cannot see: steps slower than predicted, prompts arriving after the decision).
     train_slo_reserve_frac: float = 0.1
