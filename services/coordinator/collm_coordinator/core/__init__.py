@@ -26,7 +26,9 @@ Slow loop, once per federated round (`slow_interval_s`; slow_loop.py). Drift-plu
     yields to serving until the target is met again; it stops at `max_virtual_queue`. Its signed form
     goes negative while attainment stays above the target: headroom h = min(1, headroom_gain * -q)
     (target.py).
-  Replicas that are stale, at SLO risk now, or without local data for the adapter are not planned.
+  Replicas that are stale, or without local data for the adapter, are not planned, nor those at SLO
+  risk now while there is no headroom (with headroom they are, and the fast loop holds their share at 0
+  while the risk lasts).
   Starvation floor: an adapter whose wait without a planned round would pass `starvation_floor_s` before
   the next slow tick gets one share step on its best candidate with room, whatever the risk penalty
   (never past util_cap); where none has room it takes a turn in a replica's training time (as much as
