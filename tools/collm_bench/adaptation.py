@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from collm_bench.host import host_line
+
 RESULT_SCHEMA = "collm-adaptation/1"
 GOAL_REL_DROP = 0.10
 
@@ -180,6 +182,9 @@ def table(result: Mapping[str, Any]) -> str:
         )
     else:
         lines.append("Serving: none (the stack otherwise idle).")
+    host = result.get("host")
+    if host:
+        lines.append(f"Host: {host_line(host, host.get('matmul_dtype'))}.")
     return "\n".join(lines)
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from collm_bench.groups import CALIBRATION, REPO, RESULTS, add_run_dir, command_line
+from collm_bench.host import host_info
 
 if TYPE_CHECKING:
     from collm_common.settings import CommonSettings
@@ -200,6 +201,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     stack = Stack(cfg)
     print(f"adaptation: starting the default stack (logs in {cfg.log_dir})", flush=True)
     win = _run_window(stack, args, plan, run_dir, admin_key)
+    from collm_replica.settings import ReplicaSettings  # the replicas' precision, from this environment
+
     result: dict[str, Any] = {
         "schema": adaptation.RESULT_SCHEMA,
         "name": name,
@@ -211,6 +214,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         "adapters": {},
         "rounds": adaptation.round_summary(win.snap["rounds"], win.t0),
         "serving": None,
+        "host": host_info() | {"matmul_dtype": ReplicaSettings().matmul_dtype},
     }
     for adapter, a in sorted(win.snap["adapters"].items()):
         points = adaptation.version_points(a["versions"], a["quality"], adapter, win.t0, a.get("task"))

@@ -79,3 +79,15 @@ def test_every_committed_result_regenerates_its_table() -> None:
         text = adaptation.table(result)
         for name in result["adapters"]:
             assert f"| {name} |" in text
+
+
+def test_the_table_names_the_host_a_result_recorded() -> None:
+    result = {
+        "adapters": {},
+        "rounds": {"total": 0, "by_state": {}},
+        "serving": None,
+        "host": {"cpu": "AMD EPYC", "cpus": 2, "flags": ["avx2"], "matmul_dtype": "float32"},
+    }
+    assert adaptation.table(result).endswith("Host: AMD EPYC (2 CPUs; float32 products; CPU: avx2).")
+    del result["host"]
+    assert "Host:" not in adaptation.table(result)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +52,7 @@ from collm_bench.groups import (
     command_line,
     prog,
 )
+from collm_bench.host import host_info
 from collm_bench.peer import build, load, servers
 from collm_bench.peer.table import LABELS, LLAMACPP, SCHEMA, ratios, table
 from collm_replica.settings import ReplicaSettings
@@ -92,20 +92,6 @@ def servers_of(values: str) -> list[str]:
 def requests_for(concurrency: int, requests_per_level: int | None) -> int:
     """A level's requests: `requests_per_level` when given, else max(8, 2 x C)."""
     return requests_per_level if requests_per_level is not None else max(8, 2 * concurrency)
-
-
-def host_info() -> dict[str, Any]:
-    """This machine: its CPU's model name, its CPUs, the vector extensions llama.cpp and torch use."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    pairs = (ln.partition(":") for ln in text.splitlines())
-    info = {k.strip(): v.strip() for k, sep, v in pairs if sep}
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
-    return {
-        "cpu": info.get("model name", platform.processor() or "unknown"),
-        "cpus": os.cpu_count(),
-        "flags": [f for f in wanted if f in info.get("flags", "").split()],
-        "python": platform.python_version(),
-    }
 
 
 def drive(

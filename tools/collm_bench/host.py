@@ -1,0 +1,32 @@
+"""The machine a benchmark ran on, as its result files record it: figures of CPU-bound runs compare only
+between hosts of one kind (the vector extensions decide the replicas' matmul precision and speed)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+# The vector extensions llama.cpp and torch pick their kernels by.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+
+
+def host_info() -> dict[str, Any]:
+    """This machine: its CPU's model name, its CPUs, which of `CPU_FLAGS` it has, the Python version."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    pairs = (ln.partition(":") for ln in text.splitlines())
+    info = {k.strip(): v.strip() for k, sep, v in pairs if sep}
+    return {
+        "cpu": info.get("model name", platform.processor() or "unknown"),
+        "cpus": os.cpu_count(),
+        "flags": [f for f in CPU_FLAGS if f in info.get("flags", "").split()],
+        "python": platform.python_version(),
+    }
+
+
+def host_line(host: dict[str, Any], matmul_dtype: str | None = None) -> str:
+    """`AMD EPYC (2 CPUs; float32 products; CPU: avx2)`: a host in one line, for a results table."""
+    flags = ", ".join(host.get("flags", ())) or "none of those recorded"
+    dtype = f"{matmul_dtype} products; " if matmul_dtype else ""
+    return f"{host.get('cpu', 'unknown')} ({host.get('cpus', '?')} CPUs; {dtype}CPU: {flags})"
