@@ -51,6 +51,31 @@ def test_chunked_prefill_and_decode_equal_hf(tiny: LoadedModel) -> None:
     torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_small_steps_multiply_with_fp16_copies_and_larger_ones_do_not(tiny: LoadedModel) -> None:
+    """With copies for steps of at most 2 tokens: decode steps use them (close to fp32, not equal);
+    a prefill of more tokens computes exactly as without them."""
+    plain, small = Executor(tiny), Executor(tiny)
+    small.enable_small_step_copies(torch.float16, 2)
+    assert small.small_rows == 2 and small._small and small._small_head is not None
+    outs = []
+    for ex in (plain, small):
+        kv = ex.new_kv(64)
+        prefill = ex.forward([ForwardItem(PROMPT[:9], 0, kv, all_logits=True)])[0]
+        decodes = [ex.forward([ForwardItem([t], 9 + i, kv)])[0] for i, t in enumerate(PROMPT[9:])]
+        outs.append((prefill, torch.stack(decodes)))
+    (p_plain, d_plain), (p_small, d_small) = outs
+    assert torch.equal(p_plain, p_small)
+    assert not torch.equal(d_plain, d_small)
+    torch.testing.assert_close(d_small, d_plain, atol=2e-2, rtol=2e-2)
+
+
+def test_small_step_copies_stay_off_where_every_pass_has_its_own_precision(tiny: LoadedModel) -> None:
+    ex = Executor(tiny)
+    ex.enable_small_step_copies(torch.float32, 3)  # the model's own dtype: nothing to gain
+    ex.enable_small_step_copies(torch.float16, 0)
+    assert ex.small_rows == 0 and not ex._small
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
 def test_other_architectures_equal_hf(arch: str) -> None:
     model, tok = build_tiny_model(1, arch)

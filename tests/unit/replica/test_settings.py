@@ -55,3 +55,39 @@ def test_auto_matmul_dtype_is_bf16_only_where_the_cpu_multiplies_bf16_natively(
     assert ReplicaSettings().matmul_dtype == want  # the default is auto
     assert ReplicaSettings(matmul_dtype="float32").matmul_dtype == "float32"  # an explicit choice holds
     assert ReplicaSettings(matmul_dtype="bfloat16").matmul_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("flags", "bf16", "want"),
+    [
+        ({"avx2", "f16c", "fma"}, False, 3),  # an AVX2 CPU multiplying fp32: fp16 copies for steps <= 3
+        ({"avx2", "f16c"}, True, 0),  # native bf16 products: off
+        ({"avx2"}, False, 0),  # no fp16 loads: off
+        (set(), False, 0),  # no /proc/cpuinfo flags (not Linux, not x86): off
+    ],
+)
+def test_auto_small_step_f16_rows_only_where_fp16_copies_pay(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], bf16: bool, want: int
+) -> None:
+    import torch
+
+    from collm_replica import settings
+
+    monkeypatch.setattr(settings, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert ReplicaSettings().small_step_f16_rows == want  # the default is auto (-1)
+    assert ReplicaSettings(small_step_f16_rows=0).small_step_f16_rows == 0  # an explicit choice holds
+    assert ReplicaSettings(small_step_f16_rows=5).small_step_f16_rows == 5
+    assert EngineConfig.from_settings(ReplicaSettings(small_step_f16_rows=2)).small_step_f16_rows == 2
+
+
+def test_this_hosts_cpu_flags_are_read() -> None:
+    import platform
+    from pathlib import Path
+
+    from collm_replica.settings import cpu_flags
+
+    if not Path("/proc/cpuinfo").is_file() or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("flags are read from an x86 Linux /proc/cpuinfo")
+    assert "sse2" in cpu_flags()  # every x86-64 CPU has SSE2

@@ -188,6 +188,12 @@ class Executor:
         self._fast_head: torch.Tensor | None = None
         # Every pass multiplies in `loaded.matmul_dtype`, not only evaluation passes (`hold_projections_in`).
         self.fast_all = False
+        # Copies of the projections and LM head for inference steps of at most `small_rows` tokens
+        # (`enable_small_step_copies`); `_small_pass`: the forward in progress uses them.
+        self._small: dict[tuple[int, str], torch.Tensor] = {}
+        self._small_head: torch.Tensor | None = None
+        self.small_rows = 0
+        self._small_pass = False
         if loaded.matmul_dtype is not None:
             self.hold_projections_in(loaded.matmul_dtype)
 
@@ -201,14 +207,17 @@ class Executor:
         SmolLM2-135M in bf16). Inference and training never use it (see `hold_projections_in`)."""
         if dtype == self.dtype:
             return
-        fast = {}
+        self._fast, self._fast_head = self._weight_copies(dtype)
+
+    def _weight_copies(self, dtype: torch.dtype) -> tuple[dict[tuple[int, str], torch.Tensor], torch.Tensor]:
+        """`dtype` copies of the base projections (by layer and module) and of the LM head."""
+        copies = {}
         for i, layer in enumerate(self.layers):
             for name, path in MODULE_PATHS.items():
                 parent, attr = path.split(".")
                 lin = getattr(getattr(layer, parent), attr)
-                fast[(i, name)] = lin.weight.detach().to(dtype).contiguous()
-        self._fast = fast
-        self._fast_head = self.model.lm_head.weight.detach().to(dtype).contiguous()
+                copies[(i, name)] = lin.weight.detach().to(dtype).contiguous()
+        return copies, self.model.lm_head.weight.detach().to(dtype).contiguous()
 
     def hold_projections_in(self, dtype: torch.dtype) -> None:
         """Every pass (inference, training, evaluation) multiplies in `dtype`: the base projections are
@@ -227,6 +236,19 @@ class Executor:
         self._fast = fast
         self._fast_head = self.model.lm_head.weight.detach().to(dtype).contiguous()
         self.fast_all = True
+
+    def enable_small_step_copies(self, dtype: torch.dtype, max_rows: int) -> None:
+        """Inference steps (`forward`) of at most `max_rows` tokens multiply with `dtype` copies of the base
+        projections and LM head: where a product at a few rows is bound by reading the weights (a CPU
+        without native bf16 products: fp32 decode at batch 1-3), half the bytes make the step faster.
+        Inputs are cast per call and outputs come back in the model's dtype, as with `enable_fast_eval`;
+        training and evaluation passes and larger steps are unchanged. Costs a copy of the weights
+        (about 270 MB for SmolLM2-135M in fp16). Nothing to do on an accelerator, where the products
+        already multiply the model's own dtype, or while every pass uses `hold_projections_in`'s."""
+        if max_rows <= 0 or dtype == self.dtype or self.fast_all or self.device.type != "cpu":
+            return
+        self._small, self._small_head = self._weight_copies(dtype)
+        self.small_rows = max_rows
 
     @property
     def eval_precision(self) -> str:
@@ -274,6 +296,8 @@ class Executor:
         fast: bool = False,
     ) -> torch.Tensor:
         w = self._fast.get((layer, name)) if fast or self.fast_all else None
+        if w is None and self._small_pass:
+            w = self._small.get((layer, name))
         out = lin(x) if w is None else self._fast_linear(lin, w, x)
         return lora(layer, name, x, out) if lora is not None else out
 
@@ -370,8 +394,13 @@ class Executor:
                     return out
 
         attend = PagedAttention(self, items, ranges)
-        for i in range(self.n_layers):
-            x = self._layer(i, x, cos, sin, attend, lora)
+        small = len(ids) <= self.small_rows and not self.fast_all
+        self._small_pass = small
+        try:
+            for i in range(self.n_layers):
+                x = self._layer(i, x, cos, sin, attend, lora)
+        finally:
+            self._small_pass = False
         for it, (s, e) in zip(items, ranges, strict=True):
             it.kv.length = max(it.kv.length, it.start_pos + e - s)
         rows = []
@@ -379,7 +408,7 @@ class Executor:
             rows.append((s, e) if it.all_logits else (e - 1, e))
         idx = torch.cat([torch.arange(s, e, device=dev) for s, e in rows])
         h = self.inner.norm(x[idx])
-        head = self._fast_head if self.fast_all else None
+        head = self._fast_head if self.fast_all else (self._small_head if small else None)
         logits = (
             self.model.lm_head(h) if head is None else self._fast_linear(self.model.lm_head, head, h)
         ).float()

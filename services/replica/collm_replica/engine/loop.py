@@ -98,7 +98,9 @@ class _Part(Generic[T]):
 
 def lora_bank(executor: Executor, cfg: EngineConfig, loaded: LoadedModel) -> LoraBank:
     """The LoRA bank the executor's passes read (`cfg.max_resident_adapters` slots), given to it; with
-    `cfg.eval_matmul_dtype`, evaluation passes multiply in that dtype (`Executor.enable_fast_eval`)."""
+    `cfg.eval_matmul_dtype`, evaluation passes multiply in that dtype (`Executor.enable_fast_eval`), and
+    with `cfg.small_step_f16_rows` the smallest inference steps in fp16
+    (`Executor.enable_small_step_copies`)."""
     bank = LoraBank(
         cfg.max_resident_adapters,
         executor.n_layers,
@@ -112,6 +114,8 @@ def lora_bank(executor: Executor, cfg: EngineConfig, loaded: LoadedModel) -> Lor
     fast = eval_dtype(cfg.eval_matmul_dtype, loaded.device, loaded.dtype)
     if fast is not None and not executor.fast_all:
         executor.enable_fast_eval(fast)
+    if cfg.small_step_f16_rows > 0:
+        executor.enable_small_step_copies(torch.float16, cfg.small_step_f16_rows)
     return bank
 
 

@@ -78,6 +78,9 @@ class EngineConfig:
     # Precision of the base model's products in evaluation passes: "auto" (bfloat16 on a CPU with AMX,
     # else the model's dtype), "bfloat16", or "float32"/"model" (the model's own dtype).
     eval_matmul_dtype: str = "auto"
+    # Inference steps of at most this many tokens multiply with fp16 copies of the weights (0: off;
+    # `Executor.enable_small_step_copies`); only where the products are in the model's fp32 on a CPU.
+    small_step_f16_rows: int = 0
     refresh_slot_wait_s: float = 60.0  # a local job whose refreshes find no slot this long fails
 
     @classmethod
@@ -119,6 +122,7 @@ class EngineConfig:
             train_slo_reserve_frac=s.ft_slo_reserve_frac,
             eval_max_tokens=s.eval_max_tokens,
             eval_matmul_dtype=s.eval_matmul_dtype,
+            small_step_f16_rows=s.small_step_f16_rows,
         )
 
 
