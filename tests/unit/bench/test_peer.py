@@ -129,6 +129,10 @@ def test_the_table_says_in_which_precision_collm_multiplied_and_on_what_cpu() ->
         "host": {"cpu": "Some CPU", "cpus": 2, "flags": ["avx2", "avx512_bf16"]},
     }
     assert "CoLLM: collm up --no-demo; bfloat16 products (CPU: avx2, avx512_bf16)." in table(doc)
+    doc["collm"] = {"command": "collm up --no-demo", "matmul_dtype": "float32", "small_step_f16_rows": 3}
+    doc["host"] = {"cpu": "Some CPU", "cpus": 2, "flags": ["avx2"]}
+    want = "CoLLM: collm up --no-demo; float32 products, fp16 copies for steps of <= 3 tokens (CPU: avx2)."
+    assert want in table(doc)
 
 
 def test_the_flags_parse_to_levels_servers_and_request_counts() -> None:

@@ -10,7 +10,8 @@ llama.cpp server is asked for), writes F16 and F32 copies of the model file CoLL
   on the copy (SLOT: a request's prompt and output with a margin);
 * `collm`: the stack of `collm up --no-demo` (two replicas, one torch thread each, nothing trains) on the
   model file itself, which CoLLM de-quantises to fp32 (its base projections multiply in the replicas'
-  `COLLM_MATMUL_DTYPE`, recorded as `collm.matmul_dtype`: bfloat16 where the CPU has it);
+  `COLLM_MATMUL_DTYPE`, recorded as `collm.matmul_dtype`: bfloat16 where the CPU has it; steps of at
+  most `collm.small_step_f16_rows` tokens with fp16 copies, `COLLM_SMALL_STEP_F16_ROWS`);
 * `collm-train`: the stack of `collm up` with its demo on the same file: each replica holds its share of
   the demo domains, whose adapters train by federated rounds while the base model serves the load. Its
   load starts once the replicas have trained (`--train-start-timeout-s`); each level records the
@@ -277,6 +278,8 @@ def result(
             "train_command": COLLM_TRAIN_COMMAND,
             # The replicas' precision of the base projections (COLLM_MATMUL_DTYPE, `auto` resolved).
             "matmul_dtype": ReplicaSettings().matmul_dtype,
+            # Inference steps of at most this many tokens multiply with fp16 copies (0: none).
+            "small_step_f16_rows": ReplicaSettings().small_step_f16_rows,
             # COLLM_* settings the stack inherited from this process (the launcher passes them on).
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("COLLM_")},
         },

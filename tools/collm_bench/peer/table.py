@@ -70,7 +70,9 @@ def _precision(collm: Mapping[str, Any], host: Mapping[str, Any]) -> str:
     if dtype is None:
         return ""
     flags = ", ".join(host.get("flags", ())) or "none of those recorded"
-    return f"; {dtype} products (CPU: {flags})"
+    rows = collm.get("small_step_f16_rows")
+    small = f", fp16 copies for steps of <= {rows} tokens" if rows else ""
+    return f"; {dtype} products{small} (CPU: {flags})"
 
 
 def table(doc: Mapping[str, Any]) -> str:
