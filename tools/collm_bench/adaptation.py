@@ -184,7 +184,7 @@ def table(result: Mapping[str, Any]) -> str:
         lines.append("Serving: none (the stack otherwise idle).")
     host = result.get("host")
     if host:
-        lines.append(f"Host: {host_line(host, host.get('matmul_dtype'))}.")
+        lines.append(f"Host: {host_line(host)}.")
     return "\n".join(lines)
 
 

@@ -203,6 +203,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     win = _run_window(stack, args, plan, run_dir, admin_key)
     from collm_replica.settings import ReplicaSettings  # the replicas' precision, from this environment
 
+    replica = ReplicaSettings()
+    precision = {"matmul_dtype": replica.matmul_dtype, "small_step_f16_rows": replica.small_step_f16_rows}
     result: dict[str, Any] = {
         "schema": adaptation.RESULT_SCHEMA,
         "name": name,
@@ -214,7 +216,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         "adapters": {},
         "rounds": adaptation.round_summary(win.snap["rounds"], win.t0),
         "serving": None,
-        "host": host_info() | {"matmul_dtype": ReplicaSettings().matmul_dtype},
+        "host": host_info() | precision,
     }
     for adapter, a in sorted(win.snap["adapters"].items()):
         points = adaptation.version_points(a["versions"], a["quality"], adapter, win.t0, a.get("task"))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 # The vector extensions llama.cpp and torch pick their kernels by.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+CPU_FLAGS = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
 
 
 def host_info() -> dict[str, Any]:
@@ -25,8 +26,13 @@ def host_info() -> dict[str, Any]:
     }
 
 
-def host_line(host: dict[str, Any], matmul_dtype: str | None = None) -> str:
-    """`AMD EPYC (2 CPUs; float32 products; CPU: avx2)`: a host in one line, for a results table."""
+def host_line(host: Mapping[str, Any]) -> str:
+    """`AMD EPYC (2 CPUs; float32 products, fp16 copies for steps of <= 3 tokens; CPU: avx2, f16c)`: a host
+    in one line, for a results table, with the replicas' precision where the result recorded it
+    (`matmul_dtype`, `small_step_f16_rows`)."""
     flags = ", ".join(host.get("flags", ())) or "none of those recorded"
-    dtype = f"{matmul_dtype} products; " if matmul_dtype else ""
-    return f"{host.get('cpu', 'unknown')} ({host.get('cpus', '?')} CPUs; {dtype}CPU: {flags})"
+    dtype = host.get("matmul_dtype")
+    rows = host.get("small_step_f16_rows")
+    small = f", fp16 copies for steps of <= {rows} tokens" if rows else ""
+    products = f"{dtype} products{small}; " if dtype else ""
+    return f"{host.get('cpu', 'unknown')} ({host.get('cpus', '?')} CPUs; {products}CPU: {flags})"

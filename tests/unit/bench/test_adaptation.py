@@ -89,5 +89,8 @@ def test_the_table_names_the_host_a_result_recorded() -> None:
         "host": {"cpu": "AMD EPYC", "cpus": 2, "flags": ["avx2"], "matmul_dtype": "float32"},
     }
     assert adaptation.table(result).endswith("Host: AMD EPYC (2 CPUs; float32 products; CPU: avx2).")
+    result["host"] |= {"small_step_f16_rows": 3, "flags": ["avx2", "f16c"]}
+    want = "Host: AMD EPYC (2 CPUs; float32 products, fp16 copies for steps of <= 3 tokens; CPU: avx2, f16c)."
+    assert adaptation.table(result).endswith(want)
     del result["host"]
     assert "Host:" not in adaptation.table(result)
