@@ -30,9 +30,17 @@ def host_line(host: Mapping[str, Any]) -> str:
     """`AMD EPYC (2 CPUs; float32 products, fp16 copies for steps of <= 3 tokens; CPU: avx2, f16c)`: a host
     in one line, for a results table, with the replicas' precision where the result recorded it
     (`matmul_dtype`, `small_step_f16_rows`)."""
-    flags = ", ".join(host.get("flags", ())) or "none of those recorded"
     dtype = host.get("matmul_dtype")
-    rows = host.get("small_step_f16_rows")
-    small = f", fp16 copies for steps of <= {rows} tokens" if rows else ""
-    products = f"{dtype} products{small}; " if dtype else ""
-    return f"{host.get('cpu', 'unknown')} ({host.get('cpus', '?')} CPUs; {products}CPU: {flags})"
+    products = f"{products_phrase(dtype, host.get('small_step_f16_rows'))}; " if dtype else ""
+    return f"{host.get('cpu', 'unknown')} ({host.get('cpus', '?')} CPUs; {products}CPU: {flags_phrase(host)})"
+
+
+def products_phrase(matmul_dtype: str, small_step_f16_rows: int | None) -> str:
+    """`float32 products, fp16 copies for steps of <= 3 tokens`: the replicas' precision in words."""
+    small = f", fp16 copies for steps of <= {small_step_f16_rows} tokens" if small_step_f16_rows else ""
+    return f"{matmul_dtype} products{small}"
+
+
+def flags_phrase(host: Mapping[str, Any]) -> str:
+    """The recorded CPU flags, comma-separated."""
+    return ", ".join(host.get("flags", ())) or "none of those recorded"

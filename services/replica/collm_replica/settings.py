@@ -31,9 +31,9 @@ def native_bf16_cpu() -> bool:
 
 def f16_gemv_cpu() -> bool:
     """Whether fp16 copies of the weights speed up this CPU's smallest inference steps: an x86 CPU with
-    F16C (fp16 loads) but no native bf16 products, whose fp32 products at batch 1-3 are bound by reading
-    the weights (an fp16 matrix-vector product reads half the bytes: a SmolLM2 decode step at batch 1
-    takes 44 ms instead of 55-62 on an AVX2 EPYC core; at batch 4 and more fp32 is as fast or faster)."""
+    F16C (fp16 loads) but no native bf16 products, whose fp32 products at a few rows are bound by reading
+    the weights (an fp16 matrix-vector product reads half the bytes; at more rows torch's fp16 products
+    there are slower than fp32 ones, hence `AUTO_SMALL_STEP_F16_ROWS`)."""
     return {"f16c", "avx2"} <= cpu_flags() and not native_bf16_cpu()
 
 
@@ -230,9 +230,9 @@ class ReplicaSettings(CommonSettings):
         description="Inference steps (forward passes, no gradients) of at most this many tokens multiply "
         "with fp16 copies of the projections and LM head (about 270 MB more for SmolLM2): on a CPU "
         "without native bf16 products an fp16 matrix-vector product reads half the bytes of an fp32 one, "
-        "so a lone stream's decode step runs about 1.3x faster; larger steps, training and evaluation "
-        "keep their precision (held-out loss with fp16 products within 0.04% of fp32's; a greedy answer "
-        "decoded alone may differ from the same request's in a larger batch by that rounding). Only with "
+        "so a lone stream's decode steps run faster; larger steps, training and evaluation keep their "
+        "precision (a greedy answer decoded alone may differ from the same request's in a larger batch by "
+        "the fp16 rounding). Only with "
         "fp32 products (`matmul_dtype`). 0: off; -1 (auto): 3 on an x86 CPU with F16C and AVX2 and without "
         "native bf16 products (`f16_gemv_cpu`), else off.",
     )

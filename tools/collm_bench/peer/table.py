@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from collm_bench.host import flags_phrase, products_phrase
+
 SCHEMA = "collm-peer-llamacpp/1"
 # The servers, in the order they run and show, with the label the table gives them.
 LABELS = {
@@ -69,10 +71,7 @@ def _precision(collm: Mapping[str, Any], host: Mapping[str, Any]) -> str:
     dtype = collm.get("matmul_dtype")
     if dtype is None:
         return ""
-    flags = ", ".join(host.get("flags", ())) or "none of those recorded"
-    rows = collm.get("small_step_f16_rows")
-    small = f", fp16 copies for steps of <= {rows} tokens" if rows else ""
-    return f"; {dtype} products{small} (CPU: {flags})"
+    return f"; {products_phrase(dtype, collm.get('small_step_f16_rows'))} (CPU: {flags_phrase(host)})"
 
 
 def table(doc: Mapping[str, Any]) -> str:
