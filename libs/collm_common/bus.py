@@ -93,24 +93,30 @@ def redact_url(url: str) -> str:
     return _URL_PASSWORD.sub(r"\1:***@", url)
 
 
-class BusError(Exception):
-    """An error reply, a missing responder (503) or a timeout (504), with an HTTP-like code; `param` is
-    the request field at fault and `error_code` the OpenAI error code, when the reply's body names them."""
+class ReplyError(Exception):
+    """An error with an HTTP-like `code`, an OpenAI error `type`, a `message`, and where the request's body
+    names them, the field at fault (`param`) and the OpenAI error code (`error_code`)."""
+
+    default_type = "server_error"
 
     def __init__(
         self,
         code: int,
         message: str,
-        type_: str = "server_error",
+        type_: str | None = None,
         param: str | None = None,
         error_code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.type = type_
+        self.type = type_ or self.default_type
         self.param = param
         self.error_code = error_code
+
+
+class BusError(ReplyError):
+    """An error reply, a missing responder (503) or a timeout (504), as a caller of `request` sees it."""
 
 
 class PayloadTooLarge(BusError):
@@ -145,25 +151,11 @@ class NoResponders(BusError):
         super().__init__(503, f"no service is listening on {subject}", "service_unavailable")
 
 
-class ServiceFailure(Exception):
-    """Raise inside an endpoint handler to answer with an error reply of `code` (HTTP-like), `type_` (an
-    OpenAI error type) and `message`; `param` names the request field at fault and `error_code` the
-    OpenAI error code, for error bodies that carry them."""
+class ServiceFailure(ReplyError):
+    """Raise inside an endpoint handler to answer with an error reply (type `invalid_request_error`
+    unless given)."""
 
-    def __init__(
-        self,
-        code: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        error_code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.error_code = error_code
+    default_type = "invalid_request_error"
 
 
 def error_of(msg: Msg, subject: str) -> BusError | None:

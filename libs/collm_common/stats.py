@@ -1,4 +1,5 @@
-"""Percentiles: the one definition that the services, the simulator and the benchmarks share.
+"""Percentiles and ratios: the one definition of each that the services, the simulator and the
+benchmarks share.
 
 The `q`-th percentile (q in 0..100) of n values is numpy's default (`numpy.percentile(values, q)`,
 Hyndman and Fan's method 7), to the last bit: linear interpolation between the closest ranks. With the
@@ -40,3 +41,12 @@ def percentiles(values: Iterable[float], qs: Sequence[float]) -> list[float | No
 def percentile(values: Iterable[float], q: float) -> float | None:
     """The `q`-th percentile of `values` (q in 0..100; see `percentiles`); None when there are none."""
     return percentiles(values, (q,))[0]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b; +inf when only a is positive; None when either is unknown (None or NaN) or both are <= 0."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b):
+        return None
+    if b <= 0:
+        return math.inf if a > 0 else None
+    return a / b

@@ -356,26 +356,30 @@ class AdapterStore:
 
     async def record_site_quality(self, name: str, version: int, rows: dict[str, dict[str, Any]]) -> None:
         """`name@vN`'s scores on each site (a replica's held-out share of a domain), keyed by site."""
-        if rows:
-            await self.r.hset(
-                self._k(name, "quality", str(version), "sites"),
-                mapping={k: json.dumps(v, sort_keys=True) for k, v in rows.items()},
-            )
+        await self._record_quality_rows(name, version, "sites", rows)
 
     async def site_quality(self, name: str, version: int) -> dict[str, dict[str, Any]]:
-        raw = await self.r.hgetall(self._k(name, "quality", str(version), "sites"))
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
+        return await self._quality_rows(name, version, "sites")
 
     async def record_task_quality(self, name: str, version: int, scores: dict[str, dict[str, Any]]) -> None:
         """`name@vN`'s task metric per domain (`{"metric", "score", "examples", "sites"}`)."""
-        if scores:
-            await self.r.hset(
-                self._k(name, "quality", str(version), "task"),
-                mapping={k: json.dumps(v, sort_keys=True) for k, v in scores.items()},
-            )
+        await self._record_quality_rows(name, version, "task", scores)
 
     async def task_quality(self, name: str, version: int) -> dict[str, dict[str, Any]]:
-        raw = await self.r.hgetall(self._k(name, "quality", str(version), "task"))
+        return await self._quality_rows(name, version, "task")
+
+    async def _record_quality_rows(
+        self, name: str, version: int, kind: str, rows: dict[str, dict[str, Any]]
+    ) -> None:
+        """`rows` into `name@vN`'s quality hash of `kind`, one JSON document per key (none: nothing)."""
+        if rows:
+            await self.r.hset(
+                self._k(name, "quality", str(version), kind),
+                mapping={k: json.dumps(v, sort_keys=True) for k, v in rows.items()},
+            )
+
+    async def _quality_rows(self, name: str, version: int, kind: str) -> dict[str, dict[str, Any]]:
+        raw = await self.r.hgetall(self._k(name, "quality", str(version), kind))
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     # --- adapter metadata (owner tenant etc.) -----------------------------------------------------------

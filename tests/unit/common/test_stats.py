@@ -1,14 +1,16 @@
 """The one percentile: numpy's default (linear between the closest ranks) to the last bit, None without
-values, q within 0..100, the values sorted once for several q."""
+values, q within 0..100, the values sorted once for several q; the one ratio, unbounded or unknown at a
+divisor of zero or less."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
 import pytest
 
-from collm_common.stats import percentile, percentiles
+from collm_common.stats import percentile, percentiles, ratio
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +46,21 @@ def test_no_values_have_no_percentile() -> None:
 def test_q_lies_in_0_to_100(q: float) -> None:
     with pytest.raises(ValueError, match="0..100"):
         percentile([1.0, 2.0], q)
+
+
+def test_ratio_of_known_values() -> None:
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(0.0, 2.0) == 0.0
+
+
+def test_ratio_with_a_divisor_of_zero_or_less() -> None:
+    """Only a positive numerator over nothing is unbounded; nothing over nothing has no ratio."""
+    assert ratio(1.0, 0.0) == math.inf
+    assert ratio(1.0, -2.0) == math.inf
+    assert ratio(0.0, 0.0) is None
+    assert ratio(-1.0, 0.0) is None
+
+
+@pytest.mark.parametrize("a, b", [(None, 1.0), (1.0, None), (math.nan, 1.0), (1.0, math.nan)])
+def test_ratio_of_an_unknown_is_unknown(a: float | None, b: float | None) -> None:
+    assert ratio(a, b) is None

@@ -54,7 +54,7 @@ from collm_bench.engine.common import (
 )
 from collm_bench.groups import add_output_tokens, add_prompt_tokens, add_result_name, prog
 from collm_bench.readme.engine import threads_table
-from collm_common.stats import percentile
+from collm_common.stats import percentile, ratio
 from collm_replica.engine import Engine, EngineConfig
 from collm_replica.engine.cosched import NoTraining
 from collm_replica.engine.scheduler import BatchConfig
@@ -164,9 +164,10 @@ def run_layout(
     }
 
 
-def ratio(b: float, a: float) -> float | None:
-    """b / a to 3 places; None when a is 0 or either is NaN."""
-    return round(b / a, 3) if a and not math.isnan(a) and not math.isnan(b) else None
+def b_over_a(b: float, a: float) -> float | None:
+    """b / a (`collm_common.stats.ratio`) to 3 places; None when it has no finite value."""
+    r = ratio(b, a)
+    return round(r, 3) if r is not None and math.isfinite(r) else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,7 +239,7 @@ def run_cases(
                     flush=True,
                 )
             keys = ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50")
-            case["ratio_b_over_a"] = {k: ratio(case["b"][k], case["a"][k]) for k in keys}
+            case["ratio_b_over_a"] = {k: b_over_a(case["b"][k], case["a"][k]) for k in keys}
             cases.append(case)
     return cases
 

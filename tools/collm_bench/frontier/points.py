@@ -33,6 +33,7 @@ from typing import Any
 
 from collm_bench.headline.config import BASELINES, CO_LOCATED
 from collm_bench.headline.rate_search import geometric_bisection, search
+from collm_common.stats import ratio
 
 SERVING_ALONE = "serving_only"
 # The axes of the trade-off each policy's frontier is drawn on: serving (goodput) against training
@@ -276,15 +277,6 @@ def best_at_least(points: Iterable[Point], x_axis: str, x_min: float, y_axis: st
     if crossing.value is not None and out.value is not None and crossing.value > out.value:
         return crossing
     return out
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b; +inf when only a is positive; None when either is unknown or both are <= 0."""
-    if a is None or b is None:
-        return None
-    if b <= 0:
-        return math.inf if a > 0 else None
-    return a / b
 
 
 def by_policy(points: Iterable[Point]) -> dict[str, list[Point]]:

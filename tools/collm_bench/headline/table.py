@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from collm_common.stats import ratio
+
 from .config import BASELINES, CO_LOCATED, REFERENCES
 
 GOALS = {
@@ -64,14 +66,6 @@ def compact(summary: Mapping[str, Any], extra: Mapping[str, Any] | None = None) 
     if extra:
         out.update(extra)
     return out
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None:
-        return None
-    if b <= 0:
-        return float("inf") if a > 0 else None
-    return a / b
 
 
 def compare(

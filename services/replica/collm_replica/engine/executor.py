@@ -335,6 +335,43 @@ class Executor:
         cos, sin = self.inner.rotary_emb(x[None], positions[None])
         return cos[0][:, None, :], sin[0][:, None, :]
 
+    def _inference_lora(
+        self, items: list[ForwardItem], ranges: list[tuple[int, int]], n_rows: int
+    ) -> LoraFn | None:
+        """The LoRA of one inference pass: each item's rows through its slot's adapter (none for slot
+        -1). Neighbouring items of one slot form one segment; when the adapted rows are few (decode),
+        the grouped form, two small matmuls per module for all the pass's adapters."""
+        segments: list[tuple[int, int, int]] = []
+        for it, (s, e) in zip(items, ranges, strict=True):
+            if segments and segments[-1][0] == it.slot and segments[-1][2] == s:
+                segments[-1] = (it.slot, segments[-1][1], e)
+            else:
+                segments.append((it.slot, s, e))
+        bank = self.bank
+        adapted = [seg for seg in segments if seg[0] >= 0]
+        if bank is None or not adapted:
+            return None
+        slots = tuple(sorted({seg[0] for seg in adapted}))
+        n_adapted = sum(e - s for _, s, e in adapted)
+        if n_adapted * len(slots) <= GROUPED_MAX_ROWS:
+            r = bank.rank_of(slots)
+            mask = torch.zeros(n_rows, len(slots) * r, dtype=self.dtype, device=self.device)
+            for slot, s, e in adapted:
+                j = slots.index(slot)
+                mask[s:e, j * r : (j + 1) * r] = 1
+
+            def grouped(layer: int, module: str, xin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                bank.apply_grouped(layer, module, xin, out, slots, mask)
+                return out
+
+            return grouped
+
+        def segmented(layer: int, module: str, xin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            bank.apply(layer, module, xin, out, segments)
+            return out
+
+        return segmented
+
     # --- inference ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
@@ -363,36 +400,7 @@ class Executor:
         x = self.inner.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
         cos, sin = self._rope(x, torch.tensor(pos, dtype=torch.long, device=dev))
 
-        segments: list[tuple[int, int, int]] = []
-        for it, (s, e) in zip(items, ranges, strict=True):
-            if segments and segments[-1][0] == it.slot and segments[-1][2] == s:
-                segments[-1] = (it.slot, segments[-1][1], e)
-            else:
-                segments.append((it.slot, s, e))
-        lora: LoraFn | None = None
-        bank = self.bank
-        adapted = [seg for seg in segments if seg[0] >= 0]
-        if bank is not None and adapted:
-            slots = tuple(sorted({seg[0] for seg in adapted}))
-            n_adapted = sum(e - s for _, s, e in adapted)
-            if n_adapted * len(slots) <= GROUPED_MAX_ROWS:
-                # Few tokens per adapter (decode): the grouped form is two small matmuls per module.
-                r = bank.rank_of(slots)
-                mask = torch.zeros(len(ids), len(slots) * r, dtype=self.dtype, device=dev)
-                for slot, s, e in adapted:
-                    j = slots.index(slot)
-                    mask[s:e, j * r : (j + 1) * r] = 1
-
-                def lora(layer: int, module: str, xin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-                    bank.apply_grouped(layer, module, xin, out, slots, mask)
-                    return out
-
-            else:
-
-                def lora(layer: int, module: str, xin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-                    bank.apply(layer, module, xin, out, segments)
-                    return out
-
+        lora = self._inference_lora(items, ranges, len(ids))
         attend = PagedAttention(self, items, ranges)
         small = len(ids) <= self.small_rows and not self.fast_all
         self._small_pass = small
