@@ -117,25 +117,40 @@ def _message(c: Choice) -> dict[str, Any]:
     return {"role": "assistant", "content": c.text}
 
 
-class ChatShape:
+def _envelope(ident: StreamIdentity, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """An answer's or a stream chunk's fields around its `choices` (both shapes, whole or streamed)."""
+    return {
+        "id": ident.id,
+        "object": object_name,
+        "created": ident.created,
+        "model": ident.model,
+        "system_fingerprint": ident.system_fingerprint,
+        "choices": choices,
+    }
+
+
+class _Stream:
+    """What the two shapes' streams share: chunks of the object `chunk_object`, and the usage chunk."""
+
+    chunk_object = ""
+
+    def _chunk(self, ident: StreamIdentity, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return _with_usage_key(ident, _envelope(ident, self.chunk_object, choices))
+
+    def usage_chunk(
+        self, ident: StreamIdentity, prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
+        chunk = self._chunk(ident, [])
+        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        return chunk
+
+
+class ChatShape(_Stream):
     """`chat.completion` and `chat.completion.chunk`."""
 
     id_prefix = "chatcmpl-"
     param = "messages"
-
-    @staticmethod
-    def _chunk(ident: StreamIdentity, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return _with_usage_key(
-            ident,
-            {
-                "id": ident.id,
-                "object": "chat.completion.chunk",
-                "created": ident.created,
-                "model": ident.model,
-                "system_fingerprint": ident.system_fingerprint,
-                "choices": choices,
-            },
-        )
+    chunk_object = "chat.completion.chunk"
 
     def opening(self, ident: StreamIdentity, n: int = 1) -> dict[str, Any] | None:
         return self._chunk(
@@ -179,54 +194,29 @@ class ChatShape:
             ident, [{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]
         )
 
-    def usage_chunk(
-        self, ident: StreamIdentity, prompt_tokens: int, completion_tokens: int
-    ) -> dict[str, Any]:
-        chunk = self._chunk(ident, [])
-        chunk["usage"] = usage(prompt_tokens, completion_tokens)
-        return chunk
-
     def complete(
         self, ident: StreamIdentity, choices: list[Choice], prompt_tokens: int, completion_tokens: int
     ) -> dict[str, Any]:
-        return {
-            "id": ident.id,
-            "object": "chat.completion",
-            "created": ident.created,
-            "model": ident.model,
-            "system_fingerprint": ident.system_fingerprint,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": _message(c),
-                    "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": usage(prompt_tokens, completion_tokens),
+        choice_docs = [
+            {
+                "index": c.index,
+                "message": _message(c),
+                "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
+        return _envelope(ident, "chat.completion", choice_docs) | {
+            "usage": usage(prompt_tokens, completion_tokens)
         }
 
 
-class TextShape:
+class TextShape(_Stream):
     """`text_completion` (the legacy completions API; chunks have the same object name)."""
 
     id_prefix = "cmpl-"
     param = "prompt"
-
-    @staticmethod
-    def _chunk(ident: StreamIdentity, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return _with_usage_key(
-            ident,
-            {
-                "id": ident.id,
-                "object": "text_completion",
-                "created": ident.created,
-                "model": ident.model,
-                "system_fingerprint": ident.system_fingerprint,
-                "choices": choices,
-            },
-        )
+    chunk_object = "text_completion"
 
     def opening(self, ident: StreamIdentity, n: int = 1) -> dict[str, Any] | None:
         del ident, n  # text streams have no role delta
@@ -247,13 +237,6 @@ class TextShape:
         return self._chunk(
             ident, [{"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}]
         )
-
-    def usage_chunk(
-        self, ident: StreamIdentity, prompt_tokens: int, completion_tokens: int
-    ) -> dict[str, Any]:
-        chunk = self._chunk(ident, [])
-        chunk["usage"] = usage(prompt_tokens, completion_tokens)
-        return chunk
 
     def complete(
         self, ident: StreamIdentity, choices: list[Choice], prompt_tokens: int, completion_tokens: int

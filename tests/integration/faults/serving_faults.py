@@ -36,6 +36,8 @@ from .report import FaultReport
 
 # A stream whose answer began this recently has most of its tokens still to come (256 of them here).
 FRESH_STREAM_S = 0.05
+# How long the killer waits for the victim's first answer, then for a stream just begun on it.
+KILL_WAIT_S = 20.0
 
 
 # --- 1. a replica is SIGKILLed under load ----------------------------------------------------------------
@@ -72,7 +74,9 @@ async def replica_kill(
         # Kill once the victim has served a request (the load runs on both replicas: a slow replica may
         # need longer than `kill_at_s` for its first), while a stream on it has just begun (so that the
         # mid-stream path is exercised every time: a stream seen near its end may finish before the kill).
-        await wait_for(lambda: served_ok.get(victim, 0) > 0, 20, f"a request served by {victim}", 0.01)
+        await wait_for(
+            lambda: served_ok.get(victim, 0) > 0, KILL_WAIT_S, f"a request served by {victim}", 0.01
+        )
 
         def fresh_stream() -> bool:
             now = time.monotonic()
@@ -81,25 +85,34 @@ async def replica_kill(
                 for i, (r, t) in list(live.items())
             )
 
-        await wait_for(fresh_stream, 20, f"a stream just begun on {victim}", 0.005)
+        await wait_for(fresh_stream, KILL_WAIT_S, f"a stream just begun on {victim}", 0.005)
         kill_at.append(time.monotonic())
         report.details["victim_exit_code"] = await asyncio.to_thread(fs.s.kill, f"replica-{victim}")
 
+    # The load runs until `duration_s - kill_at_s` after the kill, however long the kill takes to come (on
+    # a loaded machine the victim's first answer can take longer than `duration_s`): new streams must
+    # still be starting when the killer looks for one.
+    stop = asyncio.Event()
     load = asyncio.create_task(
         run_load(
             fs.gateway_url,
             fs.base_model,
             concurrency=concurrency,
-            duration_s=duration_s,
+            duration_s=kill_at_s + 2 * KILL_WAIT_S + duration_s,
             max_tokens=max_tokens,
             timeout_s=CLIENT_TIMEOUT_S,
+            stop=stop,
             live=live,
             waiting=waiting,
             on_outcome=count,
         )
     )
-    await killer()
-    outcomes = await load
+    try:
+        await killer()
+        await asyncio.sleep(max(0.0, duration_s - kill_at_s))
+    finally:
+        stop.set()
+        outcomes = await load
     t_kill = kill_at[0]
     report.add_outcomes(outcomes)
     report.retried = int(await gateway_retries(fs) - retries0)

@@ -47,12 +47,12 @@ the risk every other second), scaled down at once for all when the cluster's dem
 leaves (`burst`, judged on a 3 s mean or a large one-second spike), and raised back gradually
 (`share_recover_per_tick`); a replica that trains outside the plan (a round the aggregator's built-in
 planner or an operator opened, or a local job) gets the same rule toward an even split of the slack the
-plan leaves; every share carries the spend s (spend_gain x h, rising by at most spend_rise_per_s, falling
-at once, 0 while the last tick's attainment is under the target): the part of it the replica trains
-beyond its requests' slack, so attainment comes down to the target; routing weights favour replicas with
-slack and with the requested adapter resident; stale replicas get no weight. The weights reach the
-gateway only with `publish_weights`: with the gateway's current rule (a weighted random draw) its
-least-loaded fallback serves better (bench/README.md, Simulator).
+plan leaves; every share not cut by a risk or a burst carries the spend s (spend_gain x h, rising by
+at most spend_rise_per_s, falling at once, 0 while the last tick's attainment is under the target): the
+part of it the replica trains beyond its requests' slack, so attainment comes down to the target;
+routing weights favour replicas with slack and with the requested adapter resident; stale replicas get
+no weight. The weights reach the gateway only with `publish_weights`: with the gateway's current rule (a
+weighted random draw) its least-loaded fallback serves better (bench/README.md, Simulator).
 
 Load units: a replica's load is the fraction of its full-batch capacity its token throughput uses,
 decode tokens/s x decode_step_ms(max_batch) / max_batch + prefill tokens/s x prefill_ms_per_token (ms
