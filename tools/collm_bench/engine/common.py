@@ -72,7 +72,7 @@ def save_result(name: str, data: dict[str, Any]) -> Path:
         **data,
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {path.relative_to(REPO)}")
+    print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
     return path
 
 
