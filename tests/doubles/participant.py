@@ -56,6 +56,8 @@ def tiny_adapter(seed: int = 0, layers: int = 2, hidden: int = 16, kv: int = 8, 
 class ParticipantBehaviour:
     mode: Mode = "honest"
     train_delay_s: float = 0.05
+    # Training waits until this is set (None: it does not wait), then `train_delay_s`.
+    train_gate: asyncio.Event | None = None
     eval_delay_s: float = 0.0
     # Evaluations wait until this is set (None: they do not wait), then `eval_delay_s`.
     eval_gate: asyncio.Event | None = None
@@ -191,6 +193,8 @@ class ParticipantDouble:
         return ControlReply(ok=True, message="training")
 
     async def _train_and_send(self, cmd: StartTraining) -> None:
+        if self.behaviour.train_gate is not None:
+            await self.behaviour.train_gate.wait()
         await asyncio.sleep(self.behaviour.train_delay_s)
         base_version = cmd.base_version or await self.store.current(cmd.adapter)
         assert base_version is not None and cmd.round_id is not None

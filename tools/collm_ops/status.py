@@ -1,9 +1,11 @@
 """`collm status`: one view of the cluster, built from what the services themselves answer.
 
-`gather_status(bus)` asks, concurrently and each with a timeout, every replica that answers
-`$SRV.PING.collm-replica` for its telemetry (`subjects.replica(id, "status")`), and the coordinator,
-aggregator and gateway for their status endpoints. A service that does not answer is reported as such
-(its error kept), never fatal: the view of a half-broken cluster is what an operator needs most.
+`gather_status(bus)` asks, concurrently and each with a timeout, the coordinator, aggregator and gateway
+for their status endpoints, and for its telemetry (`subjects.replica(id, "status")`) every replica that
+answers `$SRV.PING.collm-replica` or that the gateway sees fresh or the coordinator live (a replica busy
+enough to answer the ping late still has its row, or its error). A service that does not answer is
+reported as such (its error kept), never fatal: the view of a half-broken cluster is what an operator
+needs most.
 `render_status` (pure) turns a `ClusterStatus` into the text table; `status_document` into JSON.
 """
 
@@ -92,29 +94,33 @@ async def _ask(bus: Bus, subject: str, msg: Any, reply: type[Any], timeout_s: fl
 
 async def gather_status(bus: Bus, timeout_s: float = 1.0) -> ClusterStatus:
     """The cluster as its services describe themselves now (see module docstring)."""
-    pings = await discover(bus, subjects.SERVICE_REPLICA, min(timeout_s, 0.5))
-    ids = sorted({str(p.get("metadata", {}).get("replica_id")) for p in pings} - {"None"})
-    asks = [
-        _ask(bus, subjects.replica(rid, "status"), StatusRequest(), ReplicaTelemetry, timeout_s)
-        for rid in ids
-    ]
-    asks += [
+    services = asyncio.gather(
         _ask(bus, subjects.coordinator("status"), CoordinatorStatusRequest(), CoordinatorStatus, timeout_s),
         _ask(bus, subjects.aggregator("status"), StatusRequest(), AggregatorStatus, timeout_s),
         _ask(bus, subjects.gateway("status"), GatewayStatusRequest(), GatewayStatus, timeout_s),
-    ]
-    answers = await asyncio.gather(*asks)
+    )
+    pings = await discover(bus, subjects.SERVICE_REPLICA, min(timeout_s, 0.5))
     out = ClusterStatus(ts_unix_s=time.time())
-    for rid, ans in zip(ids, answers[: len(ids)], strict=True):
-        if isinstance(ans, ReplicaTelemetry):
-            out.replicas.append(ans)
-        else:
-            out.replica_errors[rid] = f"{ans.code}: {ans.message}"
-    for name, ans in zip(("coordinator", "aggregator", "gateway"), answers[len(ids) :], strict=True):
+    for name, ans in zip(("coordinator", "aggregator", "gateway"), await services, strict=True):
         if isinstance(ans, BusError):
             out.errors[name] = "not running" if ans.code == 503 else f"{ans.code}: {ans.message}"
         else:
             setattr(out, name, ans)
+    ids = {str(p.get("metadata", {}).get("replica_id")) for p in pings} - {"None"}
+    if out.gateway is not None:
+        ids |= {r.replica_id for r in out.gateway.replicas if r.fresh}
+    if out.coordinator is not None:
+        ids |= set(out.coordinator.live)
+    rids = sorted(ids)
+    status = StatusRequest()
+    answers = await asyncio.gather(
+        *(_ask(bus, subjects.replica(rid, "status"), status, ReplicaTelemetry, timeout_s) for rid in rids)
+    )
+    for rid, ans in zip(rids, answers, strict=True):
+        if isinstance(ans, ReplicaTelemetry):
+            out.replicas.append(ans)
+        else:
+            out.replica_errors[rid] = f"{ans.code}: {ans.message}"
     return out
 
 

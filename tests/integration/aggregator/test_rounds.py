@@ -372,11 +372,13 @@ async def test_current_version_is_scored_while_participants_train(cluster: Clust
     scores only the candidate, and the gate pairs the two on the same eval set."""
     await cluster.seed_v1()
     await cluster.start_aggregator()
+    trained = asyncio.Event()  # the participants train once the test has seen the pre-scoring
     for i in range(2):
-        await cluster.add(f"r{i}", domain=f"d{i}", train_delay_s=0.6)
+        await cluster.add(f"r{i}", domain=f"d{i}", train_gate=trained)
     await cluster.open(["r0", "r1"], quorum=2)
-    pre = await wait_for(lambda: all(d.evaluated for d in cluster.doubles.values()), 5)
+    pre = await wait_for(lambda: all(d.evaluated for d in cluster.doubles.values()), 10)
     assert pre and all(not d.sent for d in cluster.doubles.values())  # scored before any update
+    trained.set()
     out = await cluster.wait_final(1)
     assert out.state == "published" and out.eval_loss_before is not None and out.eval_loss_after is not None
     v1 = tiny_adapter()
@@ -396,11 +398,13 @@ async def test_current_version_is_scored_while_participants_train(cluster: Clust
 async def test_a_changed_eval_set_is_scored_again_with_both_versions(cluster: Cluster) -> None:
     await cluster.seed_v1()
     await cluster.start_aggregator()
-    r0 = await cluster.add("r0", domain="d0", train_delay_s=0.6)
-    r1 = await cluster.add("r1", domain="d1", train_delay_s=0.6)
+    trained = asyncio.Event()  # the participants train once r1's eval set has changed
+    r0 = await cluster.add("r0", domain="d0", train_gate=trained)
+    r1 = await cluster.add("r1", domain="d1", train_gate=trained)
     await cluster.open(["r0", "r1"], quorum=2)
-    await wait_for(lambda: r0.evaluated and r1.evaluated, 5)
+    await wait_for(lambda: r0.evaluated and r1.evaluated, 10)
     r1.behaviour.eval_set = "held-out-2"  # new held-out samples arrived at r1 after the pre-scoring
+    trained.set()
     out = await cluster.wait_final(1)
     assert out.state == "published" and set(out.domain_losses_before) == {"d0", "d1"}
     assert [e.score_current for e in r0.evaluated] == [False, False]
@@ -517,11 +521,12 @@ async def test_built_in_plans_wait_while_a_coordinator_decides(cluster: Cluster)
         await cluster.start_aggregator(
             default_plan=True,
             default_plan_period_s=1,
-            default_plan_idle_s=1,
+            # Decisions come every 0.2 s: only a stall of this long could pass for silence.
+            default_plan_idle_s=2,
             round_deadline_s=10,
             default_plan_adapters={ADAPTER: ["math", "code"]},
         )
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(4.0)  # past the idle time and a plan period: a built-in round would be open
         assert cluster.events == [] and cluster.agg is not None and not cluster.agg.runners
     finally:
         deciding = False

@@ -24,7 +24,8 @@ GLOBEX = "sk-test-globex"
 OPS = "sk-test-ops"
 KEYS = {
     hash_key(ACME): {"tenant": "acme"},
-    hash_key(GLOBEX): {"tenant": "globex", "rate_limit_rps": 1, "burst": 2},
+    # A bucket of 2 that does not refill within a test (however slow the machine): the third request is 429.
+    hash_key(GLOBEX): {"tenant": "globex", "rate_limit_rps": 0.01, "burst": 2},
 }
 
 

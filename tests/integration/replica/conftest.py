@@ -91,8 +91,8 @@ async def replica(nats_server, redis_server, redis_prefix, tmp_path: Path) -> As
 
         class Kept(original):  # type: ignore[misc, valid-type]
             async def start(self) -> None:
-                holder["r"] = self
                 await super().start()
+                holder["r"] = self  # every endpoint registered: the test may call any
 
         svc.Replica = Kept  # type: ignore[misc]
         try:
@@ -107,7 +107,6 @@ async def replica(nats_server, redis_server, redis_prefix, tmp_path: Path) -> As
         await eventually(lambda: "r" in holder or task.done(), 60, "replica start")
         if task.done():
             task.result()
-        await asyncio.sleep(0.1)
         yield Running(settings, bus, store, holder["r"])
     finally:
         stopping.set()
