@@ -43,14 +43,26 @@ async def redis_restart(
         watch = await RoundWatch().attach(bus)
         held: list[float] = []
         agg_pid = fs.s.child("aggregator").proc.pid
+        # The reply inbox of each evaluation of the candidate, and whether its answer has been sent (seen on
+        # every inbox: the answers wait in the stopped aggregator's socket).
+        answered: dict[str, bool] = {}
 
         async def on_evaluate(raw: Any) -> None:
             with contextlib.suppress(Exception):
                 req = decode(EvaluateCandidate, raw.data)
-                if req.candidate_key and req.adapter == adapter and not held:
-                    os.kill(agg_pid, signal.SIGSTOP)  # at once: the evaluation itself takes milliseconds
-                    held.append(time.monotonic())
+                if req.candidate_key and req.adapter == adapter:
+                    if not held:
+                        os.kill(agg_pid, signal.SIGSTOP)  # at once: the evaluation itself takes milliseconds
+                        held.append(time.monotonic())
+                    if raw.reply:
+                        answered.setdefault(raw.reply, False)
 
+        async def on_inbox(raw: Any) -> None:
+            if raw.subject in answered:
+                answered[raw.subject] = True
+
+        # Subscribed first: a request reaches this connection before its reply does.
+        await bus.nc.subscribe("_INBOX.>", cb=on_inbox)
         await bus.nc.subscribe(subjects.subject("replica", "*", "evaluate"), cb=on_evaluate)
         async with httpx.AsyncClient() as http:
             # The gateway lists the adapter while the store is up (it serves the last listing when down).
@@ -61,7 +73,11 @@ async def redis_restart(
             round_id = opened.round_id
             try:
                 await wait_for(lambda: held or watch.final(round_id), 60, "the candidate's evaluation")
-                await asyncio.sleep(1.5)  # the replicas answer; the answers wait in the aggregator's socket
+                await wait_for(
+                    lambda: watch.final(round_id) or (answered and all(answered.values())),
+                    60,
+                    "the replicas' answers to the candidate's evaluation",
+                )
                 t_down = time.monotonic()
                 await asyncio.to_thread(fs.redis.kill if crash else fs.redis.stop)
             finally:

@@ -433,10 +433,20 @@ async def coordinator_down(fs: FaultStack, watch_s: float | None = None) -> Faul
         all(a >= b for a, b in zip(factors, factors[1:], strict=False)),
     )
     report.check("the decay follows hold_frac and the TTL (+-0.1)", deviation <= 0.1)
-    report.check("even routing by the TTL (+0.5 s)", zero_at is not None and zero_at <= ROUTING_TTL_S + 0.5)
+    # Judged on what each sample saw, whatever the time between samples (a request and three status
+    # calls, slower on a busy machine): a sample taken after the bound that still shows the old state
+    # fails the check; the services answer it after the sample's time.
+    late_weights = [p for p in with_age if p["t_s"] > ROUTING_TTL_S + 0.5]
+    report.check(
+        "even routing by the TTL (+0.5 s)",
+        zero_at is not None and all(p["weights_factor"] == 0.0 for p in late_weights),
+    )
+    still_controlled_s = [
+        p["t_s"] for p in curve for r in fs.replicas if p.get(f"{r}_source") == "coordinator"
+    ]
     report.check(
         "every replica fell back to its local share by the share TTL (+0.5 s)",
-        set(fallback_s) == set(fs.replicas) and max(fallback_s.values()) <= SHARE_TTL_S + 0.5,
+        set(fallback_s) == set(fs.replicas) and max(still_controlled_s, default=0.0) <= SHARE_TTL_S + 0.5,
     )
     report.check(
         "the local share is the replica's default",

@@ -2,10 +2,10 @@
 every service given all three URLs) loses the node that holds the gateway's connection.
 
 No request is lost; one fails (with a clear error) only if its tokens were in flight through the lost
-node (it was in flight at the kill or sent within 2 s after it); no sample upload is refused and no
-accepted sample is lost (each is in the stream under its id and in its replica's local data); a
-federated round publishes while the node is down; the node rejoins with every stream current on three
-peers. Scenario and checks: cluster_faults.nats_node_loss.
+node (it was in flight at the kill or sent before the clients had reconnected); no sample upload is
+refused and no accepted sample is lost (each is in the stream under its id and in its replica's local
+data); a federated round publishes while the node is down; the node rejoins with every stream current
+on three peers. Scenario and checks: cluster_faults.nats_node_loss.
 """
 
 from __future__ import annotations
