@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
 import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import PubAck
 from nats.js.errors import BadRequestError, ServiceUnavailableError
 
-from collm_common.clock import VirtualClock, WallClock
+from collm_common.clock import VirtualClock
 from collm_common.wire.adapters import TrainingSample
 from collm_common.wire.telemetry import ReplicaTelemetry
 from collm_gateway.cluster import ClusterView
@@ -18,6 +22,8 @@ from collm_gateway.samples import ReplicaData, SampleIntake, SamplesIn, choose_r
 from collm_gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.unit
+
+T = TypeVar("T")
 
 
 def test_choose_replica_prefers_fresh_replicas_with_the_domain_and_fewest_samples() -> None:
@@ -112,27 +118,37 @@ class ScriptedJetStream:
 
 
 class _JsBus:
-    def __init__(self, js: ScriptedJetStream, connected_after_s: float = 0.0) -> None:
+    """The bus as the intake sees it: its JetStream context, connected from `connected_after_s` on."""
+
+    def __init__(self, js: ScriptedJetStream, clock: VirtualClock, connected_after_s: float = 0.0) -> None:
         self.js = js
-        self._up_at = WallClock().monotonic() + connected_after_s
+        self.clock = clock
+        self._up_at = clock.monotonic() + connected_after_s
 
     @property
     def connected(self) -> bool:
-        return WallClock().monotonic() >= self._up_at
+        return self.clock.monotonic() >= self._up_at
 
 
 def publishing_intake(
-    js: ScriptedJetStream, ack_timeout_s: float, connected_after_s: float = 0.0
+    js: ScriptedJetStream, ack_timeout_s: float, clock: VirtualClock, connected_after_s: float = 0.0
 ) -> SampleIntake:
-    clock = WallClock()
     si = SampleIntake(
         GatewaySettings(samples_ack_timeout_s=ack_timeout_s),
-        _JsBus(js, connected_after_s),  # type: ignore[arg-type]
+        _JsBus(js, clock, connected_after_s),  # type: ignore[arg-type]
         ClusterView(clock, RoutingConfig()),
         clock,
     )
     si._streams_ready = True  # the streams exist (ensure_streams is the bus's, tested in integration)
     return si
+
+
+async def on_clock(clock: VirtualClock, work: Awaitable[T]) -> T:
+    """`work`'s result (or its exception), the clock moved 10 ms at a time while it waits."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await clock.run_for(0.01)
+    return task.result()
 
 
 def one_sample() -> list[TrainingSample]:
@@ -149,8 +165,8 @@ def test_transient_failures_are_those_a_retry_may_get_past() -> None:
 
 
 async def test_a_publish_is_retried_past_a_leader_election() -> None:
-    js = ScriptedJetStream([NoRespondersError(), NatsTimeoutError()])
-    acked = await publishing_intake(js, 5.0).publish(one_sample())
+    js, clock = ScriptedJetStream([NoRespondersError(), NatsTimeoutError()]), VirtualClock()
+    acked = await on_clock(clock, publishing_intake(js, 5.0, clock).publish(one_sample()))
     assert js.attempts == 3
     assert acked == [
         {"sample_id": "s1", "replica_id": "r0", "stream": "COLLM_SAMPLES", "seq": 3, "duplicate": True}
@@ -158,25 +174,27 @@ async def test_a_publish_is_retried_past_a_leader_election() -> None:
 
 
 async def test_retries_stop_at_the_ack_timeout_and_a_refusal_is_final() -> None:
-    js = ScriptedJetStream([NoRespondersError()] * 1000)
-    t0 = WallClock().monotonic()
+    js, clock = ScriptedJetStream([NoRespondersError()] * 1000), VirtualClock()
+    t0 = clock.monotonic()
     with pytest.raises(APIError) as err:
-        await publishing_intake(js, 0.5).publish(one_sample())
+        await on_clock(clock, publishing_intake(js, 0.5, clock).publish(one_sample()))
     assert err.value.status == 503 and err.value.code == "samples_not_stored"
-    assert 0.3 < WallClock().monotonic() - t0 < 1.5 and 3 <= js.attempts <= 6
+    assert 0.3 < clock.monotonic() - t0 < 1.5 and 3 <= js.attempts <= 6
     js = ScriptedJetStream([BadRequestError(code=400, description="refused")])
     with pytest.raises(APIError) as err:
-        await publishing_intake(js, 5.0).publish(one_sample())
+        await on_clock(clock, publishing_intake(js, 5.0, clock).publish(one_sample()))
     assert err.value.status == 503 and js.attempts == 1
 
 
 async def test_an_upload_waits_for_a_reconnect_then_gives_up() -> None:
-    js = ScriptedJetStream([])
-    acked = await publishing_intake(js, 5.0, connected_after_s=0.3).publish(one_sample())
+    js, clock = ScriptedJetStream([]), VirtualClock()
+    acked = await on_clock(
+        clock, publishing_intake(js, 5.0, clock, connected_after_s=0.3).publish(one_sample())
+    )
     assert [a["seq"] for a in acked] == [1]
     js = ScriptedJetStream([])
-    t0 = WallClock().monotonic()
+    t0 = clock.monotonic()
     with pytest.raises(APIError) as err:
-        await publishing_intake(js, 0.4, connected_after_s=60).publish(one_sample())
+        await on_clock(clock, publishing_intake(js, 0.4, clock, connected_after_s=60).publish(one_sample()))
     assert err.value.status == 503 and "NATS is unreachable" in err.value.message
-    assert 0.3 < WallClock().monotonic() - t0 < 1.0 and js.attempts == 0
+    assert 0.3 < clock.monotonic() - t0 < 1.0 and js.attempts == 0
