@@ -110,7 +110,8 @@ def ready_replicas(stack: Stack) -> list[str]:
 def collm_micro_ls(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("COLLM_NATS", "NATS_"))}
     return subprocess.run(
-        [sys.executable, "-m", "collm_ops", "micro", "ls", "--json"],
+        # Answers gathered for 3 s: a replica busy on a loaded machine answers the ping late.
+        [sys.executable, "-m", "collm_ops", "micro", "ls", "--json", "--timeout", "3"],
         env={**base, **env},
         capture_output=True,
         text=True,
