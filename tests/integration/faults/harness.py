@@ -412,7 +412,8 @@ async def gateway_status(bus: Bus, timeout_s: float = 1.0) -> GatewayStatus | No
 async def background_load(
     fs: FaultStack, model: str | None = None, concurrency: int = 2, max_tokens: int = 16
 ) -> AsyncIterator[list[Outcome]]:
-    """Light closed-loop traffic while a fault happens elsewhere; the list fills in when the block ends."""
+    """Light closed-loop traffic while a fault happens elsewhere; the list fills in as requests end (the
+    block may wait on it), and holds them in the order they were sent once the block ends."""
     stop = asyncio.Event()
     out: list[Outcome] = []
     task = asyncio.create_task(
@@ -424,10 +425,11 @@ async def background_load(
             max_tokens=max_tokens,
             timeout_s=CLIENT_TIMEOUT_S,
             stop=stop,
+            on_outcome=out.append,
         )
     )
     try:
         yield out
     finally:
         stop.set()
-        out.extend(await task)
+        out[:] = await task
