@@ -19,6 +19,7 @@ async def serve(ctx: ServiceContext[AggregatorSettings]) -> None:
     agg = Aggregator(s, bus, store, ctx.clock, ctx.instance_id)
     await agg.start()
     ctx.stack.push_async_callback(agg.stop)
+    ctx.started()
     await ctx.stopping.wait()
 
 

@@ -25,6 +25,7 @@ async def serve(ctx: ServiceContext[CoordinatorSettings]) -> None:
     coord = Coordinator(s, bus, ctx.clock, store)
     await coord.start()
     ctx.stack.push_async_callback(coord.stop)
+    ctx.started()
     await ctx.stopping.wait()
 
 

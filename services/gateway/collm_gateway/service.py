@@ -65,6 +65,7 @@ async def serve(ctx: ServiceContext[GatewaySettings]) -> None:
 
     server_task = asyncio.create_task(run_server(), name="uvicorn")
     stop_task = asyncio.create_task(ctx.stopping.wait(), name="stopping")
+    ctx.started()
     try:
         await asyncio.wait({server_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:

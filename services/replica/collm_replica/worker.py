@@ -452,4 +452,5 @@ async def serve(ctx: ServiceContext[ReplicaSettings]) -> None:
     replica = Replica(s, loaded, bus, store, clock=ctx.clock)
     await replica.start()
     ctx.stack.push_async_callback(replica.stop)
+    ctx.started()
     await ctx.stopping.wait()
