@@ -4,8 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.collm-installed
 PYTEST_ARGS ?=
-# `make bench`: the headline benchmark (python -m collm_bench headline --help lists BENCH_ARGS), run under
-# the machine's heavy-work lock so that it never overlaps other heavy runs (BENCH_LOCK= runs it bare).
+# `make bench`: the headline, each policy at its default setting on the live stack (the frontier's
+# headline preset; python -m collm_bench frontier --help lists BENCH_ARGS), run under the machine's
+# heavy-work lock so that it never overlaps other heavy runs (BENCH_LOCK= runs it bare).
 BENCH_ARGS ?=
 BENCH_LOCK ?= flock /tmp/collm-heavy.lock
 
@@ -31,7 +32,7 @@ test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: install
-	HF_HUB_OFFLINE=1 $(BENCH_LOCK) $(BIN)/python -m collm_bench headline $(BENCH_ARGS)
+	HF_HUB_OFFLINE=1 $(BENCH_LOCK) $(BIN)/python -m collm_bench frontier --preset headline $(BENCH_ARGS)
 
 # `make bench-frontier`: each policy's trade-off curve over its knob grid on the live stack (python -m
 # collm_bench frontier --help lists FRONTIER_ARGS; --sim runs it in the simulator), under the same lock.

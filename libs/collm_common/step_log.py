@@ -1,9 +1,9 @@
 """A replica's step log: one JSON line per inference step and per stretch of background work.
 
-A replica writes it when `COLLM_STEP_LOG_PATH` is set (off by default); the benchmarks read it to set
-each step's measured time beside what the calibration's cost model predicts for exactly that step
-(`collm_bench.step_costs`), which the load generator's request-level figures cannot separate from
-queueing. The records are declared once here, for the writer and the readers.
+A replica writes it when `COLLM_STEP_LOG_PATH` is set (off by default): each step's own time, which the
+load generator's request-level figures cannot separate from queueing; the simulator can write the same
+records for its simulated replicas. The records are declared once here, for the writers and the reader
+(`read_step_log`).
 
 * `InferenceStep`: one forward pass of the running batch: its decoding sequences (how many, and the
   tokens of context before their new token, summed), its prefill chunks (tokens, earlier tokens of the

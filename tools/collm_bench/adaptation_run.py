@@ -9,7 +9,7 @@ The first leaves the stack otherwise idle, the second replays a trace at half ca
 `run` starts exactly what `collm up` starts with no options (`collm_ops.cli.stack_config`: two replicas
 with SmolLM2, each holding its share of every demo domain, the collm policy), on its own NATS and Redis
 on free ports, and waits until it is ready (time 0). With `--load-frac F > 0` it replays the Azure
-conversation trace (the headline's length scaling and SLO rule, from the calibration file) through the
+conversation trace (the experiments' length scaling and SLO rule, from the calibration file) through the
 gateway at F x the estimated capacity, every request naming a demo adapter (equal mix); otherwise the
 stack only trains. After `--minutes` it reads every adapter version with its creation time and quality
 record and every round from the stack, stops it, and writes the compact result
@@ -76,14 +76,14 @@ def default_stack_config(run_dir: Path) -> Any:
 
 
 def load_plan(load_frac: float, window_s: float) -> dict[str, Any]:
-    """Rate and SLO of the replay: the headline's length policy and SLO rule on the conv trace."""
-    from collm_bench.headline.config import HeadlineConfig
-    from collm_bench.headline.rates import capacity_estimate_rps
-    from collm_bench.headline.setup import lengths, resolve_sources, slo_for
+    """Rate and SLO of the replay: the experiments' length policy and SLO rule on the conv trace."""
+    from collm_bench.experiment.config import ExperimentConfig
+    from collm_bench.experiment.rates import capacity_estimate_rps
+    from collm_bench.experiment.setup import lengths, resolve_sources, slo_for
     from collm_common.calibration import Calibration
     from collm_workload.traces import fit_lengths
 
-    hc = HeadlineConfig(traces=("conv",))
+    hc = ExperimentConfig(traces=("conv",))
     cal = Calibration.load(CALIBRATION)
     source = resolve_sources(hc)[0]
     slo = slo_for(hc, source, cal, max_batch=16)

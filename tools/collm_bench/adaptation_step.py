@@ -6,7 +6,7 @@ rate stepping through fractions of the capacity estimate.
 
 The stack is the one `adaptation run` starts (`collm up` with no options: two SmolLM2 replicas, the demo
 domains, the collm policy, its default attainment target). Phase k's replay (the Azure conversation
-trace, the headline's length scaling and SLO rule, every request naming a demo adapter) starts at
+trace, the experiments' length scaling and SLO rule, every request naming a demo adapter) starts at
 k x step seconds at its own rate, from the trace's start, as the simulated step does
 (`frontier.step`); a phase still draining overlaps the next. Watched on the side: every replica's
 telemetry (its fine-tuning share, fine-tuning tokens per second over each interval) and the

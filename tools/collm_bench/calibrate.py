@@ -53,7 +53,6 @@ from collm_replica.engine.executor import Executor, ForwardItem
 from collm_replica.lora_bank import LiveLora, LoraBank
 from collm_replica.models import LoadedModel, load_model
 from collm_replica.training import EvalRun, JobConfig, JobSpec, Rendered, TrainingJob, render_example
-from collm_workload.tokens import prompts_from_text
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 K = TypeVar("K", bound=Hashable)
@@ -552,98 +551,3 @@ def calibration(
         cost=cost,
         quality=list(curves),
     )
-
-
-# --- speed probe --------------------------------------------------------------------------------------
-# On a shared machine the engine's speed drifts by tens of percent between hours, so a calibration
-# measured earlier can be off on the day of a run. The probe times a few sizes of the work that dominates
-# a replica (prefill, decode at batch 1 and full batch, a training micro-step) the way the calibration
-# was timed, and compares them with the calibration's prediction at the same sizes.
-PROBE_SIZES = CostSizes(
-    prefill_tokens=(32, 128), decode_batches=(1, 16), train_tokens=(32, 64), reps=3, statistic="median"
-)
-PROBE_KINDS = ("prefill", "decode", "train")
-
-
-@dataclass(frozen=True)
-class SpeedProbe:
-    """Step times measured now against a calibration's at the same sizes (ms, by "kind size");
-    `factor`, the median ratio, is how much slower (> 1) or faster this machine runs the engine now."""
-
-    measured_ms: dict[str, float]
-    reference_ms: dict[str, float]
-    wall_s: float = 0.0
-
-    @property
-    def ratios(self) -> dict[str, float]:
-        return {k: ms / self.reference_ms[k] for k, ms in self.measured_ms.items()}
-
-    @property
-    def factor(self) -> float:
-        return statistics.median(self.ratios.values())
-
-    def kind_factors(self) -> dict[str, Any]:
-        """The factors of `Calibration.scaled_by_kind`: prefill and training the mean of their sizes'
-        ratios, decode its ratio by batch size (each size's timing is already the median of its
-        repetitions, so one odd timing does not move them)."""
-        by_kind: dict[str, dict[int, float]] = {}
-        for key, r in self.ratios.items():
-            kind, size = key.split()
-            by_kind.setdefault(kind, {})[int(size)] = r
-        return {
-            "prefill": statistics.mean(by_kind["prefill"].values()),
-            "decode": by_kind["decode"],
-            "train": statistics.mean(by_kind["train"].values()),
-        }
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "factor": self.factor,
-            "kind_factors": self.kind_factors(),
-            "ratios": self.ratios,
-            "measured_ms": self.measured_ms,
-            "reference_ms": self.reference_ms,
-            "wall_s": self.wall_s,
-        }
-
-
-def compare_speed(
-    raw: Mapping[str, Mapping[int, Sequence[float]]], reference: CostModel, sz: CostSizes = PROBE_SIZES
-) -> SpeedProbe:
-    """The probe's timings (`cost_timings` of prefill, decode and train; each size reduced by
-    `sz.statistic`) against `reference`'s prediction of each (pure)."""
-    predict: dict[str, Callable[[int], float]] = {
-        "prefill": reference.prefill_ms,
-        "decode": lambda b: reference.decode_ms(b, b * sz.decode_context),
-        "train": reference.train_ms,
-    }
-    measured: dict[str, float] = {}
-    ref: dict[str, float] = {}
-    for kind, fn in predict.items():
-        for size, ms in reduce_ms(raw[kind], sz.statistic).items():
-            measured[f"{kind} {size}"], ref[f"{kind} {size}"] = ms, fn(size)
-    return SpeedProbe(measured, ref)
-
-
-def probe_speed(
-    spec: str,
-    reference: Calibration,
-    text: str,
-    processes: int = 2,
-    cache_dir: Path | None = None,
-    sz: CostSizes = PROBE_SIZES,
-) -> SpeedProbe:
-    """Time `sz` with `processes` engines at once and `reference`'s torch threads per engine, as
-    `calibrate --processes N` measured it, in its products' precision, and compare with `reference`
-    (about half a minute)."""
-    t0 = time.monotonic()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(reference.torch_threads)
-    try:
-        loaded = load_model(spec, device="cpu", cache_dir=cache_dir, matmul_dtype=reference.matmul_dtype)
-        prompts = prompts_from_text(loaded.tokenizer, text, sz.prompts_needed, sz.prompt_tokens_needed)
-        raw = timings_together(loaded, spec, prompts, sz, processes, cache_dir, kinds=PROBE_KINDS)
-    finally:
-        torch.set_num_threads(threads)
-    probe = compare_speed(raw, reference.cost, sz)
-    return SpeedProbe(probe.measured_ms, probe.reference_ms, time.monotonic() - t0)

@@ -4,10 +4,9 @@
         --mix medical=0.5,math=0.5 --slo-ttft-ms 2000 --slo-tpot-ms 200 --out bench/results/run1
     python -m collm_bench summarize bench/results/run1/requests.jsonl --slo-ttft-ms 1000
     python -m collm_bench traces conv
-    python -m collm_bench headline       # every policy on the live stack (collm_bench.headline)
-    python -m collm_bench headline-repeat --repeats 3 ...   # the same N times: medians and ranges
     python -m collm_bench readme [--check] [--plots]       # bench/README.md's tables from bench/results/
     python -m collm_bench frontier --sim --replicas 64   # trade-off curves (collm_bench.frontier)
+    python -m collm_bench frontier --preset headline     # each policy at its default, live (make bench)
     python -m collm_bench engine|faults|gate|federated|gateway|sim|adaptation NAME ...   # collm_bench.groups
 """
 
@@ -111,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m collm_bench",
         description="CoLLM load generator: replay traces or synthetic arrivals against any "
         "OpenAI-compatible endpoint and measure TTFT, TPOT, ITL, errors, goodput and served quality.",
-        epilog="More commands, each with its own --help: headline, headline-repeat, frontier, readme; "
+        epilog="More commands, each with its own --help: frontier, readme; "
         f"{', '.join(GROUPS)} NAME (the group alone lists its names).",
     )
     sub = p.add_subparsers(dest="command", required=True)
@@ -629,21 +628,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     out = out or sys.stdout
     err = err or sys.stderr
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["headline"]:
-        # The headline benchmark (every policy on the live stack) has its own parser.
-        from collm_bench.headline.cli import main as headline_main
-
-        return headline_main(argv[1:], out, err)
     if argv[:1] == ["frontier"]:
         # Each policy's trade-off curve over its knob grid (collm_bench.frontier).
         from collm_bench.frontier.cli import main as frontier_main
 
         return frontier_main(argv[1:], out, err)
-    if argv[:1] == ["headline-repeat"]:
-        # The headline comparison repeated, with medians and ranges (collm_bench.headline.repeat).
-        from collm_bench.headline.repeat import main as repeat_main
-
-        return repeat_main(argv[1:], out, err)
     if argv[:1] == ["readme"]:
         # bench/README.md's tables regenerated from the committed result files (collm_bench.readme).
         from collm_bench.readme.cli import main as readme_main

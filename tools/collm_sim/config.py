@@ -62,7 +62,7 @@ class EngineSpec:
     eval_batch_tokens: int = 512
     eval_pieces_per_batch: int = 31
     # The batches of one evaluation when known (the live replicas pack whole examples, so their batches
-    # hold fewer tokens than `eval_batch_tokens`; the headline measures them on its calibration replay);
+    # hold fewer tokens than `eval_batch_tokens`);
     # None: `eval_tokens` / `eval_batch_tokens`, rounded up.
     eval_batches: int | None = None
     # The simulated replica reports the busy fractions of each interval (the coordinator's best signal).

@@ -1,6 +1,6 @@
 """The flags that several experiment CLIs take, one definition each: one spelling, one type.
 
-`python -m collm_sim`, `python -m collm_bench loadgen|summarize|traces`, `headline`, `frontier` and the
+`python -m collm_sim`, `python -m collm_bench loadgen|summarize|traces`, `frontier` and the
 `collm_bench.groups` benchmarks add these flags with the functions here, each adding one flag, or one
 tightly related pair, to a parser or an argument group. The spelling, the type and the attribute name
 (`dest`) are fixed here; a caller chooses the default and the help where its meaning differs (a CLI

@@ -28,6 +28,7 @@ _.strict  # JsonSchemaIn, FunctionIn
 
 # Fields of the benchmark's dataclasses that are written out whole (dataclasses.asdict, vars).
 _.served_model  # RequestRecord, a column of requests.jsonl (tools/collm_bench/README.md)
+_.measured_unix_s  # Calibration, when the file was measured (bench/calibration/*.json)
 _.input_p50  # TraceStats, printed by `python -m collm_bench traces`
 _.input_p99
 _.output_mean

@@ -27,13 +27,12 @@ def dataset(root: Path, domain: str) -> Path:
     return root / domain
 
 
-def harness_inputs(root: Path, trace_flag: str) -> list[str]:
-    """The trace and both domains' datasets written under `root`, as the harness's flags (`trace_flag`:
-    the headline's `--traces`, the frontier's `--trace`)."""
+def harness_inputs(root: Path) -> list[str]:
+    """The trace and both domains' datasets written under `root`, as the harness's flags."""
     trace = root / "trace.csv"
     trace.write_text(TRACE)
     math, medical = dataset(root, "math"), dataset(root, "medical")
-    return [trace_flag, str(trace), "--data", f"math={math}", "--data", f"medical={medical}"]
+    return ["--trace", str(trace), "--data", f"math={math}", "--data", f"medical={medical}"]
 
 
 def run_harness(command: str, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:

@@ -1,6 +1,6 @@
 """The live frontier's pipeline with the tiny model (`python -m collm_bench frontier --tiny`: 2 policies x 2
-knobs, a fresh stack per point, seconds-long windows), and the harnesses' stop on SIGTERM: every process
-a run started is gone when the harness exits."""
+knobs, a fresh stack per point, seconds-long windows), and the harness's stop on SIGTERM, on the grid
+and on the headline preset: every process a run started is gone when the harness exits."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_tiny_frontier_runs_each_knob_on_a_fresh_stack(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = [
         "--tiny",
-        *harness_inputs(tmp_path, "--trace"),
+        *harness_inputs(tmp_path),
         "--out-dir",
         str(out),
         "--runs-dir",
@@ -76,23 +76,11 @@ def _stack_up(harness: psutil.Process) -> bool:
     return False
 
 
-@pytest.mark.parametrize("command", ["frontier", "headline"])
-def test_sigterm_to_the_harness_stops_every_process_it_started(tmp_path: Path, command: str) -> None:
-    flags = (
-        ["--tiny", *harness_inputs(tmp_path, "--trace"), "--runs-dir", str(tmp_path / "runs")]
-        if command == "frontier"
-        else [
-            "--model",
-            "tiny",
-            "--rates",
-            "light=1",
-            "--rate-labels",
-            "light",
-            *harness_inputs(tmp_path, "--traces"),
-        ]
-    )
+@pytest.mark.parametrize("preset", [[], ["--preset", "headline"]])
+def test_sigterm_to_the_harness_stops_every_process_it_started(tmp_path: Path, preset: list[str]) -> None:
+    flags = ["--tiny", *preset, *harness_inputs(tmp_path), "--runs-dir", str(tmp_path / "runs")]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "collm_bench", command, *flags, "--out-dir", str(tmp_path / "out")],
+        [sys.executable, "-m", "collm_bench", "frontier", *flags, "--out-dir", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )  # fmt: skip
     harness = psutil.Process(proc.pid)

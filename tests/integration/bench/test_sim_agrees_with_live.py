@@ -8,11 +8,11 @@ path adds to every token, so a simulator fed its step costs predicts nothing the
    curves of 128 tokens of the test's own data, and the step costs as the live replicas pay them: two
    engines timed at once (one per replica, each in its own process with one torch thread) and the
    median of each size's timings;
-2. SLOs come from that calibration as the headline benchmark derives them (3 x the unloaded prefill of
+2. SLOs come from that calibration as the experiments derive them (3 x the unloaded prefill of
    the slice's p99 prompt, 3 x a full-batch decode step); the rate is a fraction of the simulated knee
    (the request count with the highest simulated goodput, beyond which the queue outgrows the TTFT SLO);
 3. the live stack (nats-server, redis-server, aggregator, coordinator with the collm policy, 2 SmolLM2
-   replicas with their local data, gateway; `collm_bench.headline.live`) serves the plan of that slice;
+   replicas with their local data, gateway; `collm_bench.experiment.live`) serves the plan of that slice;
 4. the simulator runs the same slice, seed, replicas, policy, cadences, SLOs and drain cut;
 5. live and simulated goodput must agree within 25% of the live figure; and the same simulation with
    every step cost doubled must not (so the check tells a wrong calibration from the right one). The
@@ -43,18 +43,18 @@ from collm_bench.calibrate import (
     costs_from_timings,
     measure_costs_together,
     measure_quality,
-    prompts_from_text,
 )
-from collm_bench.headline import setup
-from collm_bench.headline.config import HeadlineConfig
-from collm_bench.headline.live import run_live
-from collm_bench.headline.predict import simulate_run
-from collm_bench.headline.rates import capacity_estimate_rps
+from collm_bench.experiment import setup
+from collm_bench.experiment.config import ExperimentConfig
+from collm_bench.experiment.live import run_live
+from collm_bench.experiment.predict import simulate_run
+from collm_bench.experiment.rates import capacity_estimate_rps
 from collm_common.calibration import Calibration
 from collm_common.data import load_dataset
 from collm_replica.models import ModelLoadError, load_model
 from collm_replica.settings import ReplicaSettings
 from collm_sim.config import EngineSpec
+from collm_workload.tokens import prompts_from_text
 
 # Not in `make test` (about 2 minutes of two SmolLM2 replicas): `make test PYTEST_ARGS="-m calibration"`
 # runs it. At half the knee it passed 6 of 6 runs on this 2-core machine.
@@ -168,11 +168,10 @@ def test_simulated_goodput_agrees_with_a_live_run(tmp_path: Path) -> None:
     t0 = time.monotonic()
     cal, costs = measure_calibration(data, cal_path, REPLICAS)
     t_cal = time.monotonic() - t0
-    cfg = HeadlineConfig(
+    cfg = ExperimentConfig(
         model="smollm2",
         replicas=REPLICAS,
         domains=DOMAINS,
-        policies=("collm",),
         traces=(str(made_up_trace(tmp_path / "trace.csv")),),
         traces_dir=tmp_path,
         data_dirs=data,
@@ -184,7 +183,6 @@ def test_simulated_goodput_agrees_with_a_live_run(tmp_path: Path) -> None:
         train_examples=48,
         eval_examples=8,
         ready_timeout_s=180.0,
-        out_dir=tmp_path / "out",
     )
     (source,) = setup.resolve_sources(cfg)
     max_batch = EngineSpec().max_batch  # the simulator's, its calibration's

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from collm_bench.calibrate import CostSizes, compare_speed, costs_from_timings, line_through, reduce_ms
+from collm_bench.calibrate import CostSizes, costs_from_timings, line_through, reduce_ms
 
 pytestmark = pytest.mark.unit
 
@@ -115,39 +115,6 @@ def test_costs_scaled_by_kind_follow_each_kinds_factor() -> None:
     for bad in ({"prefill": 0.0}, {"decode": {}}, {"decode": {1: -1.0}}):
         with pytest.raises(ValueError, match="> 0"):
             cost.scaled_by_kind(**({"prefill": 1.0, "decode": {1: 1.0}, "train": 1.0} | bad))  # type: ignore[arg-type]
-
-
-def test_speed_probe_compares_each_timing_with_the_calibrations_prediction() -> None:
-    m = costs_from_timings(TIMINGS, SIZES)  # the fastest of each size ("min")
-    same = compare_speed(TIMINGS, m.cost, SIZES)
-    # The prefill and training lines go through both sizes, so against the same timings every ratio is 1.
-    assert same.factor == pytest.approx(1.0)
-    assert set(same.measured_ms) == {
-        "prefill 32",
-        "prefill 128",
-        "decode 1",
-        "decode 16",
-        "train 32",
-        "train 128",
-    }
-    assert all(r == pytest.approx(1.0) for r in same.ratios.values())
-    assert same.reference_ms["decode 16"] == pytest.approx(40.0)
-    # A machine running at 0.8x the calibrated step times: the factor is 0.8 on every kind.
-    assert compare_speed(TIMINGS, m.cost.scaled(1.25), SIZES).factor == pytest.approx(0.8)
-    # Each size is reduced by the sizes' statistic: the median timings against the fastest.
-    typical = compare_speed(TIMINGS, m.cost, replace(SIZES, statistic="median"))
-    assert typical.measured_ms["decode 1"] == 12.0 and typical.ratios["decode 1"] == pytest.approx(1.2)
-    # The median keeps one odd timing from moving the factor.
-    odd = replace(same, measured_ms={**same.measured_ms, "train 32": 10 * same.measured_ms["train 32"]})
-    assert odd.factor == pytest.approx(1.0)
-    assert odd.as_dict()["ratios"]["train 32"] == pytest.approx(10.0)
-    # By kind: prefill and training the mean of their sizes, decode by batch size.
-    kinds = typical.kind_factors()
-    r = typical.ratios
-    assert kinds["decode"] == {1: r["decode 1"], 16: r["decode 16"]}
-    assert kinds["prefill"] == pytest.approx((r["prefill 32"] + r["prefill 128"]) / 2)
-    assert kinds["train"] == pytest.approx((r["train 32"] + r["train 128"]) / 2)
-    assert typical.as_dict()["kind_factors"] == kinds
 
 
 def test_a_calibration_records_its_products_precision_and_older_files_read_as_fp32(tmp_path) -> None:

@@ -13,7 +13,6 @@ import pytest
 from collm_bench import cli as bench_cli
 from collm_bench.faults import soak
 from collm_bench.frontier import cli as frontier_cli
-from collm_bench.headline import cli as headline_cli
 from collm_bench.peer import llamacpp
 from collm_coordinator.core.config import ROUND_MODES
 from collm_sim import cli as sim_cli
@@ -26,14 +25,12 @@ SLO_CLIS: dict[str, tuple[Callable[[], argparse.ArgumentParser], list[str]]] = {
     "collm_sim": (sim_cli.build_parser, []),
     "collm_bench loadgen": (bench_cli.build_parser, ["loadgen", "--out", "out"]),
     "collm_bench summarize": (bench_cli.build_parser, ["summarize", "requests.jsonl"]),
-    "collm_bench headline": (headline_cli.build_parser, []),
     "collm_bench frontier": (frontier_cli.build_parser, []),
 }
 # Every experiment CLI parser whose builder is public, the shared flags' users among them.
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "collm_sim": sim_cli.build_parser,
     "collm_bench": bench_cli.build_parser,
-    "collm_bench headline": headline_cli.build_parser,
     "collm_bench frontier": frontier_cli.build_parser,
     "collm_bench faults soak": soak.build_parser,
     "collm_bench peer llamacpp": llamacpp.build_parser,

@@ -12,6 +12,7 @@ from collm_bench.frontier.live import BASE_LOSS_S, POINT_OVERHEAD_S, estimate_s,
 from collm_bench.frontier.points import (
     Point,
     best_at_least,
+    default_knobs,
     dominates,
     equal_quality,
     evaluate_goals,
@@ -68,6 +69,30 @@ def test_knob_grid_covers_every_policy_and_refuses_unknown_ones() -> None:
     assert {k.core["quality_weight_v"] for k in grid if k.policy == "collm"} == {5.0, 20.0, 80.0}
     with pytest.raises(ValueError, match="nope"):
         knob_grid(("nope",), 8)
+
+
+def test_the_headline_preset_runs_each_policy_once_at_the_services_defaults() -> None:
+    from collm_bench.frontier.cli import DEFAULT_POLICIES, build_parser
+    from collm_bench.frontier.cli import knob_grid as cli_knobs
+
+    knobs = cli_knobs(build_parser().parse_args(["--preset", "headline"]), DEFAULT_POLICIES, 2)
+    assert [k.policy for k in knobs] == list(DEFAULT_POLICIES)
+    # No override: the coordinator and the replicas run their own defaults, which the labels name.
+    assert all(not k.core for k in knobs)
+    assert [k.label for k in knobs] == [
+        "V=20, target 0.95 (default)",
+        "1 of 2 train (default)",
+        "K=5 (share 0.17, default)",
+        "share 1 (as is)",
+        "fine-tuning off",
+    ]
+    assert [k.label for k in default_knobs(("separate",), 8)] == ["2 of 8 train (default)"]
+    assert default_knobs(("collm", "separate"), 1) == default_knobs(("collm",), 1)  # no split of one
+    with pytest.raises(ValueError, match="nope"):
+        default_knobs(("nope",), 2)
+    # Without the preset, the grid.
+    grid = cli_knobs(build_parser().parse_args([]), DEFAULT_POLICIES, 2)
+    assert len(grid) > len(knobs)
 
 
 def test_dominance_needs_better_on_one_axis_and_no_worse_on_any() -> None:
@@ -255,10 +280,10 @@ def test_knob_env_sets_the_coordinator_and_the_fixed_ratio_replicas() -> None:
 
 
 def test_stack_config_sets_the_knob_env_last_and_refuses_unknown_services(tmp_path: Path) -> None:
-    from collm_bench.headline.config import HeadlineConfig
-    from collm_bench.headline.live import stack_config
+    from collm_bench.experiment.config import ExperimentConfig
+    from collm_bench.experiment.live import stack_config
 
-    cfg = HeadlineConfig()
+    cfg = ExperimentConfig()
     data = dict.fromkeys(cfg.replica_ids(), tmp_path)
     env = {"coordinator": {"COLLM_COORDINATOR_WARMUP_S": "3"}, "replica": {"COLLM_FIXED_RATIO_K": "2"}}
     scfg = stack_config(cfg, "fixed_ratio", data, tmp_path, env)
@@ -400,3 +425,17 @@ def test_a_sync_rounds_result_gets_its_own_file_name() -> None:
     assert result_path(Path("out"), "sim", "conv", 8, "sync").name == "sim-conv-8r-sync.json"
     assert result_path(Path("out"), "sim", "code", 8, "async", 0.9).name == "sim-code-8r-alone0.9.json"
     assert result_path(Path("out"), "live", "x/trace.csv", 2, "async").name == "live-trace-2r.json"
+    headline = result_path(Path("out"), "live", "conv", 2, "async", None, "headline")
+    assert headline.name == "live-conv-2r-headline.json"
+
+
+def test_a_missing_trace_exits_2_with_one_clear_line(tmp_path: Path) -> None:
+    import io
+
+    from collm_bench.frontier.cli import main
+
+    err = io.StringIO()
+    argv = ["--preset", "headline", "--traces-dir", str(tmp_path), "--out-dir", str(tmp_path / "out")]
+    assert main([*argv, "--dry-run"], io.StringIO(), err) == 2
+    assert "not found" in err.getvalue() and "--synthetic-fallback" in err.getvalue()
+    assert not (tmp_path / "out").exists()

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from collm_bench.experiment.config import ExperimentConfig
 from collm_bench.frontier import points as pts
 from collm_bench.frontier import progress, sim
-from collm_bench.headline.config import HeadlineConfig
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +30,7 @@ class FakeRunPoint:
         self.allowed = allowed
 
     def __call__(
-        self, cfg: HeadlineConfig, cal: Any, rate: float, slo: Any, knob: pts.Knob
+        self, cfg: ExperimentConfig, cal: Any, rate: float, slo: Any, knob: pts.Knob
     ) -> dict[str, Any]:
         if self.allowed is not None and len(self.calls) >= self.allowed:
             raise Stopped
@@ -41,9 +41,8 @@ class FakeRunPoint:
         return {"point": point.as_dict(), "rounds": 3, "quality_curve": None, "wall_s": 0.0}
 
 
-def config(tmp_path: Path) -> HeadlineConfig:
-    return HeadlineConfig(
-        live=False,
+def config(tmp_path: Path) -> ExperimentConfig:
+    return ExperimentConfig(
         replicas=2,
         duration_s=60.0,
         traces=("conv",),

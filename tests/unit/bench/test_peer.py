@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from collm_bench.headline.live import parse_counter
+from collm_bench.experiment.live import parse_counter
 from collm_bench.peer.build import Layout, quantize_command
 from collm_bench.peer.llamacpp import build_parser, levels_of, requests_for, servers_of, train_note
 from collm_bench.peer.load import plan, summarise, token_windows
@@ -235,7 +235,7 @@ def test_the_table_without_collm_with_training_keeps_one_ratio_column() -> None:
 
 
 def metrics(r0: float, r1: float) -> dict[str, dict[str, float]]:
-    """Two replicas' readings as `headline.live.read_ft_counters` takes them from each one's exposition
+    """Two replicas' readings as `experiment.live.read_ft_counters` takes them from each one's exposition
     text."""
 
     def text(tokens: float) -> str:

@@ -1,4 +1,4 @@
-"""The one rate search (collm_bench.headline.rate_search): each strategy's probes, in order, on measures
+"""The one rate search (collm_bench.experiment.rate_search): each strategy's probes, in order, on measures
 that fall with the load."""
 
 from __future__ import annotations
@@ -6,11 +6,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from collm_bench.headline.rate_search import count_bisection, geometric_bisection, search
+from collm_bench.experiment.rate_search import Strategy, geometric_bisection, search
 
 
 def cliff(at: float) -> Callable[[float], float]:
     return lambda x: 1.0 if x <= at else 0.0
+
+
+def count_bisection(max_halvings: int = 6) -> Strategy[int]:
+    """Integer request counts: scanned upward, halved (down to 1) at most `max_halvings` times while none
+    meets the target, then bisected down to neighbouring counts (the upward scan and the extension)."""
+    return Strategy(
+        scan="up",
+        split=lambda lo, hi: (lo + hi) // 2 if hi - lo > 1 else None,
+        below=lambda hi: hi // 2 if hi > 1 else None,
+        max_below=max_halvings,
+    )
 
 
 def test_count_bisection_scans_up_to_the_first_miss_then_bisects_to_neighbours() -> None:

@@ -2,7 +2,7 @@
 requests run at once under one KV budget.
 
 Workload: the first 64 requests of `azure_llm_2023_conv.csv` (`../shared/data/traces`), their prompt and
-output lengths fitted as the headline fits them (x0.25 each, output <= 256, context <= 2048); prompts are
+output lengths fitted as the experiments fit them (x0.25 each, output <= 256, context <= 2048); prompts are
 cut from real text; requests are greedy with `ignore_eos` and all 64 are submitted at once. Every
 request asks for `max_tokens` = 1024 (a client's cap, as chat clients send) and ends after its trace
 output length: the harness cancels it there, as the model's end-of-sequence token would end it, so the
@@ -62,7 +62,7 @@ CLIENT_MAX_TOKENS = 1024
 
 
 def workload(n: int, max_context: int = 2048) -> list[tuple[int, int]]:
-    """(prompt tokens, output tokens) of the trace's first `n` requests, fitted as the headline does
+    """(prompt tokens, output tokens) of the trace's first `n` requests, fitted as the experiments do
     (`max_context` lower only for a model with a shorter context, the tiny one)."""
     from collm_workload.traces import LengthPolicy, fit_lengths, load_trace
 

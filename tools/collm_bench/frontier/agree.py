@@ -1,5 +1,5 @@
 """The simulator against a live frontier: every live point simulated with its policy and knobs on the
-same trace slice, rate, window, drain, SLO and replicas (`headline.predict.simulate_run`, the
+same trace slice, rate, window, drain, SLO and replicas (`experiment.predict.simulate_run`, the
 services' own decisions), and per point the goodput's relative error |sim - live| / live. The check is
 the median of those errors within `BOUND` (25%); agreement is a check, not a goal to refine.
 
@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from collm_bench.headline import setup
-from collm_bench.headline.config import HeadlineConfig
+from collm_bench.experiment import setup
+from collm_bench.experiment.config import ExperimentConfig
 from collm_common.calibration import Calibration
 from collm_workload.workload import Slo
 
@@ -47,11 +47,11 @@ def summarize(rows: Sequence[Mapping[str, Any]], bound: float = BOUND) -> dict[s
     }
 
 
-def sim_config(live_doc: Mapping[str, Any]) -> tuple[HeadlineConfig, Slo, float]:
-    """The headline configuration, SLO and rate that the live frontier ran (simulated, not live)."""
+def sim_config(live_doc: Mapping[str, Any]) -> tuple[ExperimentConfig, Slo, float]:
+    """The experiment configuration, SLO and rate that the live frontier ran (simulated, not live)."""
     cfg = live_doc["config"]
     head = dataclasses.replace(
-        HeadlineConfig(live=False),
+        ExperimentConfig(),
         model=cfg["model"],
         replicas=cfg["replicas"],
         duration_s=cfg["window_s"],
@@ -67,7 +67,7 @@ def agreement(
     live_doc: Mapping[str, Any], say: Callable[[str], None], calibration: Path | None = None
 ) -> dict[str, Any]:
     """Simulate every point of `live_doc` and compare goodputs (module docstring)."""
-    from collm_bench.headline.predict import simulate_run
+    from collm_bench.experiment.predict import simulate_run
 
     cfg, slo, rate = sim_config(live_doc)
     if calibration is not None:

@@ -3,6 +3,7 @@
     python -m collm_bench frontier --sim --replicas 64 --window-s 3600 --trace conv   # the simulator
     python -m collm_bench frontier                     # live, the default stack (make bench-frontier)
     python -m collm_bench frontier --tiny              # live, the quick check of the pipeline
+    python -m collm_bench frontier --preset headline   # live, each policy at its default (make bench)
     python -m collm_bench frontier --resume RUNS/results.json   # live, the same flags: the missing points
     python -m collm_bench frontier --sim ... --resume OUT/sim-conv-256r.partial.json   # a stopped sim run
     python -m collm_bench frontier --render bench/results/frontier/sim-conv-64r.json   # table and figure
@@ -28,9 +29,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from collm_bench.headline.config import SERIES, HeadlineConfig
-from collm_bench.headline.setup import SetupError
-from collm_bench.headline.signals import interrupt_on_sigterm
+from collm_bench.experiment.config import SERIES, ExperimentConfig
+from collm_bench.experiment.setup import SetupError
+from collm_bench.experiment.signals import interrupt_on_sigterm
 from collm_workload import flags
 
 from . import points as pts
@@ -43,6 +44,7 @@ from .sim import sim_frontier, usable_jobs
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_OUT = REPO / "bench" / "results" / "frontier"
 DEFAULT_POLICIES = ("collm", "separate", "fixed_ratio", "leftover", pts.SERVING_ALONE)
+PRESETS = ("headline",)
 
 
 def _floats(text: str | None, default: Sequence[float]) -> tuple[float, ...]:
@@ -77,6 +79,11 @@ def _add_what_and_where(p: argparse.ArgumentParser) -> None:
     flags.add_round_mode(p)
     p.add_argument("--round-s", type=float, default=None, help="round deadline (s); slow interval 5 s longer")
     flags.add_traces_dir(p, default=None)
+    p.add_argument(
+        "--synthetic-fallback",
+        action="store_true",
+        help="replay synthetic gamma arrivals when the trace file is absent (labelled SYNTHETIC)",
+    )
 
 
 def _add_load(p: argparse.ArgumentParser) -> None:
@@ -116,6 +123,12 @@ def _add_load(p: argparse.ArgumentParser) -> None:
 def _add_grid(p: argparse.ArgumentParser) -> None:
     """The policies and their knob grids, and the run's other settings."""
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=None,
+        help="headline: one point per policy at its default setting (what `make bench` runs), not the grid",
+    )
     p.add_argument(
         "--fixed-shares", default=None, help="fixed_ratio's training shares (0.05,0.1,0.2,0.333,0.5)"
     )
@@ -159,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def knob_grid(args: argparse.Namespace, policies: tuple[str, ...], replicas: int) -> list[pts.Knob]:
+    """The knobs to run: every policy's grid, or with `--preset headline` each policy's default."""
+    if args.preset == "headline":
+        return pts.default_knobs(policies, replicas)
     return pts.knob_grid(
         policies,
         replicas,
@@ -169,12 +185,13 @@ def knob_grid(args: argparse.Namespace, policies: tuple[str, ...], replicas: int
     )
 
 
-def headline_config(args: argparse.Namespace, replicas: int, window_s: float) -> HeadlineConfig:
+def experiment_config(args: argparse.Namespace, replicas: int, window_s: float) -> ExperimentConfig:
     over: dict[str, Any] = {
         "replicas": replicas,
         "duration_s": window_s,
         "traces": (args.trace,),
         "seed": args.seed,
+        "synthetic_fallback": args.synthetic_fallback,
     }
     if args.model is not None:
         over["model"] = args.model
@@ -195,7 +212,7 @@ def headline_config(args: argparse.Namespace, replicas: int, window_s: float) ->
         over["slo_ttft_ms"] = args.slo_ttft_ms
     if args.slo_tpot_ms is not None:
         over["slo_tpot_ms"] = args.slo_tpot_ms
-    return dataclasses.replace(HeadlineConfig(live=not args.sim), **over)
+    return dataclasses.replace(ExperimentConfig(), **over)
 
 
 def finish(results: dict[str, Any], path: Path, out: TextIO) -> None:
@@ -220,12 +237,19 @@ def finish(results: dict[str, Any], path: Path, out: TextIO) -> None:
 
 
 def result_path(
-    out_dir: Path, mode: str, trace: str, replicas: int, rounds: str = "async", alone: float | None = None
+    out_dir: Path,
+    mode: str,
+    trace: str,
+    replicas: int,
+    rounds: str = "async",
+    alone: float | None = None,
+    preset: str | None = None,
 ) -> Path:
-    """`<mode>-<trace>-<N>r.json`, with `-sync` when the rounds are synchronous and `-alone<A>` when the
-    rate is the one where serving alone attains A."""
+    """`<mode>-<trace>-<N>r.json`, with `-sync` when the rounds are synchronous, `-alone<A>` when the
+    rate is the one where serving alone attains A and `-<preset>` for a preset's points."""
     name = Path(trace).stem if trace.endswith((".csv", ".jsonl")) else trace
     tail = ("-sync" if rounds == "sync" else "") + ("" if alone is None else f"-alone{alone:g}")
+    tail += f"-{preset}" if preset else ""
     return out_dir / f"{mode}-{name}-{replicas}r{tail}.json"
 
 
@@ -235,10 +259,10 @@ def run_sim(
     """The simulated frontier: its work kept in `<result>.partial.json` as it goes, the result file
     written (and the partial file removed) at the end."""
     replicas = args.replicas or 8
-    cfg = headline_config(args, replicas, args.window_s or 3600.0)
+    cfg = experiment_config(args, replicas, args.window_s or 3600.0)
     knobs = knob_grid(args, policies, replicas)
     alone = args.alone_attainment if args.rate is None else None
-    path = result_path(args.out_dir, "sim", args.trace, replicas, cfg.rounds, alone)
+    path = result_path(args.out_dir, "sim", args.trace, replicas, cfg.rounds, alone, args.preset)
     partial = path.with_suffix(".partial.json")
     prior = json.loads(args.resume.read_text(encoding="utf-8")) if args.resume is not None else None
     jobs = usable_jobs(args.jobs)
@@ -278,7 +302,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
         if not args.sim:
             raise ValueError("--robustness runs in the simulator: add --sim")
         replicas = args.replicas or 8
-        cfg = headline_config(args, replicas, args.window_s or 1800.0)
+        cfg = experiment_config(args, replicas, args.window_s or 1800.0)
         source = json.loads(args.robustness_from.read_text(encoding="utf-8"))
         loads = _floats(args.loads, robust.LOADS)
         steps = _floats(args.step_load, robust.STEP)
@@ -292,7 +316,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
     if args.sim and args.step_load:
         replicas = args.replicas or 8
         fracs = _floats(args.step_load, ())
-        cfg = headline_config(args, replicas, args.step_s * len(fracs))
+        cfg = experiment_config(args, replicas, args.step_s * len(fracs))
         doc = step.step_load(cfg, fracs, args.step_s, say) | {"command": command}
         path = result_path(args.out_dir, "sim-step", args.trace, replicas, cfg.rounds)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -303,7 +327,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
     if args.sim:
         return run_sim(args, policies, command, say, out)
     live = LiveFrontierConfig.from_args(args, policies)
-    cfg = headline_config(args, live.replicas, live.window_s)
+    cfg = experiment_config(args, live.replicas, live.window_s)
     knobs = knob_grid(args, live.policies, live.replicas)
     if live.knobs_per_policy is not None:
         knobs = [
@@ -314,7 +338,9 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: TextIO, err: TextIO)
     if live.dry_run:
         return 0
     results["command"] = command
-    finish(results, result_path(args.out_dir, "live", args.trace, live.replicas, cfg.rounds), out)
+    alone = live.alone_attainment if live.rate_rps is None else None
+    path = result_path(args.out_dir, "live", args.trace, live.replicas, cfg.rounds, alone, args.preset)
+    finish(results, path, out)
     return 1 if failed else 0
 
 

@@ -1,6 +1,6 @@
 """The live frontier: every policy x knob on the default stack, one fresh stack per point.
 
-Each point is `collm_bench.headline.live.run_live` (the headline's runner: NATS, Redis, aggregator,
+Each point is `collm_bench.experiment.live.run_live` (a fresh stack: NATS, Redis, aggregator,
 coordinator with the policy and its knobs, N replicas with local data, gateway) replaying the same plan:
 one trace slice at one offered rate (`--rate`; else, with `--alone-attainment A`, the rate at which the
 simulator says serving alone attains A on windows sized as these; else `load` x the capacity estimate
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from collm_bench.headline import setup
-from collm_bench.headline.config import HeadlineConfig, tiny_preset
-from collm_bench.headline.live import LiveRunError, run_live
+from collm_bench.experiment import setup
+from collm_bench.experiment.config import ExperimentConfig, tiny_preset
+from collm_bench.experiment.live import LiveRunError, run_live
 from collm_common.calibration import Calibration
 from collm_workload.workload import PlannedRequest, Slo
 
@@ -38,6 +38,8 @@ from .sim import SCHEMA, alone_rate, max_batch, point_of
 POINT_OVERHEAD_S = 30.0
 BASE_LOSS_S = 20.0  # the base model's held-out loss, measured by the first point
 TINY_POLICIES = ("collm", "fixed_ratio")
+# Per-point run directories (logs, requests, telemetry), outside the committed results.
+DEFAULT_RUNS_DIR = Path(__file__).resolve().parents[3] / "bench" / "results" / "frontier-runs"
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,9 @@ class LiveFrontierConfig:
             resume=args.resume,
         )
 
-    def apply(self, cfg: HeadlineConfig) -> HeadlineConfig:
-        """The headline's configuration of every point's stack."""
-        cfg = dataclasses.replace(cfg, data_dirs=dict(self.data_dirs), live=True, simulate=False)
+    def apply(self, cfg: ExperimentConfig) -> ExperimentConfig:
+        """The experiment configuration of every point's stack."""
+        cfg = dataclasses.replace(cfg, data_dirs=dict(self.data_dirs))
         if self.tiny:
             cfg = dataclasses.replace(
                 tiny_preset(cfg), duration_s=self.window_s, drain_s=min(cfg.drain_s, 10.0)
@@ -121,7 +123,7 @@ def estimate_s(points: int, window_s: float, drain_s: float, prep_s: float = 0.0
 
 
 def live_rate(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     live: LiveFrontierConfig,
     source: setup.TraceSource,
     slo: Slo,
@@ -138,9 +140,8 @@ def live_rate(
     cap = setup.capacity_rps(cfg, cal, source, max_batch())
     if live.alone_attainment is not None:
         cal, _ = with_default_curves(cal, cfg.domains)
-        sim_cfg = dataclasses.replace(cfg, live=False, simulate=True)
         return alone_rate(
-            sim_cfg,
+            cfg,
             cal,
             slo,
             cap,
@@ -152,8 +153,8 @@ def live_rate(
 
 
 def sized_plan(
-    cfg: HeadlineConfig, source: setup.TraceSource, rate: float, min_requests: int
-) -> HeadlineConfig:
+    cfg: ExperimentConfig, source: setup.TraceSource, rate: float, min_requests: int
+) -> ExperimentConfig:
     """The config whose window holds at least `min_requests` of the slice at `rate` (the trace's
     arrivals are not evenly spaced: the window grows by a tenth until the slice holds them)."""
     window, _ = sized_window(rate, cfg.duration_s, min_requests)
@@ -167,7 +168,9 @@ def sized_plan(
 SAME_PLAN = ("model", "replicas", "window_s", "drain_s", "rate_rps", "min_requests", "slo", "domains", "seed")
 
 
-def same_plan_config(cfg: HeadlineConfig, live: LiveFrontierConfig, rate: float, slo: Slo) -> dict[str, Any]:
+def same_plan_config(
+    cfg: ExperimentConfig, live: LiveFrontierConfig, rate: float, slo: Slo
+) -> dict[str, Any]:
     """The result file's configuration entries that make its plan (`SAME_PLAN`)."""
     return {
         "model": cfg.model,
@@ -232,7 +235,7 @@ def _resumed(
 class _Points:
     """What every point of one live frontier shares, and the result file's content as it grows."""
 
-    cfg: HeadlineConfig
+    cfg: ExperimentConfig
     plan: Sequence[PlannedRequest]
     datasets: dict[str, Path]
     root: Path
@@ -285,7 +288,7 @@ class _Points:
 
 
 def live_frontier(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     live: LiveFrontierConfig,
     knobs: Sequence[Knob],
     say: Callable[[str], None],
@@ -302,7 +305,7 @@ def live_frontier(
     rate, how = live_rate(cfg, live, source, slo, say)
     cfg = sized_plan(cfg, source, rate, live.min_requests)
     kept, base = _resumed(live, source.name, same_plan_config(cfg, live, rate, slo), knobs, say)
-    root = (live.runs_dir or Path(cfg.out_dir).parent / "frontier-runs") / time.strftime("%Y%m%d-%H%M%S")
+    root = (live.runs_dir or DEFAULT_RUNS_DIR) / time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     datasets = setup.prepare_data(cfg, root / "data")
     plan = setup.build_plan(cfg, source, rate, setup.prompt_builder(cfg, setup.token_counter(cfg.model)), slo)

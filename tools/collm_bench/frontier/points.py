@@ -31,9 +31,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from collm_bench.headline.config import BASELINES, CO_LOCATED
-from collm_bench.headline.rate_search import geometric_bisection, search
+from collm_bench.experiment.config import BASELINES, CO_LOCATED
+from collm_bench.experiment.rate_search import geometric_bisection, search
 from collm_common.stats import ratio
+from collm_coordinator.core.config import CoreConfig
 
 SERVING_ALONE = "serving_only"
 # The axes of the trade-off each policy's frontier is drawn on: serving (goodput) against training
@@ -122,6 +123,29 @@ def knob_grid(
             out.append(Knob(SERVING_ALONE, "fine-tuning off"))
         else:
             raise ValueError(f"no knob grid for {p!r}")
+    return out
+
+
+def default_knobs(policies: Sequence[str], replicas: int) -> list[Knob]:
+    """One point per policy at the settings it runs with when nobody sets its knob (the coordinator's
+    CoreConfig defaults: collm's V and target, fixed_ratio's K, separate's split): the headline
+    preset. The label names the setting; `core` is empty, so the services' own defaults apply."""
+    d = CoreConfig()
+    labels = {
+        "collm": f"V={d.quality_weight_v:g}, target {d.attainment_target:g} (default)",
+        "fixed_ratio": f"K={d.fixed_ratio_k} (share {1 / (d.fixed_ratio_k + 1):.2f}, default)",
+        "separate": f"{min(replicas - 1, max(1, round(d.separate_train_frac * replicas)))} of {replicas} "
+        "train (default)",
+        "leftover": "share 1 (as is)",
+        SERVING_ALONE: "fine-tuning off",
+    }
+    out = []
+    for p in policies:
+        if p not in labels:
+            raise ValueError(f"no default setting for {p!r}")
+        if p == "separate" and replicas < 2:
+            continue
+        out.append(Knob(p, labels[p]))
     return out
 
 

@@ -7,9 +7,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from collm_bench.headline.plot import COLORS
-
 from .points import GOALS, QUALITY_AXES, TRAINING_AXES, Point, by_policy, frontier
+
+COLORS = {
+    "collm": "tab:red",
+    "separate": "tab:blue",
+    "fixed_ratio": "tab:green",
+    "leftover": "tab:orange",
+    "serving_only": "grey",  # the reference run: fine-tuning off
+}
 
 GOAL_TEXT = {
     "finetune_tokens_vs_best_baseline": "fine-tuning tokens vs the best baseline, attainment >= 0.9 x alone",

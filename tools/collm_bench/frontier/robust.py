@@ -27,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from collm_bench.headline.config import HeadlineConfig
+from collm_bench.experiment.config import ExperimentConfig
 from collm_common.calibration import Calibration
 from collm_workload.workload import Slo
 
@@ -83,7 +83,7 @@ def settings(frontier_doc: Mapping[str, Any], default_target: float, replicas: i
 
 
 def _cell(
-    cfg: HeadlineConfig, cal: Calibration, slo: Slo, rates: Sequence[float], step_s: float, knob: StepKnob
+    cfg: ExperimentConfig, cal: Calibration, slo: Slo, rates: Sequence[float], step_s: float, knob: StepKnob
 ) -> dict[str, Any]:
     """One setting under one load sequence (one process; picklable in and out)."""
     import torch
@@ -101,7 +101,7 @@ def _cell(
 
 
 def robustness(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     frontier_doc: Mapping[str, Any],
     chosen_from: str,
     loads: Sequence[float],

@@ -1,11 +1,11 @@
-"""The simulated frontier: every policy x knob of the grid in the simulator, on the headline's setup.
+"""The simulated frontier: every policy x knob of the grid in the simulator, on the experiment's setup.
 
-Each point is `collm_bench.headline.predict.simulate_run` (the coordinator, gateway routing and replica
-co-schedulers' own code) with the headline's setup at `replicas` and a `window_s` slice of the trace,
+Each point is `collm_bench.experiment.predict.simulate_run` (the coordinator, gateway routing and replica
+co-schedulers' own code) with the experiment's setup at `replicas` and a `window_s` slice of the trace,
 at one offered rate for every point: `--rate`; else, with `--alone-attainment A`, the rate at which the
 simulator says serving alone attains A (`alone_rate`); else `load` x the cluster's capacity estimate from
-the calibration (`headline.setup.capacity_rps`). SLOs, lengths, domains and cadences are the
-headline's. Points run in `jobs` processes at once.
+the calibration (`experiment.setup.capacity_rps`). SLOs, lengths, domains and cadences are the
+experiment's (`ExperimentConfig`). Points run in `jobs` processes at once.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from collm_bench.headline import setup
-from collm_bench.headline.config import HeadlineConfig
+from collm_bench.experiment import setup
+from collm_bench.experiment.config import ExperimentConfig
 from collm_common.calibration import Calibration
 from collm_workload.workload import Slo
 
@@ -52,12 +52,14 @@ def point_of(knob: Knob, summary: dict[str, Any], finetune_tokens: float) -> Poi
     )
 
 
-def run_point(cfg: HeadlineConfig, cal: Calibration, rate_rps: float, slo: Slo, knob: Knob) -> dict[str, Any]:
+def run_point(
+    cfg: ExperimentConfig, cal: Calibration, rate_rps: float, slo: Slo, knob: Knob
+) -> dict[str, Any]:
     """One simulated point: the point and the run's other figures (one process; picklable in and out)."""
     import torch
 
     torch.set_num_threads(1)
-    from collm_bench.headline.predict import simulate_run
+    from collm_bench.experiment.predict import simulate_run
 
     (source,) = setup.resolve_sources(cfg)
     t0 = time.monotonic()
@@ -79,7 +81,7 @@ def run_point(cfg: HeadlineConfig, cal: Calibration, rate_rps: float, slo: Slo, 
 
 
 def alone_rate(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     cal: Calibration,
     slo: Slo,
     cap: float,
@@ -124,7 +126,7 @@ def alone_rate(
 
 
 def simulate_grid(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     cal: Calibration,
     rate_rps: float,
     slo: Slo,
@@ -156,7 +158,7 @@ def usable_jobs(asked: int | None) -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def plan_config(cfg: HeadlineConfig, slo: Slo, defaulted: Sequence[str], jobs: int) -> dict[str, Any]:
+def plan_config(cfg: ExperimentConfig, slo: Slo, defaulted: Sequence[str], jobs: int) -> dict[str, Any]:
     """The result file's configuration entries known before the rate is (`progress.SIM_PLAN` among
     them)."""
     return {
@@ -192,7 +194,7 @@ def _kept(
 
 
 def sim_frontier(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     knobs: Sequence[Knob],
     load: float,
     rate_rps: float | None,

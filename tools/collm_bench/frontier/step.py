@@ -2,7 +2,7 @@
 
     python -m collm_bench frontier --sim --step-load 0.3,0.7,0.3 --step-s 600     # 8 replicas, conv
 
-The offered rate steps through fractions of the capacity estimate (`headline.setup.capacity_rps`), each
+The offered rate steps through fractions of the capacity estimate (`experiment.setup.capacity_rps`), each
 held `step_s` seconds (each phase replays the trace from the same start at its rate); every knob runs the
 whole sequence in the simulator (the coordinator's, routing's and replicas' own code). Per minute of
 arrivals: attainment of the requests that arrived in it, and the coordinator's headroom, spend and total
@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from collm_bench.headline import setup
-from collm_bench.headline.config import HeadlineConfig
+from collm_bench.experiment import setup
+from collm_bench.experiment.config import ExperimentConfig
 from collm_common.calibration import Calibration
 from collm_workload.workload import Slo
 
@@ -45,12 +45,12 @@ def default_knobs(default_target: float) -> list[StepKnob]:
 
 
 def _workload(
-    cfg: HeadlineConfig, source: setup.TraceSource, slo: Slo, rates: Sequence[float], step_s: float
+    cfg: ExperimentConfig, source: setup.TraceSource, slo: Slo, rates: Sequence[float], step_s: float
 ) -> Any:
     """The phases' workloads, one after the other (each from the trace's start, at its own rate)."""
     import numpy as np
 
-    from collm_bench.headline.predict import workload_spec
+    from collm_bench.experiment.predict import workload_spec
     from collm_sim.workload import Workload, build_workload
 
     parts = []
@@ -116,16 +116,16 @@ def window_attainment(arrivals: Sequence[tuple[float, bool]], window_s: float) -
 
 
 def run_knob(
-    cfg: HeadlineConfig, cal: Calibration, slo: Slo, rates: Sequence[float], step_s: float, knob: StepKnob
+    cfg: ExperimentConfig, cal: Calibration, slo: Slo, rates: Sequence[float], step_s: float, knob: StepKnob
 ) -> dict[str, Any]:
     """One knob over the whole step sequence: its per-minute series, attainment over all of it, fine-tuning
     tokens, and the served quality gain per domain after each publication (`quality_timeline`, [s, gains])."""
-    from collm_bench.headline.predict import sim_config
+    from collm_bench.experiment.predict import sim_config
     from collm_sim.cluster import Simulation
     from collm_workload.goodput import is_good
 
     (source,) = setup.resolve_sources(cfg)
-    sim_cfg = sim_config(cfg, source, rates[0], slo, knob.policy, cfg.train_examples, None, None, knob.core)
+    sim_cfg = sim_config(cfg, source, rates[0], slo, knob.policy, cfg.train_examples, knob.core)
     sim = Simulation(sim_cfg, cal, workload=_workload(cfg, source, slo, rates, step_s))
     ticks: list[tuple[float, float, float, float]] = []
     on_tick = sim.core.on_tick
@@ -152,7 +152,7 @@ def run_knob(
     }
 
 
-def sim_setup(cfg: HeadlineConfig, what: str) -> tuple[float, Calibration, setup.TraceSource, Slo, float]:
+def sim_setup(cfg: ExperimentConfig, what: str) -> tuple[float, Calibration, setup.TraceSource, Slo, float]:
     """What a simulated run of `cfg` needs: the coordinator's default attainment target, the calibration
     (default quality curves for domains it lacks), the trace, the SLO and the capacity estimate (req/s)."""
     if cfg.calibration is None or not Path(cfg.calibration).is_file():
@@ -168,7 +168,7 @@ def sim_setup(cfg: HeadlineConfig, what: str) -> tuple[float, Calibration, setup
 
 
 def step_load(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     fractions: Sequence[float],
     step_s: float,
     say: Callable[[str], None],

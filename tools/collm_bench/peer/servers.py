@@ -129,13 +129,13 @@ def collm_serving(cfg: Any) -> Iterator[str]:
         yield stack.gateway_url
 
 
-Counters = Mapping[str, Mapping[str, float]]  # per replica, its counters (`headline.live.read_ft_counters`)
+Counters = Mapping[str, Mapping[str, float]]  # per replica, its counters (`experiment.live.read_ft_counters`)
 
 
 def trained_tokens(before: Counters, after: Counters) -> int:
     """The fine-tuning tokens the replicas trained between two readings of their counters
-    (`headline.live.counter_deltas`), all replicas together."""
-    from collm_bench.headline.live import counter_deltas
+    (`experiment.live.counter_deltas`), all replicas together."""
+    from collm_bench.experiment.live import counter_deltas
 
     return round(sum(counter_deltas(before, after)["ft_tokens"].values()))
 
@@ -168,7 +168,7 @@ def wait_trained(read: Callable[[], Counters], timeout_s: float, poll_s: float, 
 def collm_training(cfg: Any, start_timeout_s: float, poll_s: float = 2.0) -> Iterator[Training]:
     """The stack of `cfg` (`collm_up_config(..., demo=True)`) started with the launcher; once every replica
     is ready and the replicas have trained (`wait_trained`), yield it (`Training`); stop it on exit."""
-    from collm_bench.headline.live import read_ft_counters
+    from collm_bench.experiment.live import read_ft_counters
     from collm_ops.launcher import Stack
 
     with Stack(cfg) as stack:

@@ -17,8 +17,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from collm_bench.experiment.rates import workload_capacity_rps
 from collm_bench.groups import RESULTS, add_out, add_sim_trace, command_line, prog
-from collm_bench.headline.rates import workload_capacity_rps
 from collm_bench.sim import load_calibration, workload_base
 
 

@@ -34,21 +34,18 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import httpx
 import psutil
 
 from collm_bench.client import ClientOptions, endpoint_url
 from collm_bench.runner import run_plan
-from collm_bench.step_costs import EvalShape, compare_steps, eval_shape, training_totals
 from collm_common import subjects
 from collm_common.bus import Bus, BusError
-from collm_common.calibration import CostModel
-from collm_common.step_log import BackgroundWork, InferenceStep, read_step_log
 from collm_common.store import AdapterStore, version_id
 from collm_common.wire.control import (
     ControlReply,
@@ -70,12 +67,11 @@ from collm_workload.quality import QualityTable
 from collm_workload.records import write_records
 from collm_workload.workload import PlannedRequest
 
-from .config import HeadlineConfig
+from .config import ExperimentConfig
 from .signals import interrupt_on_sigterm, signals_deferred, stopping
 
 FINAL_ROUND_STATES = ("published", "held_back", "aborted")
-REDIS_PREFIX = "headline"
-T = TypeVar("T")
+REDIS_PREFIX = "experiment"
 
 
 class LiveRunError(RuntimeError):
@@ -100,7 +96,7 @@ class Phases:
 
 
 def stack_config(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     policy: str,
     replica_data: dict[str, Path],
     run_dir: Path,
@@ -129,9 +125,8 @@ def stack_config(
     # A training job scores its live copy on the held-out set before it trains (and after, and every few
     # optimizer steps); on a CPU the default 32 examples take most of a short round, so the benchmark
     # bounds every evaluation (the job's and the aggregator's gate) alike.
-    # No prefix caching: the simulator models none, and the run sets every step's prefill beside the
-    # cost model's prediction for the prompt's tokens. The batch bound is the one the simulator models
-    # (its calibration's, `collm_sim.config.EngineSpec`).
+    # No prefix caching: the simulator models none. The batch bound is the one the simulator models (its
+    # calibration's, `collm_sim.config.EngineSpec`).
     replica = {
         "COLLM_EVAL_MAX_EXAMPLES": str(cfg.eval_max_examples),
         "COLLM_EVAL_MAX_TOKENS": str(cfg.eval_max_tokens),
@@ -139,8 +134,7 @@ def stack_config(
         "COLLM_MAX_BATCH": str(EngineSpec().max_batch),
     }
     coord_policy, cos = series_setup(policy)
-    # Every replica logs its steps (`collm_common.step_log`), so the run can set each step's time beside
-    # the cost model's prediction for it (`collm_bench.step_costs`).
+    # Every replica logs its steps (`collm_common.step_log`) into the run's directory.
     replicas = [
         ReplicaSpec(
             rid,
@@ -318,7 +312,7 @@ async def coordinator_policy(bus: Bus) -> str:
     return st.policy
 
 
-async def create_adapters(bus: Bus, store: AdapterStore, cfg: HeadlineConfig) -> None:
+async def create_adapters(bus: Bus, store: AdapterStore, cfg: ExperimentConfig) -> None:
     """v1 of each domain adapter, created by a replica holding the domain (as replicas create them: a
     zero-B LoRA of the loaded base model), tagged with its domain so the aggregator's gate evaluates it
     on that domain's held-out data."""
@@ -333,7 +327,7 @@ async def create_adapters(bus: Bus, store: AdapterStore, cfg: HeadlineConfig) ->
         await store.set_meta(d, {"domains": d})
 
 
-async def make_resident(bus: Bus, cfg: HeadlineConfig) -> None:
+async def make_resident(bus: Bus, cfg: ExperimentConfig) -> None:
     """Every adapter's current version resident on every replica before the first request."""
     for rid in cfg.replica_ids():
         for d in sorted(cfg.domains):
@@ -344,7 +338,7 @@ async def make_resident(bus: Bus, cfg: HeadlineConfig) -> None:
                 raise LiveRunError(f"{rid} could not load {d}: {reply.message}")
 
 
-async def base_losses(bus: Bus, store: AdapterStore, cfg: HeadlineConfig) -> dict[str, float]:
+async def base_losses(bus: Bus, store: AdapterStore, cfg: ExperimentConfig) -> dict[str, float]:
     """Held-out loss of the base model per domain, example-weighted over the replicas holding it (all
     replicas score at once). Each replica scores it beside the adapter's current version (the base model
     is the evaluation's `current_version` None): the current version is never pruned, while v1 (the base
@@ -375,7 +369,7 @@ async def base_losses(bus: Bus, store: AdapterStore, cfg: HeadlineConfig) -> dic
     return {d: total / n for d, (total, n) in sums.items()}
 
 
-async def quality_table(store: AdapterStore, cfg: HeadlineConfig, base: dict[str, float]) -> QualityTable:
+async def quality_table(store: AdapterStore, cfg: ExperimentConfig, base: dict[str, float]) -> QualityTable:
     """Base losses measured at the start; every version's losses as the aggregator recorded them (v1,
     the zero-B adapter, is the base model when the store has no record of it)."""
     table = QualityTable(base=dict(base))
@@ -428,7 +422,9 @@ async def _watch(bus: Bus, obs: Observer, policy: str) -> str:
     return seen
 
 
-async def _prepare(bus: Bus, store: AdapterStore, cfg: HeadlineConfig, stack: Stack, phases: Phases) -> None:
+async def _prepare(
+    bus: Bus, store: AdapterStore, cfg: ExperimentConfig, stack: Stack, phases: Phases
+) -> None:
     """Every domain's v1, resident on every replica and listed by the gateway (step 2 of the module
     docstring)."""
     await create_adapters(bus, store, cfg)
@@ -440,7 +436,7 @@ async def _prepare(bus: Bus, store: AdapterStore, cfg: HeadlineConfig, stack: St
 
 
 async def _replay(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     plan: Sequence[PlannedRequest],
     stack: Stack,
     obs: Observer,
@@ -520,7 +516,7 @@ def counter_deltas(
 
 
 async def _drive(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     policy: str,
     plan: Sequence[PlannedRequest],
     stack: Stack,
@@ -530,7 +526,7 @@ async def _drive(
     phases: Phases,
 ) -> dict[str, Any]:
     operator = stack.operator_settings(nats_connect_timeout_s=10)
-    bus = await Bus.connect(operator, "collm-headline")
+    bus = await Bus.connect(operator, "collm-experiment")
     store = AdapterStore.from_url(operator.redis_url, operator.redis_prefix)
     obs = Observer()
     try:
@@ -598,50 +594,6 @@ async def _drive(
     }
 
 
-def over_replay_steps(
-    res: Mapping[str, Any],
-    replica_ids: Sequence[str],
-    summarise: Callable[[Iterator[InferenceStep | BackgroundWork], float, float], T],
-) -> dict[str, T]:
-    """Per replica of a finished run, `summarise(its step log's records, since, until)` over the replay's
-    window (the engine's clock); replicas without a step log are left out."""
-    since, until = res["replay_window_monotonic_s"]
-    out = {}
-    for rid in replica_ids:
-        path = step_log_path(Path(res["run_dir"]), rid)
-        if path.is_file():
-            out[rid] = summarise(read_step_log(path), since, until)
-    return out
-
-
-def step_costs(
-    res: Mapping[str, Any], cost: CostModel, replica_ids: Sequence[str]
-) -> dict[str, dict[str, Any]]:
-    """Per replica of a finished run, its steps during the replay by kind: measured time against the
-    cost model's prediction (`collm_bench.step_costs`)."""
-    return over_replay_steps(
-        res,
-        replica_ids,
-        lambda records, since, until: {
-            kind: k.as_dict() for kind, k in compare_steps(records, cost, since, until).items()
-        },
-    )
-
-
-def training_by_replica(res: Mapping[str, Any], replica_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per replica of a finished run, its training stretches during the replay summed
-    (`collm_bench.step_costs.training_totals`)."""
-    return over_replay_steps(
-        res, replica_ids, lambda records, since, until: training_totals(records, since, until).as_dict()
-    )
-
-
-def eval_shapes_of_run(res: Mapping[str, Any], replica_ids: Sequence[str]) -> dict[str, EvalShape]:
-    """Per replica of a finished run, its evaluation pieces during the replay
-    (`collm_bench.step_costs.eval_shape`)."""
-    return over_replay_steps(res, replica_ids, eval_shape)
-
-
 def own_cpu_seconds() -> float:
     """This process's user plus system CPU seconds (its threads; not its children, the stack)."""
     t = psutil.Process().cpu_times()
@@ -690,7 +642,7 @@ def current_gain(table: QualityTable, current: dict[str, int | None]) -> float |
 
 
 def run_live(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     policy: str,
     plan: Sequence[PlannedRequest],
     replica_data: dict[str, Path],
@@ -726,7 +678,7 @@ def run_live(
                     phases.t = time.monotonic()
                     stack.stop()
                 phases.mark("stack_stop")
-                progress.write(f"[headline] {policy} phases: {phases.line()}\n")
+                progress.write(f"[experiment] {policy} phases: {phases.line()}\n")
                 progress.flush()
     out["phases_s"] = dict(phases.seconds)
     out["stack_ready_s"] = ready_s

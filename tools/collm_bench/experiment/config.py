@@ -1,10 +1,8 @@
-"""Every size and knob of the headline benchmark, in one frozen dataclass (pure).
+"""Every size and setting of one experiment's runs, live or simulated, in one frozen dataclass (pure).
 
-The defaults fit a 2-core CPU machine in about a quarter of an hour for all runs (2 SmolLM2 replicas,
-one trace slice, two rates, four policies: eight runs of 106-118 s, that is a stack start of 12-17 s,
-60 s of arrivals, up to 30 s of drain and 3-8 s of teardown, as each run logs its phases); every field is
-a command-line flag, so a bigger machine scales up (`--replicas 8 --duration 600 --traces conv,code`).
-`tiny_preset` gives the sizes of a quick check of the whole pipeline with the tiny test model.
+The defaults are the default stack on a 2-core CPU machine: 2 SmolLM2 replicas with math and medical
+data, a 60-s slice of the Azure conv trace, the services' round cadences. `tiny_preset` gives the sizes
+of a quick check of the whole pipeline with the tiny test model.
 """
 
 from __future__ import annotations
@@ -19,26 +17,21 @@ from collm_sim.plugins import REFERENCES
 _REPO = Path(__file__).resolve().parents[3]
 DEFAULT_DATA_DIR = _REPO.parent / "shared" / "data"
 DEFAULT_CALIBRATION = _REPO / "bench" / "calibration" / "smollm2.json"
-DEFAULT_OUT = _REPO / "bench" / "results" / "headline"
 BASELINES = ("separate", "fixed_ratio", "leftover")
 CO_LOCATED = ("fixed_ratio", "leftover")
-# What `policies` may name: the coordinator's policies and the reference runs beside them (`serving_only`:
-# collm with fine-tuning off, the practical ceiling of what a co-located policy can serve; not a default).
+# What an experiment may run: the coordinator's policies and the reference runs beside them
+# (`serving_only`: collm with fine-tuning off, the practical ceiling of what a co-located policy serves).
 SERIES = (*POLICIES, *REFERENCES)
-RATE_LABELS = ("light", "heavy")
-# Rates of the search grid, as fractions of the cluster capacity estimated from the calibration.
-RATE_GRID_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.4, 1.7, 2.0)
 
 
 @dataclass(frozen=True)
-class HeadlineConfig:
+class ExperimentConfig:
     # --- what runs -------------------------------------------------------------------------------------
     model: str = "smollm2"
     replicas: int = 2
     # Domains of the replicas' local data: replica i holds domains[i % len(domains)] (as the simulator
     # assigns them); requests are drawn evenly over them and name the domain's adapter.
     domains: tuple[str, ...] = ("math", "medical")
-    policies: tuple[str, ...] = POLICIES
     traces: tuple[str, ...] = ("conv",)
     traces_dir: Path = DEFAULT_DATA_DIR / "traces"
     # Raw public datasets (shared/data/domains): converted into each replica's local data, and the
@@ -60,12 +53,6 @@ class HeadlineConfig:
     max_input_tokens: int | None = None
     max_output_tokens: int | None = 256
     max_context_tokens: int | None = 2048
-    # --- rates: explicit {light, heavy}, or found with the simulator --------------------------------
-    rate_labels: tuple[str, ...] = RATE_LABELS  # which of the two rates run
-    rates: Mapping[str, float] = field(default_factory=dict)
-    light_attainment: float = 0.95
-    heavy_attainment: float = 0.85
-    rate_grid_fractions: tuple[float, ...] = RATE_GRID_FRACTIONS
     # --- SLOs: explicit, or from the calibration (x the unloaded p99-prompt TTFT, x a full-batch step) --
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -87,41 +74,16 @@ class HeadlineConfig:
     request_timeout_s: float = 120.0
     ready_timeout_s: float = 600.0
     timeline_bin_s: float = 10.0
-    out_dir: Path = DEFAULT_OUT
-    # Simulator prediction beside the live run (needs the calibration).
-    simulate: bool = True
-    live: bool = True
-    # Before live runs, time the engine on this machine now and scale the calibration's step costs by
-    # how much slower or faster it runs than when the calibration was measured (rates, SLOs, predictions).
-    speed_probe: bool = True
-    # Probe again after the runs (about half a minute more; off by default so that the default run fits
-    # its quarter of an hour): whether the machine's speed moved while they ran.
-    speed_probe_after: bool = False
-    # Before each trace's runs, replay another slice of it live with fine-tuning off and scale the
-    # simulator's prefill and decode costs by what the replay's inference steps took over what the
-    # simulator charges for them (`replay_fit`): the rate search and the predictions then use the cost of
-    # the loaded live stack, not only the quiet probe's.
-    calibration_replay: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
         if not self.domains:
             raise ValueError("at least one domain")
-        bad = [p for p in self.policies if p not in SERIES]
-        if bad or not self.policies:
-            raise ValueError(f"policies must be among {', '.join(SERIES)} (got {list(self.policies)})")
         if not self.traces:
             raise ValueError("at least one trace")
         if not self.duration_s > 0 or self.drain_s < 0:
             raise ValueError("duration_s must be > 0 and drain_s >= 0")
-        unknown = (set(self.rates) | set(self.rate_labels)) - set(RATE_LABELS)
-        if unknown or not self.rate_labels:
-            raise ValueError(f"rates are named {' and '.join(RATE_LABELS)} (got {sorted(unknown)})")
-        if any(not r > 0 for r in self.rates.values()):
-            raise ValueError("rates must be > 0 req/s")
-        if not (0 < self.heavy_attainment < self.light_attainment <= 1):
-            raise ValueError("want 0 < heavy_attainment < light_attainment <= 1")
         if not self.round_deadline_s <= self.slow_interval_s:
             raise ValueError("round_deadline_s must be <= slow_interval_s")
 
@@ -138,14 +100,10 @@ class HeadlineConfig:
     def mix(self) -> dict[str, float]:
         return dict.fromkeys(sorted(self.domains), 1.0)
 
-    def needs_search(self) -> list[str]:
-        """Rate labels the simulator has to find (those not given explicitly)."""
-        return [label for label in self.rate_labels if label not in self.rates]
 
-
-def tiny_preset(cfg: HeadlineConfig) -> HeadlineConfig:
-    """A quick check with the tiny test model: short prompts and outputs, short runs, explicit SLOs and
-    rates (there is no calibration of the tiny model, so neither the rate search nor the simulator run)."""
+def tiny_preset(cfg: ExperimentConfig) -> ExperimentConfig:
+    """A quick check with the tiny test model: short prompts and outputs, short runs, explicit SLOs
+    (there is no calibration of the tiny model, so neither a rate search nor the simulator runs)."""
     return replace(
         cfg,
         model="tiny",
@@ -156,11 +114,9 @@ def tiny_preset(cfg: HeadlineConfig) -> HeadlineConfig:
         max_input_tokens=48,
         max_output_tokens=8,
         max_context_tokens=512,
-        rates={"light": 1.0, "heavy": 4.0, **cfg.rates},
         slo_ttft_ms=cfg.slo_ttft_ms or 2000.0,
         slo_tpot_ms=cfg.slo_tpot_ms or 500.0,
         calibration=None,
-        simulate=False,
         slow_interval_s=10.0,
         round_deadline_s=8.0,
         coordinator_warmup_s=2.0,

@@ -5,14 +5,11 @@ What is made equal, and how:
 
 * workload: `collm_sim.workload.WorkloadSpec` from the same trace, start, rate, duration, length policy
   and seed, so the simulated requests have the live plan's arrival times, token lengths and domains
-  (`tests/unit/bench/test_headline.py` checks this);
+  (`tests/unit/bench/test_experiment.py` checks this);
 * replicas: replica i holds domain i mod len(domains), as live; engine and gateway sizes are the
   services' setting defaults on both sides;
 * evaluations: the live stack's cap on the held-out tokens of every evaluation (`eval_max_tokens`)
-  is the simulated evaluation's size (the datasets' held-out examples exceed it); its batches and their
-  pieces, when measured on the calibration replay (`EvalFit`), are the live ones' (the live replicas
-  pack whole examples, so an evaluation of 1024 tokens ran in 3 or 4 batches of 32 pieces, not 2 of
-  31: under load a piece runs per iteration, so the pieces set how long an evaluation lasts);
+  is the simulated evaluation's size (the datasets' held-out examples exceed it);
 * policy: the coordinator core with the live coordinator's cadences (`slow_interval_s`,
   `round_deadline_s`, `warmup_s`), the policy's replica co-scheduler, and for `separate` the shared
   gateway's draw on the coordinator's weights (what the live stack does: one gateway for both sides);
@@ -23,18 +20,15 @@ What is made equal, and how:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from collm_common.calibration import Calibration
-from collm_common.step_log import StepLog
 from collm_workload.goodput import summarize
 from collm_workload.records import RequestRecord
 from collm_workload.workload import Slo
 
-from .config import HeadlineConfig
-from .replay_fit import EvalFit
+from .config import ExperimentConfig
 from .setup import TraceSource
 
 
@@ -52,7 +46,7 @@ def drain_cut(records: Sequence[RequestRecord], cut_s: float) -> list[RequestRec
 
 
 def workload_spec(
-    cfg: HeadlineConfig, source: TraceSource, rate_rps: float, slo: Slo
+    cfg: ExperimentConfig, source: TraceSource, rate_rps: float, slo: Slo
 ) -> Any:  # collm_sim.workload.WorkloadSpec
     from collm_sim.workload import WorkloadSpec
 
@@ -79,14 +73,12 @@ def workload_spec(
 
 
 def sim_config(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     source: TraceSource,
     rate_rps: float,
     slo: Slo,
     policy: str,
     samples_per_replica: int,
-    eval_fit: EvalFit | None = None,
-    first_slow_s: float | None = None,
     core: Mapping[str, float] | None = None,
 ) -> Any:  # collm_sim.config.SimConfig
     """The simulator's configuration of the live run's setup; `core`: the coordinator's knobs set
@@ -100,12 +92,6 @@ def sim_config(
     knobs = dict(core or {})
     if "fixed_ratio_k" in knobs:
         engine = dataclasses.replace(engine, fixed_every_iterations=int(knobs["fixed_ratio_k"]))
-    by_replica: dict[str, dict[str, object]] = {}
-    if eval_fit is not None:
-        engine = dataclasses.replace(
-            engine, eval_batches=eval_fit.batches, eval_pieces_per_batch=eval_fit.pieces_per_batch
-        )
-        by_replica = {rid: {"eval_batches": n} for rid, n in eval_fit.batches_by_replica.items()}
     return SimConfig(
         replicas=cfg.replicas,
         policy=coordinator_policy,
@@ -115,69 +101,37 @@ def sim_config(
             "slow_interval_s": cfg.slow_interval_s,
             "round_deadline_s": cfg.round_deadline_s,
             "rounds": cfg.rounds,
-            # The coordinator's first slow tick when the live one's came (it starts with the stack,
-            # before the replay; `replay_fit.measured_first_slow_s`), else `warmup_s` into the trace.
-            "warmup_s": cfg.coordinator_warmup_s if first_slow_s is None else max(0.0, first_slow_s),
+            "warmup_s": cfg.coordinator_warmup_s,  # the coordinator's first slow tick
             **knobs,
         },
         samples_per_replica=samples_per_replica,
         domains=tuple(sorted(cfg.domains)),
         request_timeout_s=cfg.request_timeout_s,
         # The live replicas and aggregator score at most this many held-out tokens per evaluation.
-        # With the batches the calibration replay's evaluations ran in, when measured.
         engine=engine,
-        engine_by_replica=by_replica,
         separate_routing="weights",
         seed=cfg.seed,
     )
 
 
-def cost_band(probe_ratios: Iterable[float]) -> tuple[float, float]:
-    """The lowest and the highest of the speed probe's ratios (measured / calibrated step time, one per
-    kind and size): the factors every cost of the calibration is scaled by to bracket the prediction,
-    whose costs follow each kind's own ratios (pure)."""
-    ratios = sorted(probe_ratios)
-    if not ratios or ratios[0] <= 0:
-        raise ValueError("the probe's ratios must be > 0")
-    return ratios[0], ratios[-1]
-
-
 def simulate_run(
-    cfg: HeadlineConfig,
+    cfg: ExperimentConfig,
     cal: Calibration,
     source: TraceSource,
     rate_rps: float,
     slo: Slo,
     policy: str,
     samples_per_replica: int,
-    step_logs_dir: Path | None = None,
-    eval_fit: EvalFit | None = None,
-    first_slow_s: float | None = None,
     core: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """One simulated run: the summary (same code as the live one, after the drain cut), the simulator's
     own figures (fine-tuning tokens, rounds, quality model) and its request records after the cut (each
-    with the replica that served it), to set beside the live ones request by request. With
-    `step_logs_dir`, each simulated replica also writes its steps there (`sim_steps-<replica>.jsonl`, the
-    live step log's records, times from the simulation's start), to set beside the live step logs.
-    `core`: the coordinator's knobs (`sim_config`)."""
+    with the replica that served it), to set beside the live ones request by request. `core`: the
+    coordinator's knobs (`sim_config`)."""
     from collm_sim.cluster import Simulation
 
-    simulation = Simulation(
-        sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica, eval_fit, first_slow_s, core),
-        cal,
-    )
-    logs = []
-    if step_logs_dir is not None:
-        for rid, rep in simulation.replicas.items():
-            log = StepLog(step_logs_dir / f"sim_steps-{rid}.jsonl")
-            rep.step_log = log.write
-            logs.append(log)
-    try:
-        res = simulation.run()
-    finally:
-        for log in logs:
-            log.close()
+    simulation = Simulation(sim_config(cfg, source, rate_rps, slo, policy, samples_per_replica, core), cal)
+    res = simulation.run()
     last_arrival = max((r.scheduled_s for r in res.records), default=0.0)
     records = drain_cut(res.records, last_arrival + cfg.drain_s)
     summary = summarize(records, quality=simulation.quality_table(), timeline_bin_s=cfg.timeline_bin_s)

@@ -1,5 +1,5 @@
 """SIGINT and SIGTERM in the benchmark harness: an interruption that always unwinds, stacks stopped
-(collm_bench.headline.signals)."""
+(collm_bench.experiment.signals)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from collm_bench.headline.signals import REPEAT_S, interrupt_on_sigterm, signals_deferred, stopping
+from collm_bench.experiment.signals import REPEAT_S, interrupt_on_sigterm, signals_deferred, stopping
 
 pytestmark = pytest.mark.unit
 

@@ -17,10 +17,8 @@ the lowest one above it known to miss it, and every point tried with its measure
 need not be monotone (a few dozen simulated requests are not), so this is the first crossing met, not
 every load that meets the target.
 
-Two strategies: `count_bisection` (integer request counts, bisected down to neighbouring counts: the
-headline's rates, `rates.search_rate`) and `geometric_bisection` (fractions of a capacity estimate, a
-fixed number of halvings of the log range: the frontier's serving-alone rate,
-`frontier.points.rate_for_attainment`).
+The frontier's strategy is `geometric_bisection` (fractions of a capacity estimate, a fixed number of
+halvings of the log range: the serving-alone rate, `frontier.points.rate_for_attainment`).
 """
 
 from __future__ import annotations
@@ -56,17 +54,6 @@ class Crossing(Generic[P]):
     meets: P | None
     misses: P | None
     tried: list[tuple[P, float]] = field(default_factory=list)
-
-
-def count_bisection(max_halvings: int = 6) -> Strategy[int]:
-    """Integer request counts: scanned upward, halved (down to 1) at most `max_halvings` times while none
-    meets the target, then bisected down to neighbouring counts."""
-    return Strategy(
-        scan="up",
-        split=lambda lo, hi: (lo + hi) // 2 if hi - lo > 1 else None,
-        below=lambda hi: hi // 2 if hi > 1 else None,
-        max_below=max_halvings,
-    )
 
 
 def geometric_bisection(steps: int) -> Strategy[float]:

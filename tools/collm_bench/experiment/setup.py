@@ -9,11 +9,8 @@ unchanged against every policy (same arrivals, lengths, domains, prompts and SLO
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from collm_common.calibration import Calibration
 from collm_common.stats import percentile
@@ -29,7 +26,7 @@ from collm_workload.traces import (
 )
 from collm_workload.workload import ArrivalSpec, ModelMap, PlannedRequest, Slo, plan_requests, request_shapes
 
-from .config import HeadlineConfig
+from .config import ExperimentConfig
 from .rates import calibrated_capacity_rps
 
 
@@ -49,13 +46,13 @@ class TraceSource:
     def synthetic(self) -> bool:
         return self.path is None
 
-    def label(self, cfg: HeadlineConfig) -> str:
+    def label(self, cfg: ExperimentConfig) -> str:
         if self.path is None:
             return f"SYNTHETIC gamma(k={cfg.synthetic_burstiness:g}) (trace {self.name} absent)"
         return trace_label(self.path)
 
 
-def resolve_sources(cfg: HeadlineConfig) -> list[TraceSource]:
+def resolve_sources(cfg: ExperimentConfig) -> list[TraceSource]:
     out = []
     for name in cfg.traces:
         try:
@@ -69,8 +66,8 @@ def resolve_sources(cfg: HeadlineConfig) -> list[TraceSource]:
         if path is None:
             if not cfg.synthetic_fallback:
                 raise SetupError(
-                    f"trace {name!r} not found ({why}): the headline benchmark replays the Azure LLM "
-                    f"inference traces from {cfg.traces_dir} (shared/data/traces); pass "
+                    f"trace {name!r} not found ({why}): experiments replay the Azure LLM inference "
+                    f"traces from {cfg.traces_dir} (shared/data/traces); pass "
                     "--synthetic-fallback to replay synthetic gamma arrivals instead (labelled as such)"
                 )
             out.append(TraceSource(name, None))
@@ -79,7 +76,7 @@ def resolve_sources(cfg: HeadlineConfig) -> list[TraceSource]:
     return out
 
 
-def lengths(cfg: HeadlineConfig) -> LengthPolicy:
+def lengths(cfg: ExperimentConfig) -> LengthPolicy:
     return LengthPolicy(
         input_scale=cfg.input_scale,
         output_scale=cfg.output_scale,
@@ -89,7 +86,7 @@ def lengths(cfg: HeadlineConfig) -> LengthPolicy:
     )
 
 
-def arrival_spec(cfg: HeadlineConfig, source: TraceSource, rate_rps: float) -> ArrivalSpec:
+def arrival_spec(cfg: ExperimentConfig, source: TraceSource, rate_rps: float) -> ArrivalSpec:
     return ArrivalSpec(
         kind="gamma" if source.synthetic else "trace",
         duration_s=cfg.duration_s,
@@ -100,7 +97,7 @@ def arrival_spec(cfg: HeadlineConfig, source: TraceSource, rate_rps: float) -> A
     )
 
 
-def shapes(cfg: HeadlineConfig, source: TraceSource, rate_rps: float) -> list[TraceRequest]:
+def shapes(cfg: ExperimentConfig, source: TraceSource, rate_rps: float) -> list[TraceRequest]:
     """Arrival times and fitted token lengths of the slice at `rate_rps` (what the simulator replays)."""
     return request_shapes(
         arrival_spec(cfg, source, rate_rps),
@@ -111,10 +108,10 @@ def shapes(cfg: HeadlineConfig, source: TraceSource, rate_rps: float) -> list[Tr
     )
 
 
-def capacity_rps(cfg: HeadlineConfig, cal: Calibration, source: TraceSource, max_batch: int) -> float:
+def capacity_rps(cfg: ExperimentConfig, cal: Calibration, source: TraceSource, max_batch: int) -> float:
     """The cluster's capacity estimate (req/s) for the mean lengths of the slice at 200 requests per
-    window (at least 1 req/s; `rates.calibrated_capacity_rps`): where the headline's rate grid and the
-    frontier's loads are placed."""
+    window (at least 1 req/s; `rates.calibrated_capacity_rps`): where the frontier's loads and rate
+    searches are placed."""
     probe = shapes(cfg, source, max(1.0, 200 / cfg.duration_s))
     return calibrated_capacity_rps(
         cal,
@@ -125,7 +122,7 @@ def capacity_rps(cfg: HeadlineConfig, cal: Calibration, source: TraceSource, max
     )
 
 
-def slo_for(cfg: HeadlineConfig, source: TraceSource, cal: Calibration | None, max_batch: int) -> Slo:
+def slo_for(cfg: ExperimentConfig, source: TraceSource, cal: Calibration | None, max_batch: int) -> Slo:
     """Explicit SLOs, else from the unloaded engine (the calibration): TTFT = scale x the prefill time of
     the slice's p99 prompt, TPOT = scale x a full-batch decode step (the simulator sweep's rule)."""
     ttft, tpot = cfg.slo_ttft_ms, cfg.slo_tpot_ms
@@ -151,7 +148,7 @@ def token_counter(model: str) -> TokenCounter:
     return HFTokenizerCounter.load(model)
 
 
-def prompt_builder(cfg: HeadlineConfig, counter: TokenCounter) -> PromptBuilder:
+def prompt_builder(cfg: ExperimentConfig, counter: TokenCounter) -> PromptBuilder:
     corpora = {}
     for d in cfg.domains:
         src = cfg.data_dirs.get(d, cfg.domains_dir / d)
@@ -165,13 +162,13 @@ def prompt_builder(cfg: HeadlineConfig, counter: TokenCounter) -> PromptBuilder:
 
 
 def build_plan(
-    cfg: HeadlineConfig, source: TraceSource, rate_rps: float, builder: PromptBuilder, slo: Slo
+    cfg: ExperimentConfig, source: TraceSource, rate_rps: float, builder: PromptBuilder, slo: Slo
 ) -> list[PlannedRequest]:
     models = ModelMap({}, "{domain}", None)  # every request names its domain's adapter
     return plan_requests(shapes(cfg, source, rate_rps), cfg.mix, builder, models, slo, None, cfg.seed)
 
 
-def prepare_data(cfg: HeadlineConfig, dest: Path) -> dict[str, Path]:
+def prepare_data(cfg: ExperimentConfig, dest: Path) -> dict[str, Path]:
     """One local dataset per domain under `dest` (converted once from the public sets, or the given
     directories), shared read-only by every run; `replica_data` copies it per replica and run."""
     from collm_data.__main__ import convert_one
@@ -196,7 +193,7 @@ def prepare_data(cfg: HeadlineConfig, dest: Path) -> dict[str, Path]:
     return out
 
 
-def replica_data(cfg: HeadlineConfig, datasets: dict[str, Path], run_dir: Path) -> dict[str, Path]:
+def replica_data(cfg: ExperimentConfig, datasets: dict[str, Path], run_dir: Path) -> dict[str, Path]:
     """A private copy of its domain's dataset for every replica of one run (a replica may write its
     `samples/` there; no run sees another's)."""
     out = {}
@@ -205,14 +202,3 @@ def replica_data(cfg: HeadlineConfig, datasets: dict[str, Path], run_dir: Path) 
         shutil.copytree(datasets[cfg.replica_domain(rid)], target, dirs_exist_ok=True)
         out[rid] = target
     return out
-
-
-def plan_stats(plan: Sequence[PlannedRequest]) -> dict[str, float | int]:
-    if not plan:
-        return {"requests": 0}
-    return {
-        "requests": len(plan),
-        "input_tokens_mean": float(np.mean([p.target_input_tokens for p in plan])),
-        "output_tokens_mean": float(np.mean([p.max_tokens for p in plan])),
-        "last_arrival_s": plan[-1].scheduled_s,
-    }
