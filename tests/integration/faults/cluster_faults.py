@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import nats.errors
+import nats.js.errors
 
 from collm_common import subjects
 from collm_common.bus import Bus
@@ -105,10 +107,18 @@ async def moved_off(fs: FaultStack, names: list[str], victim: int) -> bool:
 
 async def cluster_current(bus: Bus, size: int) -> dict[str, Any] | None:
     """Each stream's leader and peers when every stream has `size` peers, all current and online;
-    else None."""
+    else None, also while the JetStream API does not answer (a stream-info request can time out, or
+    find no responder, while the restarted node rejoins the cluster)."""
     out = {}
     for name in STREAMS:
-        info = await bus.js.stream_info(name)
+        try:
+            info = await bus.js.stream_info(name)
+        except (
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.ServiceUnavailableError,
+        ):
+            return None
         c = info.cluster
         if c is None or c.leader is None:
             return None
