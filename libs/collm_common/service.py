@@ -54,10 +54,10 @@ class ServiceContext(Generic[S]):
         """`serve` calls it once everything is up, before it waits for `stopping`. In a service process
         (`run_service` sets `freeze_heap`) it collects once and moves every object still alive (imported
         modules, the model, settings: some 420k in a replica) to the collector's permanent generation
-        (`gc.freeze`), so that no later full collection walks them. Unfrozen, a full collection in a
-        replica takes 250-320 ms on a 2-core host, holding the GIL: the engine's thread and the event
-        loop stall alike, and the interpreter's last collection at exit delays the process's end by
-        about a second. In-process tests leave their own heap alone."""
+        (`gc.freeze`), so that no later full collection walks them: walking them costs a replica
+        hundreds of milliseconds with the GIL held (the engine's thread and the event loop stall
+        alike), and the interpreter's last collection at exit would delay the process's end. In-process
+        tests leave their own heap alone."""
         if self.freeze_heap:
             gc.collect()
             gc.freeze()

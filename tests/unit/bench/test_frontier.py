@@ -82,7 +82,7 @@ def test_the_headline_preset_runs_each_policy_once_at_the_services_defaults() ->
     assert [k.label for k in knobs] == [
         "V=20, target 0.95 (default)",
         "1 of 2 train (default)",
-        "K=5 (share 0.17, default)",
+        "K=5 (share 0.17) (default)",
         "share 1 (as is)",
         "fine-tuning off",
     ]

@@ -65,6 +65,10 @@ class Knob:
     core: Mapping[str, float | int] = field(default_factory=dict)
 
 
+def _fixed_ratio_label(k: int) -> str:
+    return f"K={k} (share {1 / (k + 1):.2f})"
+
+
 def fixed_ratio_knobs(shares: Sequence[float] = FIXED_RATIO_SHARES) -> list[Knob]:
     """Training share s of the fixed-ratio baseline as its K (one training step per K inference
     iterations: share 1/(K+1)), K = round(1/s - 1) >= 1; shares giving the same K run once."""
@@ -73,7 +77,7 @@ def fixed_ratio_knobs(shares: Sequence[float] = FIXED_RATIO_SHARES) -> list[Knob
         if not 0 < s <= 0.5:
             raise ValueError(f"fixed_ratio's training share must be in (0, 0.5] (got {s})")
         k = max(1, round(1 / s - 1))
-        out.setdefault(k, Knob("fixed_ratio", f"K={k} (share {1 / (k + 1):.2f})", {"fixed_ratio_k": k}))
+        out.setdefault(k, Knob("fixed_ratio", _fixed_ratio_label(k), {"fixed_ratio_k": k}))
     return sorted(out.values(), key=lambda kn: -int(kn.core["fixed_ratio_k"]))
 
 
@@ -131,21 +135,17 @@ def default_knobs(policies: Sequence[str], replicas: int) -> list[Knob]:
     CoreConfig defaults: collm's V and target, fixed_ratio's K, separate's split): the headline
     preset. The label names the setting; `core` is empty, so the services' own defaults apply."""
     d = CoreConfig()
-    labels = {
-        "collm": f"V={d.quality_weight_v:g}, target {d.attainment_target:g} (default)",
-        "fixed_ratio": f"K={d.fixed_ratio_k} (share {1 / (d.fixed_ratio_k + 1):.2f}, default)",
-        "separate": f"{min(replicas - 1, max(1, round(d.separate_train_frac * replicas)))} of {replicas} "
-        "train (default)",
-        "leftover": "share 1 (as is)",
-        SERVING_ALONE: "fine-tuning off",
-    }
+    grid = {k.policy: k for k in separate_knobs(replicas, (d.separate_train_frac,))}  # none below 2
+    grid["collm"] = Knob("collm", f"V={d.quality_weight_v:g}, target {d.attainment_target:g}")
+    grid["fixed_ratio"] = Knob("fixed_ratio", _fixed_ratio_label(d.fixed_ratio_k))
     out = []
     for p in policies:
-        if p not in labels:
+        if p in grid:
+            out.append(Knob(p, f"{grid[p].label} (default)"))
+        elif p in ("leftover", SERVING_ALONE):
+            out += knob_grid((p,), replicas)  # they have no knob
+        elif p != "separate":
             raise ValueError(f"no default setting for {p!r}")
-        if p == "separate" and replicas < 2:
-            continue
-        out.append(Knob(p, labels[p]))
     return out
 
 
