@@ -29,3 +29,24 @@ def meets_slo(
     ttft_ms: float | None, tpot_ms: float | None, ttft_slo_ms: float | None, tpot_slo_ms: float | None
 ) -> bool:
     return not missed_slos(ttft_ms, tpot_ms, ttft_slo_ms, tpot_slo_ms)
+
+
+def meets_slo_alone(
+    ttft_ms: float,
+    tpot_ms: float | None,
+    decode_tokens: int,
+    train_to_first_ms: float,
+    train_after_first_ms: float,
+    ttft_slo_ms: float | None,
+    tpot_slo_ms: float | None,
+) -> bool:
+    """Whether the request would have met its SLOs had its replica not trained while it was in flight:
+    its TTFT less the training that ran before its first token, its TPOT less the training after it
+    spread over its `decode_tokens` later tokens. An estimate of what serving alone attains (the
+    coordinator's attainable level): it leaves out queueing that training before the request's arrival
+    left behind, so it errs low under a backlog."""
+    ttft_alone = max(0.0, ttft_ms - train_to_first_ms)
+    tpot_alone = None
+    if tpot_ms is not None and decode_tokens > 0:
+        tpot_alone = max(0.0, tpot_ms - train_after_first_ms / decode_tokens)
+    return meets_slo(ttft_alone, tpot_alone, ttft_slo_ms, tpot_slo_ms)

@@ -226,7 +226,8 @@ def render_status(s: ClusterStatus) -> str:
         agg = {None: "unknown", True: "reachable", False: "UNREACHABLE"}[c.aggregator_available]
         out.append(
             f"coordinator: policy {c.policy}, live {','.join(c.live) or '-'}, "
-            f"stale {','.join(c.stale) or '-'}, attainment {pct(c.attainment)}, "
+            f"stale {','.join(c.stale) or '-'}, attainment {pct(c.attainment)} (target {pct(c.target)}, "
+            f"attainable {pct(c.attainable)}), "
             f"virtual queue {num(c.virtual_queue)}, headroom {num(c.headroom)}, spend {num(c.spend)}, "
             f"demand {num(c.demand)} "
             f"replicas, aggregator {agg}"

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from itertools import islice
 
-from collm_common.slo import meets_slo
+from collm_common.slo import meets_slo, meets_slo_alone
 from collm_sim.config import EngineSpec
 from collm_sim.plugins import (
     BatchConfig,
@@ -51,6 +51,8 @@ class Req:
         "attempts",
         "target",
         "blocks",
+        "train_at_arrival",
+        "train_at_first",
     )
 
     def __init__(self, idx: int, arrival_s: float, prompt_len: int, out_len: int, domain: str) -> None:
@@ -75,6 +77,9 @@ class Req:
             prompt_len  # tokens to compute before the next token: the prompt (+ output to recompute)
         )
         self.blocks = 0  # KV blocks held (paged admission)
+        # The replica's training so far (ms, `ServingBatch.train_ms_total`) at arrival and first token.
+        self.train_at_arrival = 0.0
+        self.train_at_first = 0.0
 
     def seq_view(self) -> SeqView:
         """The scheduler's view of the request: the one set last, or, after `ServingBatch.set_view`, its
@@ -137,6 +142,7 @@ class ServingBatch:
         self.kv_reserved = 0
         self.blocks_used = 0  # KV blocks held by running requests (paged admission)
         self.preemptions = 0
+        self.train_ms_total = 0.0  # the replica's training so far (its owner adds each stretch)
 
     @property
     def free_blocks(self) -> int:
@@ -154,6 +160,7 @@ class ServingBatch:
         """Admission to the waiting queue; False (a 429) when the queue is full."""
         if len(self.waiting) >= self.max_queue:
             return False
+        req.train_at_arrival = self.train_ms_total
         self.waiting.append(req)
         return True
 
@@ -231,6 +238,7 @@ class ServingBatch:
                     continue
                 if req.t_first is None:
                     req.t_first = t_inf
+                    req.train_at_first = self.train_ms_total
             req.generated += 1
             generated += 1
             if req.generated >= req.out_len:
@@ -290,7 +298,13 @@ class ServingBatch:
             if req.generated > 1 and req.t_first is not None:
                 tpot_ms = (t - req.t_first) * 1e3 / (req.generated - 1)
             good = meets_slo(ttft_ms, tpot_ms, self.ttft_slo_ms, self.tpot_slo_ms)
-            self.window.add(FinishedSample(t, ttft_ms, tpot_ms, good))
+            if req.t_first is None:
+                req.train_at_first = self.train_ms_total
+            alone = good or meets_slo_alone(
+                ttft_ms, tpot_ms, req.generated - 1, req.train_at_first - req.train_at_arrival,
+                self.train_ms_total - req.train_at_first, self.ttft_slo_ms, self.tpot_slo_ms,
+            )  # fmt: skip
+            self.window.add(FinishedSample(t, ttft_ms, tpot_ms, good, alone))
         elif status == "timeout":  # as the engine: dropped from the queue at its deadline, a miss
             self.window.add(FinishedSample(t, None, None, False))
         self.on_finish(req)

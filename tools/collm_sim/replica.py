@@ -413,6 +413,7 @@ class SimReplica:
         prefilled, generated = self.batch.emit(items, t_inf)
         stats.prefill_tokens += prefilled
         stats.gen_tokens += generated
+        self.batch.train_ms_total += train_ms  # after the step's tokens: the stretch came after them
         if eval_ms > 0:
             self.bg.spend_evals(eval_ms, t_ev)
         job = self.bg.job

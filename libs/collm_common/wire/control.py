@@ -152,6 +152,10 @@ class CoordinatorStatus(WireModel):
     # 0..1: the part of a training share the replicas train beyond their requests' slack (SetFineTuneShare).
     spend: float = 0.0
     attainment: float | None = None
+    # The attainment target in force: the configured one, or under overload a fraction of `attainable`
+    # (the attainment the requests would have had without training meanwhile; None: not measured yet).
+    target: float | None = None
+    attainable: float | None = None
     demand: float = 0.0
     fast: CoordinatorDecisions | None = None
     slow: CoordinatorDecisions | None = None

@@ -57,6 +57,9 @@ class ReplicaTelemetry(WireModel):
     tpot_ms_p99: float | None = None
     finished: int = 0
     good: int = 0
+    # Additive (v1): of `finished`, those that would have met their SLOs had the replica not trained
+    # while they were in flight (`collm_common.slo.meets_slo_alone`); None: not measured.
+    good_alone: int | None = None
     slo_attainment: float | None = None
     # Cost model observed by the engine (for the coordinator and the simulator): a decode step of the
     # largest batch seen, and what one prefill token adds to a step (a step's time beyond a decode step

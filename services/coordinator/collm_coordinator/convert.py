@@ -46,6 +46,7 @@ def observation(t: ReplicaTelemetry, received_s: float) -> ReplicaObservation:
         prefill_tokens_per_s=t.prefill_tokens_per_s,
         finished=t.finished,
         good=t.good,
+        good_alone=t.good_alone,
         slo_attainment=t.slo_attainment,
         ttft_ms_p99=t.ttft_ms_p99,
         tpot_ms_p99=t.tpot_ms_p99,

@@ -55,6 +55,16 @@ SPEND = Gauge(
 ATTAINMENT = Gauge(
     "collm_coordinator_attainment_ratio", "SLO attainment measured over the last fast tick (0..1)"
 )
+TARGET = Gauge(
+    "collm_coordinator_target_ratio",
+    "Attainment target in force (0..1): the configured one, or attainable_frac x the attainable level "
+    "where that is lower (overload)",
+)
+ATTAINABLE = Gauge(
+    "collm_coordinator_attainable_ratio",
+    "Attainable level (0..1): the attainment requests would have had without the training that ran while "
+    "they were in flight, smoothed",
+)
 DEMAND = Gauge("collm_coordinator_demand_replicas", "Current serving demand, in fully busy replicas")
 FORECAST = Gauge(
     "collm_coordinator_forecast_demand_replicas", "Forecast serving demand of the next round, in replicas"

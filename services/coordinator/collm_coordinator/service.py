@@ -217,6 +217,10 @@ class Coordinator:
         metrics.STALE.set(len(diag.stale))
         if diag.attainment is not None:
             metrics.ATTAINMENT.set(diag.attainment)
+        target = self.core.state.target
+        metrics.TARGET.set(target.effective_target)
+        if target.attainable is not None:
+            metrics.ATTAINABLE.set(target.attainable)
         for note in diag.notes:
             log.info("coordinator: %s", note)
         for c in d.creates:
@@ -362,6 +366,8 @@ class Coordinator:
             headroom=core.state.target.headroom,
             spend=core.state.target.spend,
             attainment=core.state.target.last_attainment,
+            target=core.state.target.effective_target,
+            attainable=core.state.target.attainable,
             demand=d.diagnostics.demand if d else 0.0,
             fast=fast,
             slow=slow,

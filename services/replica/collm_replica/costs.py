@@ -137,6 +137,9 @@ class FinishedSample:
     ttft_ms: float | None
     tpot_ms: float | None
     good: bool
+    # Whether it would have been good without the training that ran while it was in flight
+    # (`collm_common.slo.meets_slo_alone`); None: as `good`.
+    good_alone: bool | None = None
 
 
 class LatencyWindow:
@@ -161,6 +164,7 @@ class LatencyWindow:
         tpot = [s.tpot_ms for s in self._items if s.tpot_ms is not None]
         n = len(self._items)
         good = sum(1 for s in self._items if s.good)
+        good_alone = sum(1 for s in self._items if (s.good if s.good_alone is None else s.good_alone))
         ttft_p50, ttft_p99 = percentiles(ttft, (50, 99))
         tpot_p50, tpot_p99 = percentiles(tpot, (50, 99))
         return {
@@ -170,6 +174,7 @@ class LatencyWindow:
             "tpot_ms_p99": tpot_p99,
             "finished": n,
             "good": good,
+            "good_alone": good_alone,
             "slo_attainment": (good / n) if n else None,
         }
 

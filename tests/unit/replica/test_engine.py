@@ -228,6 +228,23 @@ def test_a_request_dropped_at_its_deadline_counts_as_a_miss(tiny: LoadedModel) -
     assert window["good"] <= 1
 
 
+@pytest.mark.parametrize("trained_ms_per_read", [0.0, 1e6])
+def test_a_finished_request_is_judged_also_without_the_training_while_it_was_in_flight(
+    tiny: LoadedModel, trained_ms_per_read: float
+) -> None:
+    """The window counts `good_alone`: the request's TTFT less the replica's training between its intake
+    and its first token, its TPOT less the training after, against its SLOs. The replica's training
+    counter here moves by `trained_ms_per_read` at each read (intake, first token, end): a request that
+    misses its 1-us TTFT SLO is good alone only when that much training ran while it was in flight."""
+    with Engine(tiny, EngineConfig(), NoTraining()) as eng:
+        reads = iter(range(1, 100))
+        eng.output.train_ms_total = lambda: next(reads) * trained_ms_per_read
+        submit_all(eng, [greedy("r", P1, 6, ttft_slo_ms=0.001, tpot_slo_ms=0.001)])
+        window = eng.snapshot().latency
+    assert window["finished"] == 1 and window["good"] == 0
+    assert window["good_alone"] == (1 if trained_ms_per_read else 0)
+
+
 def test_stop_string_across_token_boundaries(tiny: LoadedModel) -> None:
     with Engine(tiny, EngineConfig(), NoTraining()) as eng:
         free = submit_all(eng, [greedy("free", P1, 24)])["free"]

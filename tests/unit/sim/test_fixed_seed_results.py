@@ -119,7 +119,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "collm-mask-small-kv": (
-        "7da40ddf80345555",
+        "ac5ab6f93f16de55",
         {
             "requests": 194,
             "iterations": 3733,

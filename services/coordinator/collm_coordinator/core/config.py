@@ -126,6 +126,15 @@ class CoreConfig:
         gt=0,
         le=1,
     )
+    attainable_frac: float = knob(
+        0.97,
+        "Where serving alone could not reach the target (overload), the target in force is this "
+        "fraction of the attainable level (the attainment requests would have had without the "
+        "training that ran while they were in flight), so the SLO budget is spent there too; 0: the "
+        "target stays absolute.",
+        ge=0,
+        le=1,
+    )
     util_cap: float = knob(
         0.9, "Serving utilisation that forecast load plus training may not exceed.", gt=0, le=1
     )
@@ -200,6 +209,8 @@ class CoreConfig:
         0.5, "A queue of this fraction of the batch size puts a replica's SLOs at risk.", gt=0
     )
     min_finished_for_attainment: int = 5
+    # Time constant of the attainable level (target.py): the target in force moves with it.
+    attainable_tau_s: float = 60.0
     # A replica whose windowed attainment is under this is at risk (None: attainment_target).
     risk_attainment: float | None = knob(
         None, "Windowed attainment under this puts a replica at risk (None: the target).", gt=0, le=1

@@ -219,7 +219,7 @@ class ClusterState:
         hist.append((obs.received_s, self.infer_load(obs)))
         while obs.received_s - hist[0][0] > self.config.burst_window_s:
             hist.popleft()
-        self.target.count(obs.good, obs.finished)
+        self.target.count(obs.good, obs.finished, obs.good_alone)
         self._learn_train_rate(obs)
         for a in obs.adapters:
             self.adapter_inflight_ewma.setdefault(a.name, 0.0)
@@ -380,7 +380,7 @@ class ClusterState:
         cfg = self.config
         if obs.queue_len >= max(1.0, cfg.queue_risk_frac * obs.max_batch):
             return f"queue {obs.queue_len} >= {cfg.queue_risk_frac:g} x batch {obs.max_batch}"
-        floor = cfg.risk_attainment if cfg.risk_attainment is not None else cfg.attainment_target
+        floor = cfg.risk_attainment if cfg.risk_attainment is not None else self.target.effective_target
         if obs.slo_attainment is not None and obs.finished >= cfg.min_finished_for_attainment:
             upper = attainment_upper_bound(obs.slo_attainment, obs.finished, cfg.risk_attainment_z)
             if upper < floor:

@@ -2,8 +2,13 @@
 spend (the part of a share the replicas train beyond their requests' slack).
 
     target = AttainmentTarget(config)
-    target.count(good, finished)   # each replica report: its window's counts
-    target.update(dt_s)            # each fast tick: q, headroom, spend
+    target.count(good, finished, good_alone)   # each replica report: its window's counts
+    target.update(dt_s)                         # each fast tick: q, headroom, spend
+
+The target in force (`effective_target`) is the user's `attainment_target`, or, where serving alone could
+not reach it (overload), `attainable_frac` x the attainable level: the attainment the requests would have
+had without the training that ran while they were in flight (`good_alone`, smoothed over
+`attainable_tau_s`). A target the load cannot allow would only cut training and buy no attainment.
 
 Z = `virtual_queue` prices SLO risk in the slow loop; `headroom` lets shares grow and sets the spend; the
 fast loop sends the spend with every share (fast_loop.py).
@@ -27,13 +32,30 @@ class AttainmentTarget:
         self.last_attainment: float | None = None
         self._good = 0
         self._finished = 0
+        self._good_alone = 0
+        self._alone_finished = 0  # finished in the reports that carried good_alone
         self._reports = 0
+        # The attainable level (module docstring); None until reports carried good_alone.
+        self.attainable: float | None = None
 
-    def count(self, good: int, finished: int) -> None:
-        """One replica report's `good` and `finished` counts (over its SLO window)."""
+    def count(self, good: int, finished: int, good_alone: int | None = None) -> None:
+        """One replica report's `good`, `finished` and `good_alone` counts (over its SLO window; None:
+        the replica does not measure it)."""
         self._good += good
         self._finished += finished
         self._reports += 1
+        if good_alone is not None:
+            self._good_alone += good_alone
+            self._alone_finished += finished
+
+    @property
+    def effective_target(self) -> float:
+        """The attainment target in force: the user's, or `attainable_frac` x the attainable level where
+        that is lower (module docstring)."""
+        cfg = self.config
+        if self.attainable is None or cfg.attainable_frac <= 0:
+            return cfg.attainment_target
+        return min(cfg.attainment_target, cfg.attainable_frac * self.attainable)
 
     def update(self, dt_s: float) -> None:
         """q <- q + gain * (target - attainment) * dt / slow_interval, the signed virtual queue of the
@@ -60,12 +82,27 @@ class AttainmentTarget:
             self._reports = 0
             att = self._good / self._finished
             self.last_attainment = att
-            step = cfg.virtual_queue_gain * (cfg.attainment_target - att) * dt_s / cfg.slow_interval_s
+            self._learn_attainable(dt_s)
+            step = cfg.virtual_queue_gain * (self.effective_target - att) * dt_s / cfg.slow_interval_s
             floor = -1.0 / cfg.headroom_gain if cfg.headroom_gain > 0 else 0.0
             self.signed_queue = min(cfg.max_virtual_queue, max(floor, self.signed_queue + step))
             self._good = 0
             self._finished = 0
+            self._good_alone = 0
+            self._alone_finished = 0
         self._update_spend(dt_s)
+
+    def _learn_attainable(self, dt_s: float) -> None:
+        """The attainable level follows the reports' good_alone / finished with time constant
+        `attainable_tau_s` (the first measurement sets it)."""
+        if self._alone_finished < self.config.min_finished_for_attainment:
+            return
+        now = self._good_alone / self._alone_finished
+        if self.attainable is None:
+            self.attainable = now
+            return
+        alpha = 1.0 - math.exp(-max(0.0, dt_s) / self.config.attainable_tau_s)
+        self.attainable += alpha * (now - self.attainable)
 
     def _update_spend(self, dt_s: float) -> None:
         """The spend (the part of a share the replicas train beyond their requests' slack) follows
@@ -76,7 +113,7 @@ class AttainmentTarget:
         cfg = self.config
         aim = math.floor(cfg.spend_gain * self.headroom / cfg.share_step + 1e-9) * cfg.share_step
         aim = min(1.0, aim)
-        if self.last_attainment is not None and self.last_attainment < cfg.attainment_target:
+        if self.last_attainment is not None and self.last_attainment < self.effective_target:
             aim = 0.0  # the last tick fell short: no training at the requests' cost until it is back
         rise = cfg.spend_rise_per_s * max(0.0, dt_s)
         self.spend = round(aim if aim <= self.spend else min(aim, self.spend + rise), 4)

@@ -63,6 +63,7 @@ class ReplicaObservation:
     prefill_tokens_per_s: float = 0.0
     finished: int = 0
     good: int = 0
+    good_alone: int | None = None  # of `finished`, good had the replica not trained (None: not measured)
     slo_attainment: float | None = None
     ttft_ms_p99: float | None = None
     tpot_ms_p99: float | None = None

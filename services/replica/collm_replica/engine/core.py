@@ -111,6 +111,8 @@ class EngineCore:
             cfg, executor, examples, slots, self.piece_costs, cosched, batcher.lock, clock, wall,
             self.min_ttft_slo_ms, self.news, self.log_background, emit_job_event,
         )  # fmt: skip
+        # A finished request is judged also as if the replica had not trained while it was in flight.
+        output.train_ms_total = lambda: self.training.train_ms_total
 
         # The co-scheduling state: the coordinator's share (`set_share`), the arrivals, the settings.
         self._share: float | None = None
@@ -170,6 +172,7 @@ class EngineCore:
         """One iteration (see the module doc); whether it did any work."""
         now = self.clock()
         for seq in self.batcher.take_inbox():
+            seq.train_ms_arrival = self.output.train_ms_total()
             if not seq.req.internal:
                 self._arrivals.record(now, seq.ttft_slo * 1e3)
             self._prompt_tokens_ewma = 0.9 * self._prompt_tokens_ewma + 0.1 * seq.prompt_len
@@ -234,6 +237,8 @@ class EngineCore:
     def _on_token(self, seq: Seq, tok: int, now: float, lp: TokenLogprobs | None) -> None:
         """The sequence records its token; the output processor streams it and ends the choice there
         when a stop condition holds."""
+        if seq.t_first is None:
+            seq.train_ms_first = self.output.train_ms_total()
         seq.record(tok, now)
         self.output.token(seq, tok, now, lp)
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from collm_common.slo import meets_slo
+from collm_common.slo import meets_slo, meets_slo_alone
 from collm_common.wire.inference import (
     ChoiceFinish,
     Finished,
@@ -32,8 +32,9 @@ from collm_replica.sampling import TokenLogprobs
 
 class OutputProcessor:
     """The stream of each request (see the module doc). `window` (guarded by `lock`) gets a sample per
-    request served to its end (a miss for one dropped at its deadline); `generated_tokens_total` counts
-    the sampled tokens of client requests."""
+    request served to its end (a miss for one dropped at its deadline), judged also as if the replica
+    had not trained meanwhile (`train_ms_total`: the replica's training so far, ms; its engine core sets
+    it); `generated_tokens_total` counts the sampled tokens of client requests."""
 
     def __init__(
         self,
@@ -51,6 +52,7 @@ class OutputProcessor:
         self._lock = lock
         self._release = release
         self.generated_tokens_total = 0
+        self.train_ms_total: Callable[[], float] = lambda: 0.0
 
     def token(self, seq: Seq, tok: int, now: float, lp: TokenLogprobs | None = None) -> None:
         """Stream `tok`, the token `seq` just recorded, and finish the choice when it ends there."""
@@ -156,8 +158,14 @@ class OutputProcessor:
         elif reason in ("stop", "length"):
             tpot = tpot_ms if len(seq.output) > 1 else None
             good = meets_slo(ttft_ms, tpot, seq.ttft_slo * 1e3, seq.tpot_slo * 1e3)
+            trained_ms = self.train_ms_total()
+            first_ms = trained_ms if seq.train_ms_first is None else seq.train_ms_first
+            alone = good or meets_slo_alone(
+                ttft_ms, tpot, len(seq.output) - 1, first_ms - seq.train_ms_arrival, trained_ms - first_ms,
+                seq.ttft_slo * 1e3, seq.tpot_slo * 1e3,
+            )  # fmt: skip
             with self._lock:
-                self.window.add(FinishedSample(now, ttft_ms, tpot_ms if len(seq.output) > 1 else None, good))
+                self.window.add(FinishedSample(now, ttft_ms, tpot, good, alone))
         elif reason == "deadline":  # dropped from the queue at its deadline: a miss, without latencies
             with self._lock:
                 self.window.add(FinishedSample(now, None, None, False))

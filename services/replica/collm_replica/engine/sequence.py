@@ -53,7 +53,8 @@ class Seq:
     __slots__ = (
         "req", "sink", "version_id", "slot", "prompt_len", "computed", "output", "kv", "reserve", "sampler",
         "detok", "stops", "t_arrival", "t_admit", "t_first", "t_last", "ttft_slo", "tpot_slo",
-        "done", "eos", "id", "index", "group", "constraint", "chain", "hit",
+        "done", "eos", "id", "index", "group", "constraint", "chain", "hit", "train_ms_arrival",
+        "train_ms_first",
     )  # fmt: skip
 
     def __init__(self, req: EngineRequest, sink: EventSink, version_id: str, slot: int, tokenizer: Any,
@@ -81,6 +82,10 @@ class Seq:
         self.t_admit: float | None = None
         self.t_first: float | None = None
         self.t_last: float | None = None
+        # The replica's training so far (ms, `Training.train_ms_total`) when the engine took the request
+        # in and at its first token: what it trained while the request was in flight (`meets_slo_alone`).
+        self.train_ms_arrival = 0.0
+        self.train_ms_first: float | None = None
         self.ttft_slo = (req.ttft_slo_ms or cfg.default_ttft_slo_ms) / 1e3
         self.tpot_slo = (req.tpot_slo_ms or cfg.default_tpot_slo_ms) / 1e3
         self.done = False
