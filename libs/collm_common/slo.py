@@ -43,8 +43,8 @@ def meets_slo_alone(
     """Whether the request would have met its SLOs had its replica not trained while it was in flight:
     its TTFT less the training that ran before its first token, its TPOT less the training after it
     spread over its `decode_tokens` later tokens. An estimate of what serving alone attains (the
-    coordinator's attainable level): it leaves out queueing that training before the request's arrival
-    left behind, so it errs low under a backlog."""
+    coordinator's attainable level): it does not take out the queueing that training before the request's
+    arrival left behind."""
     ttft_alone = max(0.0, ttft_ms - train_to_first_ms)
     tpot_alone = None
     if tpot_ms is not None and decode_tokens > 0:
